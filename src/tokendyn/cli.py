@@ -1,0 +1,43 @@
+"""``tokendyn <command>``: one entry point; each command lives next to the code it drives.
+
+Commands are registered lazily so that ``tokendyn --help`` and input validation stay fast
+(torch and TRL are imported only by the commands that need them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> module exposing ``register(subparsers)`` (which sets ``func`` on its parser)
+COMMANDS = {
+    "kk": "tokendyn.tasks.kk.cli",
+    "warmstart": "tokendyn.trainers.warmstart_cli",
+}
+
+
+class UsageError(ValueError):
+    """Bad user input: printed as one line naming the field and the allowed values."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokendyn", description="Which tokens drive the update in RL on LLMs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in COMMANDS.values():
+        importlib.import_module(module).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, ValueError, FileNotFoundError) as exc:
+        print(f"tokendyn {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Small shared helpers: atomic writes and output-path checks (a run directory is never left
+half-written: write to a temporary file beside the target, then rename)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def check_writable(path: str | os.PathLike, field: str) -> Path:
+    """Fail early, naming ``field``, when ``path`` cannot be created or written."""
+    p = Path(path)
+    parent = p.parent if p.suffix else p
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tokendyn-write-check.", dir=probe)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError:
+        raise ValueError(f"{field}: cannot write to {str(p)!r} ({str(probe)!r} is not a writable directory)") from None
+    if p.exists() and p.is_dir() and p.suffix:
+        raise ValueError(f"{field}: {str(p)!r} is a directory, expected a file path")
+    return p
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
+    """Call ``write(tmp_path)`` then rename the temporary file onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def write_json(path: str | os.PathLike, obj) -> Path:
+    def _w(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False, default=str)
+            f.write("\n")
+
+    return atomic_write(path, _w)

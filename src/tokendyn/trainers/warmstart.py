@@ -1,0 +1,235 @@
+"""Warm start of the embedded default policy: a tokenizer and a small Qwen2 trained from
+scratch, by supervised fine-tuning on generated K&K prompts with varied reference completions.
+
+Training puzzles come from seeds other than the official 1234, with every puzzle whose
+statement structure equals a held-out (evaluation) puzzle's removed.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .policy import EOS, ModelPreset
+
+
+@dataclass(frozen=True)
+class WarmstartPreset:
+    model: ModelPreset
+    people: tuple[int, ...]
+    people_weights: tuple[float, ...]
+    steps: int
+    batch_size: int
+    lr: float
+    puzzles_per_size: int
+    eval_n: int
+    warmup_frac: float = 0.05
+    weight_decay: float = 0.01
+    tokenizer_corpus: int = 300  # puzzles per size used to train the BPE
+
+
+PRESETS: dict[str, WarmstartPreset] = {
+    # seconds: for tests (trains, saves, reloads and generates; learns little)
+    "tiny": WarmstartPreset(
+        model=ModelPreset(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          intermediate_size=64),
+        people=(3,), people_weights=(1.0,), steps=6, batch_size=4, lr=3e-3, puzzles_per_size=40, eval_n=4,
+        tokenizer_corpus=40,
+    ),
+    # the embedded default: trained once on 2 CPU cores (see warmstart.json for the wall time)
+    "cpu": WarmstartPreset(
+        model=ModelPreset(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=512),
+        people=(3, 4, 5, 6, 7), people_weights=(0.3, 0.25, 0.2, 0.15, 0.1), steps=1000, batch_size=32,
+        lr=2e-3, puzzles_per_size=5000, eval_n=100,
+    ),
+    # one modern GPU: a wider, deeper model trained longer
+    "gpu": WarmstartPreset(
+        model=ModelPreset(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                          intermediate_size=1536),
+        people=(3, 4, 5, 6, 7), people_weights=(0.2, 0.2, 0.2, 0.2, 0.2), steps=20000, batch_size=64,
+        lr=6e-4, puzzles_per_size=50000, eval_n=100,
+    ),
+}
+
+
+def check_preset(name: str) -> WarmstartPreset:
+    if name not in PRESETS:
+        raise ValueError(f"preset: must be one of {sorted(PRESETS)}, got {name!r}")
+    return PRESETS[name]
+
+
+def _lr_at(step: int, total: int, base: float, warmup_frac: float) -> float:
+    """Linear warm-up, then cosine decay to 10% of ``base``."""
+    warm = max(1, int(total * warmup_frac))
+    if step < warm:
+        return base * (step + 1) / warm
+    t = (step - warm) / max(1, total - warm)
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@dataclass
+class _Pool:
+    by_size: dict[int, list] = field(default_factory=dict)
+
+
+def _training_pool(preset: WarmstartPreset, seed: int) -> _Pool:
+    from ..tasks.kk.datasets import fresh_puzzles
+
+    # one stream per (seed, size), never the official seed 1234
+    return _Pool({n: fresh_puzzles(n, 100_000 + 1_000 * seed + n, preset.puzzles_per_size) for n in preset.people})
+
+
+def train_policy(preset_name: str, seed: int = 0, threads: int | None = None, progress: bool = True):
+    """Train a fresh tokenizer and model on generated K&K data; returns (model, tokenizer, stats)."""
+    import numpy as np
+    import torch
+
+    from ..tasks.kk.prompts import SYSTEM_BLOCK, render_prompt
+    from .completions import completion
+    from .policy import build_model, train_tokenizer
+
+    preset = check_preset(preset_name)
+    if threads:
+        torch.set_num_threads(threads)
+    rng = random.Random(seed)
+    pool = _training_pool(preset, seed)
+    corpus = [render_prompt(p.quiz) + completion(p, rng) + EOS
+              for n in preset.people for p in pool.by_size[n][: preset.tokenizer_corpus]]
+    tokenizer = train_tokenizer(corpus, preset.model.vocab_size, SYSTEM_BLOCK)
+    model = build_model(preset.model, tokenizer, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay)
+    sizes, weights = list(preset.people), np.asarray(preset.people_weights) / sum(preset.people_weights)
+    np_rng = np.random.default_rng(seed)
+    tokens_trained = 0
+    losses = []
+    model.train()
+    bar = _progress(progress, preset.steps, f"warm start ({preset_name})")
+    t_train = time.time()
+    for step in range(preset.steps):
+        n = int(np_rng.choice(sizes, p=weights))
+        batch = [pool.by_size[n][int(i)] for i in np_rng.integers(0, len(pool.by_size[n]), preset.batch_size)]
+        ids, attn, labels = _sft_batch(tokenizer, [render_prompt(p.quiz) for p in batch],
+                                       [completion(p, rng) + EOS for p in batch])
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, preset.steps, preset.lr, preset.warmup_frac)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tokens_trained += int(attn.sum())
+        losses.append(loss.item())
+        bar.update(loss=losses[-1])
+        if not progress and (step + 1) % 50 == 0:
+            print(f"step {step + 1}/{preset.steps} loss {np.mean(losses[-50:]):.4f} "
+                  f"{time.time() - t_train:.0f}s", flush=True)
+    bar.close()
+    model.eval()
+    stats = {"tokens_trained": tokens_trained, "final_loss_mean_last_50": float(np.mean(losses[-50:])),
+             "train_wall_s": round(time.time() - t_train, 1), "loss_curve": losses[:: max(1, len(losses) // 50)]}
+    return model, tokenizer, stats
+
+
+def _sft_batch(tokenizer, prompts: list[str], completions: list[str]):
+    """Right-padded ids, attention mask, and labels that score completion tokens only."""
+    import torch
+
+    p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    c_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
+    seqs = [a + b for a, b in zip(p_ids, c_ids, strict=True)]
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+    labels = torch.full((len(seqs), width), -100)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, (a, s) in enumerate(zip(p_ids, seqs, strict=True)):
+        ids[r, : len(s)] = torch.tensor(s)
+        attn[r, : len(s)] = 1
+        labels[r, len(a): len(s)] = torch.tensor(s[len(a):])
+    return ids, attn, labels
+
+
+def warmstart(preset_name: str, out_dir: str | Path, seed: int = 0, threads: int | None = None,
+              progress: bool = True) -> dict:
+    """Train, save (``save_pretrained``), reload, evaluate; write ``warmstart.json``; return it."""
+    import numpy as np
+
+    from ..common import write_json
+    from .evaluate import PAPER_BINS, bin_shares, evaluate
+    from .policy import load_policy, save_policy
+
+    preset = check_preset(preset_name)
+    out = Path(out_dir)
+    t0 = time.time()
+    model, tokenizer, train_stats = train_policy(preset_name, seed, threads, progress)
+    n_params = sum(p.numel() for p in model.parameters())
+    tokenizer.padding_side = "left"
+    meta = {"preset": preset_name, "seed": seed, "architecture": asdict(preset.model)}
+    save_policy(model, tokenizer, out, meta)
+    model, tokenizer = load_policy(out)  # evaluate exactly what was saved
+    results = evaluate(model, tokenizer, list(preset.people), n=preset.eval_n, seed=seed)
+    sampled = [r for r in results if r.mode != "greedy"]
+    probs3 = [p for r in sampled if r.people == min(preset.people) for p in r.token_probs]
+    probs_all = [p for r in sampled for p in r.token_probs]
+    report = {
+        "preset": preset_name,
+        "seed": seed,
+        "parameters": n_params,
+        "vocab_size": len(tokenizer),
+        "architecture": asdict(preset.model),
+        "training": {
+            "steps": preset.steps, "batch_size": preset.batch_size, "lr": preset.lr,
+            "people": list(preset.people), "people_weights": list(preset.people_weights),
+            "puzzles_per_size": preset.puzzles_per_size, **train_stats,
+        },
+        "wall_time_s": round(time.time() - t0, 1),
+        "evaluation": [r.row() for r in results],
+        "bins": list(PAPER_BINS),
+        "bin_shares_T0.7": {
+            f"people_{min(preset.people)}": bin_shares(probs3),
+            "all_people": bin_shares(probs_all),
+        },
+        "tokens_below_0.5_T0.7": {
+            f"people_{min(preset.people)}": float(np.mean(np.asarray(probs3) < 0.5)) if probs3 else 0.0,
+            "all_people": float(np.mean(np.asarray(probs_all) < 0.5)) if probs_all else 0.0,
+        },
+        "eval_puzzles": "official test split (seed 1234, stream positions 1000..1099), first eval_n per size",
+        "versions": _versions(),
+    }
+    write_json(out / "warmstart.json", report)
+    return report
+
+
+def _versions() -> dict:
+    import tokenizers
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__}
+
+
+class _progress:
+    """A rich progress bar (or nothing)."""
+
+    def __init__(self, enabled: bool, total: int, label: str):
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn())
+            self.task = self.bar.add_task(label, total=total, loss=float("nan"))
+            self.bar.start()
+
+    def update(self, **fields) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, **fields)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,0 +1,71 @@
+"""Warm start with the `tiny` preset: trains, saves, reloads, generates the same; and the CLI."""
+
+import json
+
+import pytest
+import torch
+
+from tokendyn.cli import main
+from tokendyn.tasks.kk.datasets import heldout
+from tokendyn.tasks.kk.prompts import render_prompt
+from tokendyn.trainers.policy import load_policy, save_policy
+from tokendyn.trainers.warmstart import train_policy
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+    torch.manual_seed(0)
+    return train_policy("tiny", seed=0, progress=False)
+
+
+def test_tokenizer_keeps_the_official_prompt(tiny_policy):
+    _, tok, _ = tiny_policy
+    prompt = render_prompt(heldout(3)[0].quiz)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == prompt
+    # the constant system block is one token; the tags survive skip_special_tokens (TRL decodes that way)
+    assert tok.convert_ids_to_tokens(ids[0]).startswith("<|im_start|>system")
+    text = " x </think>\n<answer> (1) A is a knight </answer>"
+    assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
+
+
+def test_save_reload_generates_exactly_the_same(tiny_policy, tmp_path):
+    model, tok, stats = tiny_policy
+    assert stats["tokens_trained"] > 0
+    tok.padding_side = "left"
+    save_policy(model, tok, tmp_path, {"preset": "tiny"})
+    model2, tok2 = load_policy(tmp_path)
+    prompts = [render_prompt(p.quiz) for p in heldout(3)[:3]]
+    enc, enc2 = tok(prompts, return_tensors="pt", padding=True), tok2(prompts, return_tensors="pt", padding=True)
+    assert torch.equal(enc["input_ids"], enc2["input_ids"])
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        a = model.generate(**enc, **kw)
+        b = model2.generate(**enc2, **kw)
+    assert torch.equal(a, b)
+    for p1, p2 in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p1, p2)
+
+
+def test_cli_tiny_end_to_end(tmp_path, capsys):
+    out = tmp_path / "policy"
+    assert main(["warmstart", "--preset", "tiny", "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "warmstart.json").read_text())
+    assert report["preset"] == "tiny" and report["parameters"] > 0
+    assert {r["mode"] for r in report["evaluation"]} == {"greedy", "T=0.7"}
+    assert sum(report["bin_shares_T0.7"]["all_people"]) == pytest.approx(1.0)
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    assert str(out) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--preset", "huge"], "preset: must be one of ['cpu', 'gpu', 'tiny']"),
+     (["--preset", "tiny", "--seed", "-1"], "seed: must be >= 0"),
+     (["--preset", "tiny", "--threads", "0"], "threads: must be > 0")],
+)
+def test_cli_rejects_bad_input(argv, message, tmp_path, capsys):
+    out = tmp_path / "p"
+    assert main(["warmstart", *argv, "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
