@@ -14,7 +14,13 @@ import sys
 COMMANDS = {
     "kk": "tokendyn.tasks.kk.cli",
     "warmstart": "tokendyn.trainers.warmstart_cli",
+    "eval": "tokendyn.trainers.eval_cli",
+    "train": "tokendyn.trainers.train_cli",
 }
+
+
+# commands whose flags are parsed by the command itself (every GRPOConfig field is a flag)
+PASSTHROUGH = {"train"}
 
 
 class UsageError(ValueError):
@@ -22,7 +28,9 @@ class UsageError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokendyn", description="Which tokens drive the update in RL on LLMs.")
+    parser = argparse.ArgumentParser(
+        prog="tokendyn", description="Which tokens drive the update in RL on LLMs."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMANDS.values():
         importlib.import_module(module).register(sub)
@@ -30,8 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    if argv and argv[0] in PASSTHROUGH:  # parses its own flags (TRL-style dataclass parser)
+        args = argparse.Namespace(
+            command=argv[0], argv=argv[1:], func=importlib.import_module(COMMANDS[argv[0]]).run
+        )
+    else:
+        args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (UsageError, ValueError, FileNotFoundError) as exc:

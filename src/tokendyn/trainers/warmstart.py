@@ -35,24 +35,55 @@ class WarmstartPreset:
 PRESETS: dict[str, WarmstartPreset] = {
     # seconds: for tests (trains, saves, reloads and generates; learns little)
     "tiny": WarmstartPreset(
-        model=ModelPreset(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                          intermediate_size=64),
-        people=(3,), people_weights=(1.0,), steps=6, batch_size=4, lr=3e-3, puzzles_per_size=40, eval_n=4,
+        model=ModelPreset(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=64,
+        ),
+        people=(3,),
+        people_weights=(1.0,),
+        steps=6,
+        batch_size=4,
+        lr=3e-3,
+        puzzles_per_size=40,
+        eval_n=4,
         tokenizer_corpus=40,
     ),
     # the embedded default: trained once on 2 CPU cores (see warmstart.json for the wall time)
     "cpu": WarmstartPreset(
-        model=ModelPreset(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                          intermediate_size=512),
-        people=(3, 4, 5, 6, 7), people_weights=(0.3, 0.25, 0.2, 0.15, 0.1), steps=1000, batch_size=32,
-        lr=2e-3, puzzles_per_size=5000, eval_n=100,
+        model=ModelPreset(
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=512,
+        ),
+        people=(3, 4, 5, 6, 7),
+        people_weights=(0.3, 0.25, 0.2, 0.15, 0.1),
+        steps=1000,
+        batch_size=32,
+        lr=2e-3,
+        puzzles_per_size=5000,
+        eval_n=100,
     ),
     # one modern GPU: a wider, deeper model trained longer
     "gpu": WarmstartPreset(
-        model=ModelPreset(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                          intermediate_size=1536),
-        people=(3, 4, 5, 6, 7), people_weights=(0.2, 0.2, 0.2, 0.2, 0.2), steps=20000, batch_size=64,
-        lr=6e-4, puzzles_per_size=50000, eval_n=100,
+        model=ModelPreset(
+            hidden_size=512,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=1536,
+        ),
+        people=(3, 4, 5, 6, 7),
+        people_weights=(0.2, 0.2, 0.2, 0.2, 0.2),
+        steps=20000,
+        batch_size=64,
+        lr=6e-4,
+        puzzles_per_size=50000,
+        eval_n=100,
     ),
 }
 
@@ -81,7 +112,9 @@ def _training_pool(preset: WarmstartPreset, seed: int) -> _Pool:
     from ..tasks.kk.datasets import fresh_puzzles
 
     # one stream per (seed, size), never the official seed 1234
-    return _Pool({n: fresh_puzzles(n, 100_000 + 1_000 * seed + n, preset.puzzles_per_size) for n in preset.people})
+    return _Pool(
+        {n: fresh_puzzles(n, 100_000 + 1_000 * seed + n, preset.puzzles_per_size) for n in preset.people}
+    )
 
 
 def train_policy(preset_name: str, seed: int = 0, threads: int | None = None, progress: bool = True):
@@ -98,11 +131,16 @@ def train_policy(preset_name: str, seed: int = 0, threads: int | None = None, pr
         torch.set_num_threads(threads)
     rng = random.Random(seed)
     pool = _training_pool(preset, seed)
-    corpus = [render_prompt(p.quiz) + completion(p, rng) + EOS
-              for n in preset.people for p in pool.by_size[n][: preset.tokenizer_corpus]]
+    corpus = [
+        render_prompt(p.quiz) + completion(p, rng) + EOS
+        for n in preset.people
+        for p in pool.by_size[n][: preset.tokenizer_corpus]
+    ]
     tokenizer = train_tokenizer(corpus, preset.model.vocab_size, SYSTEM_BLOCK)
     model = build_model(preset.model, tokenizer, seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay
+    )
     sizes, weights = list(preset.people), np.asarray(preset.people_weights) / sum(preset.people_weights)
     np_rng = np.random.default_rng(seed)
     tokens_trained = 0
@@ -113,8 +151,9 @@ def train_policy(preset_name: str, seed: int = 0, threads: int | None = None, pr
     for step in range(preset.steps):
         n = int(np_rng.choice(sizes, p=weights))
         batch = [pool.by_size[n][int(i)] for i in np_rng.integers(0, len(pool.by_size[n]), preset.batch_size)]
-        ids, attn, labels = _sft_batch(tokenizer, [render_prompt(p.quiz) for p in batch],
-                                       [completion(p, rng) + EOS for p in batch])
+        ids, attn, labels = _sft_batch(
+            tokenizer, [render_prompt(p.quiz) for p in batch], [completion(p, rng) + EOS for p in batch]
+        )
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, preset.steps, preset.lr, preset.warmup_frac)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
@@ -126,12 +165,19 @@ def train_policy(preset_name: str, seed: int = 0, threads: int | None = None, pr
         losses.append(loss.item())
         bar.update(loss=losses[-1])
         if not progress and (step + 1) % 50 == 0:
-            print(f"step {step + 1}/{preset.steps} loss {np.mean(losses[-50:]):.4f} "
-                  f"{time.time() - t_train:.0f}s", flush=True)
+            print(
+                f"step {step + 1}/{preset.steps} loss {np.mean(losses[-50:]):.4f} "
+                f"{time.time() - t_train:.0f}s",
+                flush=True,
+            )
     bar.close()
     model.eval()
-    stats = {"tokens_trained": tokens_trained, "final_loss_mean_last_50": float(np.mean(losses[-50:])),
-             "train_wall_s": round(time.time() - t_train, 1), "loss_curve": losses[:: max(1, len(losses) // 50)]}
+    stats = {
+        "tokens_trained": tokens_trained,
+        "final_loss_mean_last_50": float(np.mean(losses[-50:])),
+        "train_wall_s": round(time.time() - t_train, 1),
+        "loss_curve": losses[:: max(1, len(losses) // 50)],
+    }
     return model, tokenizer, stats
 
 
@@ -149,12 +195,13 @@ def _sft_batch(tokenizer, prompts: list[str], completions: list[str]):
     for r, (a, s) in enumerate(zip(p_ids, seqs, strict=True)):
         ids[r, : len(s)] = torch.tensor(s)
         attn[r, : len(s)] = 1
-        labels[r, len(a): len(s)] = torch.tensor(s[len(a):])
+        labels[r, len(a) : len(s)] = torch.tensor(s[len(a) :])
     return ids, attn, labels
 
 
-def warmstart(preset_name: str, out_dir: str | Path, seed: int = 0, threads: int | None = None,
-              progress: bool = True) -> dict:
+def warmstart(
+    preset_name: str, out_dir: str | Path, seed: int = 0, threads: int | None = None, progress: bool = True
+) -> dict:
     """Train, save (``save_pretrained``), reload, evaluate; write ``warmstart.json``; return it."""
     import numpy as np
 
@@ -182,9 +229,13 @@ def warmstart(preset_name: str, out_dir: str | Path, seed: int = 0, threads: int
         "vocab_size": len(tokenizer),
         "architecture": asdict(preset.model),
         "training": {
-            "steps": preset.steps, "batch_size": preset.batch_size, "lr": preset.lr,
-            "people": list(preset.people), "people_weights": list(preset.people_weights),
-            "puzzles_per_size": preset.puzzles_per_size, **train_stats,
+            "steps": preset.steps,
+            "batch_size": preset.batch_size,
+            "lr": preset.lr,
+            "people": list(preset.people),
+            "people_weights": list(preset.people_weights),
+            "puzzles_per_size": preset.puzzles_per_size,
+            **train_stats,
         },
         "wall_time_s": round(time.time() - t0, 1),
         "evaluation": [r.row() for r in results],
@@ -197,6 +248,7 @@ def warmstart(preset_name: str, out_dir: str | Path, seed: int = 0, threads: int
             f"people_{min(preset.people)}": float(np.mean(np.asarray(probs3) < 0.5)) if probs3 else 0.0,
             "all_people": float(np.mean(np.asarray(probs_all) < 0.5)) if probs_all else 0.0,
         },
+        "check_slice": check_slice(model, tokenizer),
         "eval_puzzles": "official test split (seed 1234, stream positions 1000..1099), first eval_n per size",
         "versions": _versions(),
     }
@@ -204,13 +256,38 @@ def warmstart(preset_name: str, out_dir: str | Path, seed: int = 0, threads: int
     return report
 
 
+CHECK_SLICE = (3, 20)  # the first 20 official 3-person test puzzles, greedy
+
+
+def check_slice(model, tokenizer) -> dict:
+    """Greedy rewards on a fixed slice: recorded in ``warmstart.json``, re-checked by the tests."""
+    from ..tasks.kk.datasets import heldout
+    from ..tasks.kk.prompts import render_prompt
+    from ..tasks.kk.reward import compute_score
+    from .evaluate import generate, max_new_tokens_for
+
+    people, n = CHECK_SLICE
+    items = list(heldout(people))[:n]
+    prompts = [render_prompt(p.quiz) for p in items]
+    texts, _ = generate(model, tokenizer, prompts, max_new_tokens_for(people), temperature=None)
+    rewards = [
+        compute_score(pr + t, p.solution_text_format).total
+        for pr, t, p in zip(prompts, texts, items, strict=True)
+    ]
+    return {"people": people, "n": n, "rewards": rewards, "accuracy": sum(r == 3 for r in rewards) / n}
+
+
 def _versions() -> dict:
     import tokenizers
     import torch
     import transformers
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
 
 
 class _progress:
@@ -221,8 +298,14 @@ class _progress:
         if enabled:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn())
+            self.bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("loss {task.fields[loss]:.3f}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+            )
             self.task = self.bar.add_task(label, total=total, loss=float("nan"))
             self.bar.start()
 

@@ -1,0 +1,104 @@
+"""Trainer callbacks of a tokendyn run: the parquet metrics log and the held-out evaluation."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+
+class ParquetLogCallback(TrainerCallback):
+    """Every ``on_log`` row (reward, accuracy, Lopti fractions, held-out accuracy, ...) appended to
+    ``metrics.parquet``, rewritten atomically so a crash never leaves a half-written file."""
+
+    def __init__(self, path: str | Path, method: str):
+        self.path = Path(path)
+        self.method = method
+        self.rows: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or not state.is_world_process_zero:
+            return
+        row = {"step": state.global_step, "method": self.method}
+        row.update(
+            {k: float(v) for k, v in logs.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        )
+        self.rows.append(row)
+        self._write()
+
+    def _write(self) -> None:
+        import polars as pl
+
+        from ..common import atomic_write
+
+        frame = pl.DataFrame(self.rows, infer_schema_length=None)
+        atomic_write(self.path, lambda tmp: frame.write_parquet(tmp))
+
+    def summary(self) -> dict:
+        """Mean training reward and accuracy over the steps, and the last held-out accuracies."""
+
+        def mean(key):
+            vals = [r[key] for r in self.rows if key in r and not math.isnan(r[key])]
+            return sum(vals) / len(vals) if vals else None
+
+        heldout = {}
+        for r in self.rows:
+            heldout.update({k: v for k, v in r.items() if k.startswith("heldout/")})
+        means = {k: mean(k) for k in ("reward", "rewards/kk_accuracy/mean", "lopti/stage1_fraction")}
+        return {
+            "mean_train_reward": means["reward"],
+            "mean_train_accuracy": means["rewards/kk_accuracy/mean"],
+            "mean_lopti_stage1_fraction": means["lopti/stage1_fraction"],
+            "last_heldout": heldout,
+            "mean_heldout_accuracy": mean("heldout/accuracy"),
+        }
+
+
+class HeldoutEvalCallback(TrainerCallback):
+    """Greedy accuracy per puzzle size on the official test puzzles, at step 0, every ``eval_steps``
+    and at the end, logged through the trainer (so ``report_to`` backends see it) right after the
+    trainer's own log of that step."""
+
+    def __init__(
+        self, trainer, people: list[int], n: int, eval_steps: int | float, temperature: float, template: str
+    ):
+        self.trainer, self.people, self.n = trainer, list(people), n
+        self.every = max(1, int(eval_steps or 1))
+        self.temperature, self.template = temperature, template
+        self.done: set[int] = set()
+
+    def _evaluate(self, state) -> None:
+        if state.global_step in self.done:
+            return
+        self.done.add(state.global_step)
+        from .evaluate import evaluate
+
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        was_training = model.training
+        results = evaluate(
+            model,
+            self.trainer.processing_class,
+            self.people,
+            n=self.n,
+            modes=("greedy",),
+            template=self.template,
+            seed=state.global_step,
+        )
+        if was_training:
+            model.train()
+        logs = {f"heldout/accuracy_{r.people}ppl": r.accuracy for r in results}
+        logs.update({f"heldout/reward_{r.people}ppl": r.mean_reward for r in results})
+        logs["heldout/accuracy"] = sum(r.accuracy for r in results) / len(results)
+        self.trainer.log(logs)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self._evaluate(state)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # after the trainer's own log of a step (so TRL's per-step metrics are already flushed)
+        if not logs or "loss" not in logs or not state.is_world_process_zero:
+            return
+        if state.global_step % self.every == 0 or state.global_step >= state.max_steps:
+            self._evaluate(state)

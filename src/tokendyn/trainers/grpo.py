@@ -1,0 +1,197 @@
+"""`TokendynGRPOTrainer`: TRL's `GRPOTrainer` with Advantage Reweighting, Lopti and REINFORCE++ advantages.
+
+This is the one module that touches TRL internals (pinned to trl 1.16). The math is in `functional.py`; here is
+only where it plugs into TRL's loop:
+
+* ``_generate_and_score_completions`` (once per rollout batch, train mode only): makes sure ``old_per_token_logps``
+  (pi_old at the sampling temperature) is present whenever Reweight or Lopti is on, swaps in REINFORCE++
+  advantages, applies Reweight (advantages become (B, T)), and stores both Lopti stage masks in the batch. These are
+  then shuffled and split with the batch by TRL and fixed for every pass over it, both stages included.
+* Lopti runs as TRL's generation buffer with twice the passes: ``num_iterations`` is doubled internally, so the
+  sampler's repeat count and ``_prepare_inputs``' regeneration period agree; passes 0..mu-1 are stage 1 and
+  mu..2mu-1 stage 2 (``current_stage``). The optimizer and its state are simply TRL's, carried over.
+* ``_compute_loss``: in a Lopti stage, masks the advantages to that stage's tokens; the loss mask (and so every
+  denominator) is left alone, so all completion tokens are still counted. The KL term is masked per stage by
+  replacing pi_ref with the (detached) current pi on the other stage's tokens, right after the forward pass
+  (``_get_per_token_logps_and_entropies``): k3(x, x) = 0 with zero gradient, exactly.
+
+With ``advantage_reweight_alpha=0``, Lopti off and ``advantage_estimator="grpo"`` every override is a pass-through.
+
+Note: with Lopti, one rollout batch takes twice as many optimizer steps, so a fixed ``max_steps`` sees half as many
+rollouts as plain GRPO; give the training length in epochs (or double ``max_steps``) to compare at equal rollouts.
+"""
+
+from __future__ import annotations
+
+import torch
+from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+
+from .functional import lopti_masks, reinforce_pp_advantages, reweight_advantages
+
+STAGE_MASK_KEYS = {1: "lopti_stage1_mask", 2: "lopti_stage2_mask"}
+
+
+class TokendynGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` plus the paper's remedies; takes a `TokendynGRPOConfig` (a plain `GRPOConfig` runs TRL's
+    GRPO unchanged). Same constructor as `GRPOTrainer`.
+
+    Hooks for probes: ``current_stage()`` (0 = no Lopti, 1 or 2), ``_last_loss_inputs`` (the dict handed to TRL's loss
+    for the latest micro-step: advantages after REINFORCE++/Reweight and the stage mask; ``raw_advantages`` before
+    Reweight) and ``_last_loss_stage``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cfg = self.args
+        self.advantage_reweight_alpha = float(getattr(cfg, "advantage_reweight_alpha", 0.0))
+        self.lopti_eta = getattr(cfg, "lopti_eta", None)
+        self.lopti_quantile = getattr(cfg, "lopti_quantile", None)
+        self.lopti_order = getattr(cfg, "lopti_order", "low_first")
+        self.advantage_estimator = getattr(cfg, "advantage_estimator", "grpo")
+        self.lopti_enabled = self.lopti_eta is not None or self.lopti_quantile is not None
+        self.passes_per_stage = self.num_iterations  # mu: passes over one rollout batch in one stage
+        if self.lopti_enabled:
+            self.num_iterations = 2 * self.passes_per_stage  # read by _get_train_sampler and _prepare_inputs
+        self._last_loss_inputs: dict | None = None
+        self._last_loss_stage = 0
+        self._last_rewards_per_func: torch.Tensor | None = None
+        self._kl_stage_pending: tuple[torch.Tensor, dict] | None = None
+
+    @property
+    def _modifies_batch(self) -> bool:
+        return self.advantage_reweight_alpha > 0 or self.lopti_enabled or self.advantage_estimator != "grpo"
+
+    def current_stage(self, step: int | None = None) -> int:
+        """Lopti stage of micro-step ``step`` (default: the one about to run or running, ``self._step``):
+        0 without Lopti or outside training, else 1 for the first ``steps_per_generation * mu`` micro-steps of each
+        rollout batch and 2 for the next as many."""
+        if not self.lopti_enabled or not self.model.training:
+            return 0
+        step = self._step if step is None else step
+        per_stage = self.args.steps_per_generation * self.passes_per_stage
+        return 1 if step % (2 * per_stage) < per_stage else 2
+
+    # ----------------------------------------------------------------------------------------- rollout batch
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._last_rewards_per_func = rewards_per_func  # gathered over processes, (B_global, n_funcs)
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if not self.model.training or not self._modifies_batch:
+            return output
+        mask = output["completion_mask"]
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+        advantages = output["advantages"]
+        if self.advantage_estimator == "reinforce_pp":
+            advantages = self._reinforce_pp_local(mask)
+        output["raw_advantages"] = advantages
+        needs_pi_old = self.advantage_reweight_alpha > 0 or self.lopti_enabled
+        if needs_pi_old and output.get("old_per_token_logps") is None:
+            output["old_per_token_logps"] = self._sampling_logps(output)
+        old_logps = output.get("old_per_token_logps")
+        if self.advantage_reweight_alpha > 0:
+            advantages = reweight_advantages(advantages, old_logps, self.advantage_reweight_alpha)
+            weight = self.advantage_reweight_alpha * torch.exp(old_logps) + 1 - self.advantage_reweight_alpha
+            self._log_global_mean("reweight/mean_weight", (weight * mask).sum(), mask.sum())
+        output["advantages"] = advantages
+        if self.lopti_enabled:
+            stage1, stage2 = self._stage_masks(old_logps, mask)
+            output[STAGE_MASK_KEYS[1]], output[STAGE_MASK_KEYS[2]] = stage1, stage2
+            self._log_global_mean("lopti/stage1_fraction", stage1.sum(), mask.sum())
+            self._log_global_mean("lopti/stage2_fraction", stage2.sum(), mask.sum())
+        return output
+
+    def _sampling_logps(self, output: dict) -> torch.Tensor:
+        """pi_old of the sampled tokens (log, at the sampling temperature) under the policy that generated them,
+        for when TRL skipped it (it does when the generation and optimizer steps are aligned)."""
+        if "pixel_values" in output:
+            raise NotImplementedError("Reweight/Lopti with multimodal inputs is not supported")
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+        ):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model,
+                input_ids,
+                attention_mask,
+                output["completion_ids"].size(1),
+                batch_size=self.args.per_device_train_batch_size,
+            )
+        return logps
+
+    def _gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """(B, T_local) on every process -> (B * num_processes, T_max), right-padded with 0."""
+        if self.accelerator.num_processes == 1:
+            return tensor
+        return self.accelerator.gather(self.accelerator.pad_across_processes(tensor, dim=1, pad_index=0))
+
+    def _local_rows(self, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        rows = like.size(0)
+        start = self.accelerator.process_index * rows
+        return tensor[start : start + rows, : like.size(1)]
+
+    def _reinforce_pp_local(self, mask: torch.Tensor) -> torch.Tensor:
+        """REINFORCE++ advantages (B_local, T), whitened over the valid tokens of the whole (all-process) batch."""
+        rewards_per_func = self._last_rewards_per_func
+        weights = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+        # unscorable completions (every reward function returned None) get advantage 0, as in TRL
+        scorable = ~torch.isnan(rewards_per_func).all(dim=1)
+        global_mask = self._gather_rows(mask.to(rewards.dtype)) * scorable.unsqueeze(1).to(rewards.dtype)
+        advantages = reinforce_pp_advantages(rewards, global_mask)
+        return self._local_rows(advantages, like=mask)
+
+    def _stage_masks(self, old_logps: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.lopti_quantile is None:  # fixed eta: a per-token rule, no communication needed
+            return lopti_masks(old_logps, mask, eta=self.lopti_eta, order=self.lopti_order)
+        # quantile: the threshold is taken over the valid tokens of the whole (all-process) rollout batch
+        stage1, stage2 = lopti_masks(
+            self._gather_rows(old_logps),
+            self._gather_rows(mask),
+            quantile=self.lopti_quantile,
+            order=self.lopti_order,
+        )
+        return self._local_rows(stage1, like=mask), self._local_rows(stage2, like=mask)
+
+    def _log_global_mean(self, name: str, numerator: torch.Tensor, denominator: torch.Tensor) -> None:
+        local = torch.stack([numerator.detach().float(), denominator.detach().float()])
+        total, count = self.accelerator.gather(local).view(-1, 2).sum(dim=0).tolist()
+        self._metrics["train"][name].append(total / count if count > 0 else float("nan"))
+
+    # ------------------------------------------------------------------------------------------------- loss
+    def _compute_loss(self, model, inputs):
+        stage = self.current_stage()
+        if stage:
+            keep = inputs[STAGE_MASK_KEYS[stage]]
+            inputs = dict(inputs)  # the buffered batch is reused by later passes: never modify it
+            advantages = inputs["advantages"]
+            if advantages.dim() == 1:
+                advantages = advantages.unsqueeze(1)
+            inputs["advantages"] = advantages * keep
+            if self.beta != 0.0:
+                self._kl_stage_pending = (keep, inputs)
+        self._last_loss_inputs = inputs
+        self._last_loss_stage = stage
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._kl_stage_pending = None
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+    ):
+        logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
+        if self._kl_stage_pending is not None:  # the policy forward of a Lopti-stage loss with beta != 0
+            keep, inputs = self._kl_stage_pending
+            self._kl_stage_pending = None
+            ref = inputs["ref_per_token_logps"]
+            inputs["ref_per_token_logps"] = torch.where(keep.bool(), ref, logps.detach())
+        return logps, entropies, aux_loss

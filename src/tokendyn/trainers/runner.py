@@ -1,0 +1,234 @@
+"""One GRPO run on K&K: data, reward, trainer, held-out evaluation, and the run directory.
+
+The run directory holds ``run.json`` (full config, versions, seed, model), ``metrics.parquet``
+(every logged step: reward, accuracy, Lopti stage fractions, held-out accuracy per N) and, when
+the probe is on, ``records/``. Files are written atomically.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..tasks.kk.generator import MAX_PEOPLE, MIN_PEOPLE
+
+TRAIN_SPLITS = ("official", "fresh")
+
+
+@dataclass
+class RunArguments:
+    """What to train on; every field is a ``tokendyn train`` flag (the trainer's are in the config)."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Hub id or local directory of the policy (default: the embedded default)."},
+    )
+    task: str = field(default="kk", metadata={"help": "Task: kk (Knights and Knaves).", "choices": ["kk"]})
+    people: list[int] = field(
+        default_factory=lambda: [3, 4, 5], metadata={"help": "Puzzle sizes to train on (2..8)."}
+    )
+    train_split: str = field(
+        default="official",
+        metadata={
+            "help": "official: the paper's training puzzles (seed 1234, positions 100..999); fresh: new puzzles from "
+            "--train_seed with held-out structures removed.",
+            "choices": list(TRAIN_SPLITS),
+        },
+    )
+    train_seed: int = field(default=7, metadata={"help": "Seed of the fresh training puzzles (not 1234)."})
+    train_puzzles_per_size: int = field(default=900, metadata={"help": "Training puzzles per size (1..900)."})
+    eval_people: list[int] | None = field(
+        default=None,
+        metadata={"help": "Sizes evaluated on held-out puzzles every eval_steps (default: --people)."},
+    )
+    eval_n: int = field(
+        default=20, metadata={"help": "Held-out puzzles per size per evaluation (0 = off, <= 100)."}
+    )
+    template: str = field(
+        default="qwen-instruct", metadata={"help": "Prompt template: qwen-instruct | base."}
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("people", "eval_people"):
+            sizes = getattr(self, name)
+            if sizes is None:
+                continue
+            bad = [k for k in sizes if not MIN_PEOPLE <= int(k) <= MAX_PEOPLE]
+            if bad or not sizes:
+                raise ValueError(f"{name}: every size must be in {MIN_PEOPLE}..{MAX_PEOPLE}, got {sizes}")
+        if self.task != "kk":
+            raise ValueError(f"task: must be kk, got {self.task!r}")
+        if self.train_split not in TRAIN_SPLITS:
+            raise ValueError(f"train_split: must be one of {list(TRAIN_SPLITS)}, got {self.train_split!r}")
+        if self.train_split == "fresh" and self.train_seed == 1234:
+            raise ValueError("train_seed: fresh puzzles must not use the official seed 1234")
+        if not 1 <= self.train_puzzles_per_size <= (900 if self.train_split == "official" else 10**6):
+            raise ValueError(
+                f"train_puzzles_per_size: must be in 1..900 for the official split, got "
+                f"{self.train_puzzles_per_size}"
+            )
+        if self.rollouts < 0:
+            raise ValueError(f"rollouts: must be >= 0 (0 = use max_steps), got {self.rollouts}")
+        if not 0 <= self.eval_n <= 100:
+            raise ValueError(f"eval_n: must be in 0..100, got {self.eval_n}")
+        from ..tasks.kk.prompts import TEMPLATES
+
+        if self.template not in TEMPLATES:
+            raise ValueError(f"template: must be one of {sorted(TEMPLATES)}, got {self.template!r}")
+
+
+# GRPOConfig defaults for the embedded default on CPU (the paper's loss settings, sized for minutes)
+EMBEDDED_DEFAULTS = dict(
+    learning_rate=1e-4,
+    lr_scheduler_type="constant",
+    per_device_train_batch_size=32,
+    num_generations=8,
+    steps_per_generation=2,  # 8 prompts x 8 samples per rollout, 2 optimizer steps per rollout (as the paper)
+    max_completion_length=264,
+    temperature=0.7,
+    top_p=1.0,
+    top_k=0,
+    beta=0.001,
+    use_bias_correction_kl=False,  # the paper's plain k3 estimator
+    epsilon=0.2,
+    epsilon_high=0.24,
+    loss_type="dapo",
+    max_grad_norm=1.0,
+    bf16=False,
+    gradient_checkpointing=False,
+    logging_steps=1,
+    max_steps=30,  # overridden by --rollouts (default 15 rollouts)
+    eval_steps=5,  # in rollouts when --rollouts is set
+    save_strategy="no",
+    report_to="none",
+    seed=0,
+    disable_dropout=True,
+    ddp_find_unused_parameters=False,
+    output_dir="runs/grpo",
+)
+
+
+def kk_accuracy(prompts, completions, ground_truth, **_) -> list[float]:
+    """1.0 when the official reward is 3 (logged with weight 0: it never changes the advantages)."""
+    from ..tasks.kk.reward import MAX_SCORE, score
+
+    return [
+        float(score(p, c, g) == MAX_SCORE) for p, c, g in zip(prompts, completions, ground_truth, strict=True)
+    ]
+
+
+def method_name(cfg) -> str:
+    parts = ["GRPO" if getattr(cfg, "advantage_estimator", "grpo") == "grpo" else "REINFORCE++"]
+    if getattr(cfg, "advantage_reweight_alpha", 0.0):
+        parts.append(f"Reweight(a={cfg.advantage_reweight_alpha:g})")
+    if getattr(cfg, "lopti_eta", None) is not None:
+        order = "" if cfg.lopti_order == "low_first" else ", high first"
+        parts.append(f"Lopti(eta={cfg.lopti_eta:g}{order})")
+    if getattr(cfg, "lopti_quantile", None) is not None:
+        parts.append(f"Lopti(q={cfg.lopti_quantile:g})")
+    return " + ".join(parts)
+
+
+def optimizer_steps_per_rollout(cfg) -> int:
+    """Optimizer steps TRL takes on one generation batch (x2 with Lopti's two stages)."""
+    per = cfg.steps_per_generation * cfg.num_iterations // cfg.gradient_accumulation_steps
+    lopti = getattr(cfg, "lopti_eta", None) is not None or getattr(cfg, "lopti_quantile", None) is not None
+    return max(1, per) * (2 if lopti else 1)
+
+
+def apply_rollouts(run: RunArguments, cfg) -> None:
+    """Set ``max_steps`` from ``rollouts`` (and keep ``eval_steps`` on rollout boundaries)."""
+    if run.rollouts:
+        per = optimizer_steps_per_rollout(cfg)
+        cfg.max_steps = run.rollouts * per
+        if cfg.eval_steps:
+            cfg.eval_steps = int(cfg.eval_steps) * per
+
+
+def build_datasets(run: RunArguments):
+    from ..tasks.kk.datasets import kk_dataset
+
+    if run.train_split == "official":
+        train = kk_dataset(run.people, "train", count=run.train_puzzles_per_size, template=run.template)
+    else:
+        train = kk_dataset(
+            run.people, "fresh", seed=run.train_seed, count=run.train_puzzles_per_size, template=run.template
+        )
+    return train
+
+
+def versions() -> dict:
+    import accelerate
+    import torch
+    import transformers
+    import trl
+
+    import tokendyn
+
+    return {
+        "tokendyn": tokendyn.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "accelerate": accelerate.__version__,
+    }
+
+
+def train(run: RunArguments, cfg, callbacks=(), progress: bool = True) -> dict:
+    """Build the trainer, train, evaluate; returns a summary (also written into ``run.json``)."""
+    import torch
+
+    from ..common import write_json
+    from .callbacks import HeldoutEvalCallback, ParquetLogCallback
+    from .grpo import TokendynGRPOTrainer
+    from .policy import default_policy_dir, load_policy
+
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    apply_rollouts(run, cfg)
+    model_path = run.model_name_or_path or str(default_policy_dir())
+    model, tok = load_policy(model_path, dtype=torch.float32)
+    train_ds = build_datasets(run)
+    from ..tasks.kk.reward import kk_reward
+
+    trainer = TokendynGRPOTrainer(
+        model=model,
+        processing_class=tok,
+        reward_funcs=[kk_reward, kk_accuracy],
+        args=cfg,
+        train_dataset=train_ds,
+        callbacks=list(callbacks),
+    )
+    trainer.args.reward_weights = None
+    trainer.reward_weights = torch.tensor([1.0, 0.0])
+    logger = ParquetLogCallback(out / "metrics.parquet", method=method_name(cfg))
+    trainer.add_callback(logger)
+    if run.eval_n:
+        trainer.add_callback(
+            HeldoutEvalCallback(
+                trainer,
+                run.eval_people or run.people,
+                run.eval_n,
+                cfg.eval_steps,
+                cfg.temperature,
+                run.template,
+            )
+        )
+    meta = {
+        "method": method_name(cfg),
+        "model": model_path,
+        "seed": cfg.seed,
+        "run": asdict(run),
+        "config": cfg.to_dict(),
+        "versions": versions(),
+        "status": "running",
+    }
+    write_json(out / "run.json", meta)
+    t0 = time.time()
+    trainer.train()
+    meta.update(status="finished", wall_time_s=round(time.time() - t0, 1), summary=logger.summary())
+    write_json(out / "run.json", meta)
+    return meta

@@ -1,0 +1,76 @@
+"""Shared test fixtures: a real, tiny, locally built Qwen2 policy and its tokenizer (no network)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY_CORPUS = [
+    "A very special island is inhabited only by knights and knaves.",
+    "Knights always tell the truth, and knaves always lie.",
+    "You meet 3 inhabitants: Zoey, Oliver and Emma.",
+    "Zoey says that Oliver is a knave. Oliver says that Emma is a knight.",
+    "<think> Assume Zoey is a knight, then Oliver is a knave. </think>",
+    "<answer> (1) Zoey is a knight (2) Oliver is a knave (3) Emma is a knight </answer>",
+    "the quick brown fox jumps over the lazy dog 0 1 2 3 4 5 6 7 8 9",
+    "count: one two three four five six seven eight nine ten",
+]
+
+
+def _train_tokenizer(out_dir):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(TINY_CORPUS * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A directory with a saved random ``Qwen2ForCausalLM`` (hidden 48, 2 layers) and its BPE tokenizer
+    (``<|endoftext|>`` pad, ``<|im_end|>`` eos). The LM head is scaled up so that sampled-token probabilities (T=0.7)
+    spread over (0, 1), about half of them >= 0.5, instead of sitting near 1/V. Load the tokenizer with ``PreTrainedTokenizerFast.from_pretrained``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny_qwen2")
+    tok = _train_tokenizer(out)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
+    model = Qwen2ForCausalLM(config)
+    # sharpen: pi of sampled tokens spreads over (0, 1); ~40% of completions end with eos
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)
+        model.lm_head.weight[tok.eos_token_id].mul_(1.5)
+    model.save_pretrained(out)
+    return out
