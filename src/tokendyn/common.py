@@ -22,7 +22,9 @@ def check_writable(path: str | os.PathLike, field: str) -> Path:
         os.close(fd)
         os.unlink(tmp)
     except OSError:
-        raise ValueError(f"{field}: cannot write to {str(p)!r} ({str(probe)!r} is not a writable directory)") from None
+        raise ValueError(
+            f"{field}: cannot write to {str(p)!r} ({str(probe)!r} is not a writable directory)"
+        ) from None
     if p.exists() and p.is_dir() and p.suffix:
         raise ValueError(f"{field}: {str(p)!r} is a directory, expected a file path")
     return p

@@ -19,8 +19,14 @@ class EvalResult:
     token_probs: list[float]  # pi of every sampled completion token (sampled mode only)
 
     def row(self) -> dict:
-        return {"people": self.people, "mode": self.mode, "n": self.n, "accuracy": self.accuracy,
-                "format_valid": self.format_valid, "mean_reward": self.mean_reward}
+        return {
+            "people": self.people,
+            "mode": self.mode,
+            "n": self.n,
+            "accuracy": self.accuracy,
+            "format_valid": self.format_valid,
+            "mean_reward": self.mean_reward,
+        }
 
 
 def max_new_tokens_for(people: int) -> int:
@@ -39,8 +45,15 @@ def bin_shares(probs, edges=PAPER_BINS) -> list[float]:
     return [float((idx == k).mean()) for k in range(len(edges) - 1)]
 
 
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float | None,
-             batch_size: int = 64, seed: int = 0):
+def generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float | None,
+    batch_size: int = 64,
+    seed: int = 0,
+):
     """Completions (text) and, when sampling, the probability at ``temperature`` of each
     sampled completion token (up to and including the first EOS)."""
     import torch
@@ -50,22 +63,31 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     torch.manual_seed(seed)
     model.eval()
     for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i:i + batch_size]
+        chunk = prompts[i : i + batch_size]
         enc = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left")
         kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
         if temperature:
-            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, output_logits=True,
-                          return_dict_in_generate=True)
+            kwargs.update(
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         else:
             kwargs.update(do_sample=False, top_k=None, top_p=None, temperature=None)
         with torch.no_grad():
             out = model.generate(**enc, **kwargs)
         seqs = out.sequences if temperature else out
-        comp = seqs[:, enc["input_ids"].shape[1]:]
+        comp = seqs[:, enc["input_ids"].shape[1] :]
         # completion mask: up to and including the first EOS
         is_eos = comp == eos
-        first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], comp.shape[1],
-                            dtype=torch.long))
+        first = torch.where(
+            is_eos.any(1),
+            is_eos.int().argmax(1),
+            torch.full_like(is_eos[:, 0], comp.shape[1], dtype=torch.long),
+        )
         mask = torch.arange(comp.shape[1])[None, :] <= first[:, None]
         mask &= torch.arange(comp.shape[1])[None, :] < comp.shape[1]
         if temperature:
@@ -76,9 +98,17 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     return texts, probs
 
 
-def evaluate(model, tokenizer, people: list[int], n: int = 100, temperature: float = 0.7,
-             modes=("greedy", "sampled"), seed: int = 0, template: str = "qwen-instruct",
-             batch_size: int = 64) -> list[EvalResult]:
+def evaluate(
+    model,
+    tokenizer,
+    people: list[int],
+    n: int = 100,
+    temperature: float = 0.7,
+    modes=("greedy", "sampled"),
+    seed: int = 0,
+    template: str = "qwen-instruct",
+    batch_size: int = 64,
+) -> list[EvalResult]:
     """Accuracy (reward == 3), format-valid rate and mean reward on the first ``n`` held-out
     puzzles of each size, greedy and/or sampled at ``temperature``."""
     from ..tasks.kk.datasets import heldout
@@ -92,12 +122,19 @@ def evaluate(model, tokenizer, people: list[int], n: int = 100, temperature: flo
         for mode in modes:
             temp = None if mode == "greedy" else temperature
             texts, probs = generate(model, tokenizer, prompts, max_new_tokens_for(k), temp, batch_size, seed)
-            scores = [compute_score(pr + t, p.solution_text_format) for pr, t, p in zip(prompts, texts, items,
-                                                                                            strict=True)]
-            results.append(EvalResult(
-                people=k, mode="greedy" if temp is None else f"T={temperature:g}", n=len(items),
-                accuracy=sum(s.correct for s in scores) / len(scores),
-                format_valid=sum(s.format_ok for s in scores) / len(scores),
-                mean_reward=sum(s.total for s in scores) / len(scores), token_probs=probs,
-            ))
+            scores = [
+                compute_score(pr + t, p.solution_text_format)
+                for pr, t, p in zip(prompts, texts, items, strict=True)
+            ]
+            results.append(
+                EvalResult(
+                    people=k,
+                    mode="greedy" if temp is None else f"T={temperature:g}",
+                    n=len(items),
+                    accuracy=sum(s.correct for s in scores) / len(scores),
+                    format_valid=sum(s.format_ok for s in scores) / len(scores),
+                    mean_reward=sum(s.total for s in scores) / len(scores),
+                    token_probs=probs,
+                )
+            )
     return results

@@ -52,7 +52,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, system_block: str):
 
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (*TAGS, system_block)])
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=None, padding_side="left",
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=None,
+        padding_side="left",
         model_max_length=1024,
     )
     fast.chat_template = (

@@ -7,7 +7,9 @@ import argparse
 
 def register(sub) -> None:
     p = sub.add_parser("warmstart", help="train the embedded default policy from scratch on K&K")
-    p.add_argument("--preset", default="cpu", help="tiny (seconds, for tests) | cpu (the embedded default) | gpu")
+    p.add_argument(
+        "--preset", default="cpu", help="tiny (seconds, for tests) | cpu (the embedded default) | gpu"
+    )
     p.add_argument("--out", required=True, help="output directory (model, tokenizer, warmstart.json)")
     p.add_argument("--seed", type=int, default=0, help="training seed (>= 0)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -43,13 +45,21 @@ def _print_report(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"warm start '{report['preset']}' (seed {report['seed']}, {report['parameters']:,} parameters, "
-              f"{report['wall_time_s']:.0f} s)")
+    t = Table(
+        title=f"warm start '{report['preset']}' (seed {report['seed']}, {report['parameters']:,} parameters, "
+        f"{report['wall_time_s']:.0f} s)"
+    )
     for col in ("people", "mode", "n", "format valid", "accuracy", "mean reward"):
         t.add_column(col, justify="right")
     for r in report["evaluation"]:
-        t.add_row(str(r["people"]), r["mode"], str(r["n"]), f"{r['format_valid']:.0%}", f"{r['accuracy']:.0%}",
-                  f"{r['mean_reward']:+.2f}")
+        t.add_row(
+            str(r["people"]),
+            r["mode"],
+            str(r["n"]),
+            f"{r['format_valid']:.0%}",
+            f"{r['accuracy']:.0%}",
+            f"{r['mean_reward']:+.2f}",
+        )
     Console().print(t)
     shares = report["bin_shares_T0.7"]
     for k, v in shares.items():

@@ -4,5 +4,14 @@ from .datasets import fresh_puzzles, heldout, kk_dataset, official_split, puzzle
 from .prompts import render_prompt
 from .reward import compute_score, kk_reward, score
 
-__all__ = ["compute_score", "fresh_puzzles", "heldout", "kk_dataset", "kk_reward", "official_split",
-           "puzzles", "render_prompt", "score"]
+__all__ = [
+    "compute_score",
+    "fresh_puzzles",
+    "heldout",
+    "kk_dataset",
+    "kk_reward",
+    "official_split",
+    "puzzles",
+    "render_prompt",
+    "score",
+]

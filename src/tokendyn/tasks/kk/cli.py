@@ -14,8 +14,9 @@ def register(sub) -> None:
     kk = sub.add_parser("kk", help="Knights-and-Knaves: generate puzzles, score responses")
     kk_sub = kk.add_subparsers(dest="kk_command", metavar="KK_COMMAND", required=True)
 
-    gen = kk_sub.add_parser("generate", help="puzzles at stream positions I..I+C-1 as a parquet file "
-                            "in the official schema")
+    gen = kk_sub.add_parser(
+        "generate", help="puzzles at stream positions I..I+C-1 as a parquet file in the official schema"
+    )
     gen.add_argument("--people", type=int, required=True, help=f"puzzle size N ({MIN_PEOPLE}..{MAX_PEOPLE})")
     gen.add_argument("--seed", type=int, default=1234, help="stream seed (1234 = the official data)")
     gen.add_argument("--start", type=int, default=0, help="first stream position I (>= 0)")
@@ -26,8 +27,11 @@ def register(sub) -> None:
     gen.set_defaults(func=run_generate)
 
     sc = kk_sub.add_parser("score", help="score responses with the official reward (3 / -0.5 / -1 / -3)")
-    sc.add_argument("--input", required=True, help="FILE.jsonl, one row per response: prompt, "
-                    "ground_truth (or solution_text_format), response")
+    sc.add_argument(
+        "--input",
+        required=True,
+        help="FILE.jsonl, one row per response: prompt, ground_truth (or solution_text_format), response",
+    )
     sc.add_argument("--out", default=None, help="output jsonl (default: INPUT with .scores.jsonl)")
     sc.set_defaults(func=run_score)
 
@@ -55,8 +59,10 @@ def run_generate(args: argparse.Namespace) -> int:
     items = puzzles(args.people, args.seed, args.start, args.count)
     rows = [official_record(p, args.split, k, args.template) for k, p in enumerate(items)]
     atomic_write(out, lambda tmp: pl.DataFrame(rows).write_parquet(tmp))
-    print(f"wrote {len(rows)} puzzles ({args.people} people, seed {args.seed}, positions "
-          f"{args.start}..{args.start + args.count - 1}) to {out}")
+    print(
+        f"wrote {len(rows)} puzzles ({args.people} people, seed {args.seed}, positions "
+        f"{args.start}..{args.start + args.count - 1}) to {out}"
+    )
     return 0
 
 
@@ -74,7 +80,9 @@ def _read_rows(path: Path) -> list[dict]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"input line {lineno}: not valid JSON ({exc.msg})") from None
             if not isinstance(obj, dict):
-                raise ValueError(f"input line {lineno}: expected a JSON object with prompt, ground_truth, response")
+                raise ValueError(
+                    f"input line {lineno}: expected a JSON object with prompt, ground_truth, response"
+                )
             prompt = obj.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # official message list
                 prompt = prompt[0].get("content")
@@ -86,8 +94,9 @@ def _read_rows(path: Path) -> list[dict]:
             response = obj.get("response")
             for field, value in (("prompt", prompt), ("ground_truth", gt), ("response", response)):
                 if not isinstance(value, str):
-                    raise ValueError(f"input line {lineno}: field {field!r} must be a string, got "
-                                     f"{type(value).__name__}")
+                    raise ValueError(
+                        f"input line {lineno}: field {field!r} must be a string, got {type(value).__name__}"
+                    )
             rows.append({"prompt": prompt, "ground_truth": gt, "response": response})
     if not rows:
         raise ValueError(f"input: {str(path)!r} holds no rows")

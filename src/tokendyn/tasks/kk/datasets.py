@@ -118,8 +118,13 @@ def trl_rows(items, template: str = "qwen-instruct") -> list[dict]:
     ]
 
 
-def kk_dataset(people: list[int], split: str = "train", seed: int | None = None, count: int | None = None,
-               template: str = "qwen-instruct"):
+def kk_dataset(
+    people: list[int],
+    split: str = "train",
+    seed: int | None = None,
+    count: int | None = None,
+    template: str = "qwen-instruct",
+):
     """A ``datasets.Dataset`` for TRL over several sizes (rows grouped by size, as the official
     ``merge_*`` files; the trainer shuffles).
 

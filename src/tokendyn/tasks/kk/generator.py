@@ -80,7 +80,9 @@ def problem_stream(n: int, seed: int = 1234) -> Iterator[tuple[Problem, tuple[bo
             return
 
 
-def generate_problems(n: int, seed: int, start: int, count: int) -> list[tuple[int, Problem, tuple[bool, ...]]]:
+def generate_problems(
+    n: int, seed: int, start: int, count: int
+) -> list[tuple[int, Problem, tuple[bool, ...]]]:
     """Stream positions start..start+count-1 as (index, statements, solution)."""
     if start < 0:
         raise ValueError(f"start: must be >= 0, got {start}")

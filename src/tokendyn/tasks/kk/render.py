@@ -26,7 +26,7 @@ TEMPLATES = (
     '{n} said, "{c}."',
     '{n} stated, "{c}".',
     'According to {n}, "{c}".',
-    "In {n}'s words: \"{c}\".",
+    'In {n}\'s words: "{c}".',
     '{n} remarked, "{c}".',
     '"{c}," {n} declared.',
     '{n} was heard saying, "{c}".',
@@ -61,7 +61,7 @@ COT_FAIL = "All the configurations lead to contradictions."
 
 
 def oxford_join(items: list[str]) -> str:
-    """"A, B, and C"; the ", and" is kept for two items too ("A, and B")."""
+    """ "A, B, and C"; the ", and" is kept for two items too ("A, and B")."""
     if len(items) == 1:
         return items[0]
     return ", ".join(items[:-1]) + ", and " + items[-1]
@@ -108,13 +108,15 @@ def quiz_text(problem: Problem, names: list[str], templates: list[int]) -> str:
 
 
 def solution_text(solution: tuple[bool, ...], names: list[str]) -> str:
-    """"A is a knight, B is a knave, and C is a knave." """
+    """ "A is a knight, B is a knave, and C is a knave." """
     return oxford_join([f"{nm} is {role(k)}" for nm, k in zip(names, solution, strict=True)]) + "."
 
 
 def solution_text_format(solution: tuple[bool, ...], names: list[str]) -> str:
     """The reward's ground truth: "(1) A is a knight\\n(2) B is a knave" (no trailing period)."""
-    return "\n".join(f"({i + 1}) {nm} is {role(k)}" for i, (nm, k) in enumerate(zip(names, solution, strict=True)))
+    return "\n".join(
+        f"({i + 1}) {nm} is {role(k)}" for i, (nm, k) in enumerate(zip(names, solution, strict=True))
+    )
 
 
 def _satisfiable(claim_holds, assignment: dict[int, bool], n: int) -> bool:

@@ -109,7 +109,9 @@ def score(prompt: str, response: str, ground_truth: str | Mapping[str, str]) -> 
     return compute_score(prompt + response, ground_truth).total
 
 
-def kk_reward(prompts: Sequence[str], completions: Sequence[str], ground_truth: Sequence[str], **_) -> list[float]:
+def kk_reward(
+    prompts: Sequence[str], completions: Sequence[str], ground_truth: Sequence[str], **_
+) -> list[float]:
     """TRL reward function: ``reward_funcs=[kk_reward]`` with a dataset holding a
     ``ground_truth`` column (``solution_text_format``) and raw-text prompts."""
     return [score(p, c, g) for p, c, g in zip(prompts, completions, ground_truth, strict=True)]

@@ -1,0 +1,53 @@
+"""Lazy loading of record files: all rank shards of one kind, as one polars LazyFrame."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import polars as pl
+
+from tokendyn.hooks.records import KINDS, SCHEMAS, records_dir, shard_files
+
+
+class NoRecordsError(FileNotFoundError):
+    """The run directory is missing or holds no record files."""
+
+
+def check_run_dir(run_dir: str | os.PathLike, kind: str = "binstats") -> Path:
+    """The run directory, or a NoRecordsError that says what is missing."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise NoRecordsError(f"run directory {str(path)!r} does not exist")
+    if not shard_files(path, kind):
+        raise NoRecordsError(
+            f"no {kind} records in {str(records_dir(path))!r} (expected files like {kind}-rank000-000000.parquet; "
+            "train with the probe on, e.g. --probe_every 1, or use tokendyn.hooks.instrument)"
+        )
+    return path
+
+
+def load(run_dir: str | os.PathLike, kind: str) -> pl.LazyFrame:
+    """Every shard of `kind` (all ranks, all flushes) concatenated lazily; an empty frame with the schema if none."""
+    if kind not in SCHEMAS:
+        raise ValueError(f"unknown record kind {kind!r}; known: {', '.join(KINDS)}")
+    files = shard_files(run_dir, kind)
+    if not files:
+        return pl.LazyFrame(schema=SCHEMAS[kind])
+    # glob=False: a run directory may contain [ ] * ? in its name
+    return pl.scan_parquet([str(f) for f in files], schema=SCHEMAS[kind], glob=False)
+
+
+def select_steps(
+    lf: pl.LazyFrame, steps: tuple[int | None, int | None] | None = None, stage: str | None = None
+) -> pl.LazyFrame:
+    """Keep steps in [first, last] (either end may be None) and one stage (None: all)."""
+    if steps is not None:
+        first, last = steps
+        if first is not None:
+            lf = lf.filter(pl.col("step") >= first)
+        if last is not None:
+            lf = lf.filter(pl.col("step") <= last)
+    if stage is not None:
+        lf = lf.filter(pl.col("stage") == stage)
+    return lf

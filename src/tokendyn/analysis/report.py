@@ -1,0 +1,145 @@
+"""`analyze_run`: the per-bin table, the bound report and the exact checks of a run, as DataFrames and parquet."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import polars as pl
+from rich.console import Console
+from rich.table import Table
+
+from tokendyn.analysis.load import check_run_dir, load, select_steps
+from tokendyn.analysis.tables import bin_table, bound_report, checks_summary
+from tokendyn.hooks.records import write_atomic
+
+ANALYSIS_DIR = "analysis"
+
+
+def analyze_run(
+    run_dir: str | os.PathLike,
+    *,
+    steps: tuple[int | None, int | None] | None = None,
+    stage: str | None = None,
+    by_step: bool = False,
+    write: bool = True,
+    out_dir: str | os.PathLike | None = None,
+) -> dict[str, pl.DataFrame]:
+    """{"bins": per-bin table, "bound": per-layer bound report, "checks": exact-check summary}, from the records of
+    every rank. With write=True each table is also written (atomically) to OUT_DIR/{name}.parquet, OUT_DIR
+    defaulting to RUN_DIR/analysis."""
+    path = check_run_dir(run_dir)
+    lf = {
+        k: select_steps(load(path, k), steps, stage)
+        for k in ("binstats", "hist", "bound", "checks", "tokens")
+    }
+    tables = {
+        "bins": bin_table(lf["binstats"], lf["hist"], by_step=by_step),
+        "bound": bound_report(lf["bound"], lf["binstats"], lf["tokens"]),
+        "checks": checks_summary(lf["checks"]),
+    }
+    if write:
+        out = Path(out_dir) if out_dir is not None else path / ANALYSIS_DIR
+        out.mkdir(parents=True, exist_ok=True)
+        for name, df in tables.items():
+            write_atomic(df, out / f"{name}.parquet")
+    return tables
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        return f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+    return str(v)
+
+
+def rich_table(df: pl.DataFrame, title: str, columns: dict[str, str] | None = None) -> Table:
+    """A rich table of df; `columns` maps column -> short header (missing columns are skipped)."""
+    columns = columns or {c: c for c in df.columns}
+    cols = [c for c in columns if c in df.columns]
+    table = Table(title=title, header_style="bold")
+    for c in cols:
+        table.add_column(columns[c], justify="left" if df.schema[c] == pl.Utf8 else "right", no_wrap=True)
+    for row in df.select(cols).iter_rows():
+        table.add_row(*(_fmt(v) for v in row))
+    return table
+
+
+def print_report(
+    tables: dict[str, pl.DataFrame], console: Console | None = None, point: str | None = None
+) -> None:
+    """Terminal tables: the per-bin table (one point, default the final norm), the bound report, the checks."""
+    console = console or Console()
+    bins = tables["bins"]
+    if point is None and bins.height:
+        point = "final_norm.out" if "final_norm.out" in bins["point"].to_list() else bins["point"][0]
+    shown = bins.filter(pl.col("point") == point) if point is not None else bins
+    shown = shown.with_columns(
+        pl.format(
+            "[{}, {}{}",
+            pl.col("bin_lo").round(3),
+            pl.col("bin_hi").round(3),
+            pl.when(pl.col("bin_hi") >= 1.0).then(pl.lit("]")).otherwise(pl.lit(")")),
+        ).alias("pi_old")
+    )
+    console.print(
+        rich_table(
+            shown,
+            f"Per-bin table at {point}: share of tokens and ||dL/dh|| per token",
+            {
+                "stage": "stage",
+                "step": "step",
+                "pi_old": "pi_old",
+                "tokens": "tokens",
+                "share": "share",
+                "norm_mean": "mean",
+                "norm_p10": "p10",
+                "norm_p50": "p50",
+                "norm_p90": "p90",
+                "norm_per_w_mean": "mean/|w|",
+                "ratio_mean": "ratio",
+            },
+        )
+    )
+    bound = tables["bound"].with_columns(
+        pl.col("point")
+        .str.replace("layers.", "L", literal=True)
+        .str.replace(".out", "", literal=True)
+        .str.replace("final_norm", "final", literal=True)
+    )
+    console.print(
+        rich_table(
+            bound,
+            "Bound: ratio ||delta|| / (|w|(1-pi)) in [C, D]; rho = spearman(||delta||/|w|, 1-pi)",
+            {
+                "stage": "stage",
+                "point": "point",
+                "n": "n",
+                "C": "C",
+                "ratio_mean": "mean",
+                "D": "D",
+                "spearman_mean": "rho",
+                "spearman_sample": "rho smp",
+                "C_direct": "C dir",
+                "D_direct": "D dir",
+                "spearman_direct": "rho dir",
+            },
+        )
+    )
+    checks = tables["checks"]
+    if not checks.height:
+        console.print("no exact checks recorded (completion ids or the final norm were not probed)")
+        return
+    table = Table(title="Exact checks at the LM head (must hold for every token)", header_style="bold")
+    table.add_column("check", no_wrap=True)
+    for stage in checks["stage"].to_list():
+        table.add_column(stage, justify="right", no_wrap=True)
+    for col in checks.columns[1:]:
+        table.add_row(col, *(_fmt(v) for v in checks[col].to_list()))
+    console.print(table)
+    total = int(checks["logits_violations"].sum()) + int(checks["head_violations"].sum())
+    style = "green" if total == 0 else "red"
+    console.print(f"[{style}]violations of the exact bounds: {total}[/{style}]")

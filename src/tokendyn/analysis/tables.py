@@ -1,0 +1,223 @@
+"""Tables over the records: the per-bin table, the per-layer bound report, the exact-check summary.
+
+All merges are exact over ranks and micro-batches: counts and sums add, min/max take min/max, histograms add.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+QUANTILES = (0.1, 0.5, 0.9)
+
+
+def _safe_div(num: pl.Expr, den: pl.Expr) -> pl.Expr:
+    return pl.when(den > 0).then(num / den).otherwise(None)
+
+
+def merge_binstats(binstats: pl.LazyFrame, keys: list[str]) -> pl.LazyFrame:
+    """Sum count / sum / sumsq and take min / max over everything not in keys (+ bin, quantity)."""
+    return binstats.group_by([*keys, "point_index", "bin", "quantity"]).agg(
+        pl.col("bin_lo").min(),
+        pl.col("bin_hi").max(),
+        pl.col("count").sum(),
+        pl.col("sum").sum(),
+        pl.col("sumsq").sum(),
+        pl.col("min").min(),
+        pl.col("max").max(),
+        pl.col("nonfinite").sum(),
+    )
+
+
+def hist_quantiles(hist: pl.LazyFrame, keys: list[str], quantity: str, qs=QUANTILES) -> pl.LazyFrame:
+    """Quantiles from the merged log histogram, log-linear inside a cell (linear in the [0, lo) cell).
+
+    q-quantile: the first cell where the cumulative count reaches q * total; frac = the position inside it."""
+    h = (
+        hist.filter(pl.col("quantity") == quantity)
+        .group_by([*keys, "cell"])
+        .agg(pl.col("count").sum(), pl.col("lo").first(), pl.col("hi").first())
+        .sort([*keys, "cell"])
+        .with_columns(
+            cum=pl.col("count").cum_sum().over(keys),
+            total=pl.col("count").sum().over(keys),
+        )
+    )
+    out = None
+    for q in qs:
+        name = f"{quantity}_p{round(q * 100):02d}"
+        target = pl.lit(q) * pl.col("total")
+        frac = ((target - (pl.col("cum") - pl.col("count"))) / pl.col("count")).clip(0.0, 1.0)
+        value = (
+            pl.when(pl.col("lo") <= 0)
+            .then(pl.col("hi") * frac)
+            .when(pl.col("hi").is_infinite())
+            .then(pl.col("lo"))
+            .otherwise(pl.col("lo") * (pl.col("hi") / pl.col("lo")).pow(frac))
+        )
+        part = (
+            h.filter(pl.col("cum") >= target)
+            .with_columns(value.alias(name))
+            .group_by(keys)
+            .agg(pl.col(name).sort_by("cell").first())
+        )
+        out = part if out is None else out.join(part, on=keys, how="full", coalesce=True)
+    return out
+
+
+def bin_table(binstats: pl.LazyFrame, hist: pl.LazyFrame, by_step: bool = False) -> pl.DataFrame:
+    """Per (stage[, step], point, bin): tokens, share of tokens, norm mean / std / min / max / quantiles,
+    mean ||delta|| / |w|, and the bound ratio's mean / min / max. Empty bins give nulls, never errors."""
+    keys = ["stage", *(["step"] if by_step else []), "point"]
+    merged = merge_binstats(binstats, keys)
+
+    def part(quantity: str, prefix: str, with_std: bool) -> pl.LazyFrame:
+        cols = [
+            *keys,
+            "point_index",
+            "bin",
+            _safe_div(pl.col("sum"), pl.col("count")).alias(f"{prefix}_mean"),
+            pl.col("min").alias(f"{prefix}_min"),
+            pl.col("max").alias(f"{prefix}_max"),
+        ]
+        if with_std:
+            var = _safe_div(pl.col("sumsq"), pl.col("count")) - _safe_div(pl.col("sum"), pl.col("count")).pow(
+                2
+            )
+            cols.append(var.clip(lower_bound=0.0).sqrt().alias(f"{prefix}_std"))
+        return merged.filter(pl.col("quantity") == quantity).select(cols)
+
+    base = merged.filter(pl.col("quantity") == "norm").select(
+        *keys,
+        "point_index",
+        "bin",
+        "bin_lo",
+        "bin_hi",
+        pl.col("count").alias("tokens"),
+        pl.col("nonfinite"),
+    )
+    share = _safe_div(pl.col("tokens"), pl.col("tokens").sum().over(keys)).alias("share")
+    on = [*keys, "point_index", "bin"]
+    table = (
+        base.with_columns(share)
+        .join(part("norm", "norm", True), on=on, how="left")
+        .join(hist_quantiles(hist, [*keys, "bin"], "norm"), on=[*keys, "bin"], how="left")
+        .join(part("norm_per_w", "norm_per_w", False).select(*on, "norm_per_w_mean"), on=on, how="left")
+        .join(part("ratio", "ratio", False), on=on, how="left")
+        .with_columns(  # interpolation inside a cell may step past the exact extremes
+            [
+                pl.col(f"norm_p{round(q * 100):02d}").clip(pl.col("norm_min"), pl.col("norm_max"))
+                for q in QUANTILES
+            ]
+        )
+        .sort([*keys[:-1], "point_index", "bin"])
+    )
+    order = [
+        *keys,
+        "bin",
+        "bin_lo",
+        "bin_hi",
+        "tokens",
+        "share",
+        "norm_mean",
+        "norm_std",
+        "norm_min",
+        *[f"norm_p{round(q * 100):02d}" for q in QUANTILES],
+        "norm_max",
+        "norm_per_w_mean",
+        "ratio_mean",
+        "ratio_min",
+        "ratio_max",
+        "nonfinite",
+    ]
+    return table.select(order).collect()
+
+
+def bound_report(bound: pl.LazyFrame, binstats: pl.LazyFrame, tokens: pl.LazyFrame) -> pl.DataFrame:
+    """Per (stage, point): the envelope C_l = min ratio, D_l = max ratio of ||delta_l|| / (|w| (1 - pi)), its mean,
+    the rank correlation of ||delta_l|| / |w| with (1 - pi) (per micro-batch, token-weighted mean / min; and pooled
+    over the token sample), and the same for the "direct" per-token gradient."""
+    keys = ["stage", "point"]
+    env = bound.group_by([*keys, "point_index"]).agg(
+        pl.col("n").sum().alias("n"),
+        pl.col("ratio_min").min().alias("C"),
+        pl.col("ratio_max").max().alias("D"),
+        _safe_div(
+            (pl.col("spearman") * pl.col("n")).sum(),
+            pl.col("n").filter(pl.col("spearman").is_not_null()).sum(),
+        ).alias("spearman_mean"),
+        pl.col("spearman").min().alias("spearman_min"),
+        pl.col("nonfinite").sum(),
+        pl.col("direct_n").sum(),
+        pl.col("direct_ratio_min").min().alias("C_direct"),
+        pl.col("direct_ratio_max").max().alias("D_direct"),
+    )
+    ratio_mean = (
+        merge_binstats(binstats, keys)
+        .filter(pl.col("quantity") == "ratio")
+        .group_by(keys)
+        .agg(_safe_div(pl.col("sum").sum(), pl.col("count").sum()).alias("ratio_mean"))
+    )
+    omp = 1.0 - pl.col("pi")
+    pooled = tokens.group_by(keys).agg(
+        pl.corr(
+            (pl.col("norm") / pl.col("w").abs()).filter(pl.col("w") != 0),
+            omp.filter(pl.col("w") != 0),
+            method="spearman",
+        ).alias("spearman_sample"),
+        pl.corr(
+            (pl.col("direct_ratio") * omp).filter(pl.col("direct_ratio").is_not_null()),
+            omp.filter(pl.col("direct_ratio").is_not_null()),
+            method="spearman",
+        ).alias("spearman_direct"),
+    )
+    out = (
+        env.join(ratio_mean, on=keys, how="left")
+        .join(pooled, on=keys, how="left")
+        .sort(["stage", "point_index"])
+        .select(
+            keys
+            + [
+                "n",
+                "C",
+                "ratio_mean",
+                "D",
+                "spearman_mean",
+                "spearman_min",
+                "spearman_sample",
+                "direct_n",
+                "C_direct",
+                "D_direct",
+                "spearman_direct",
+                "nonfinite",
+            ]
+        )
+    )
+    return out.collect()
+
+
+def checks_summary(checks: pl.LazyFrame) -> pl.DataFrame:
+    """Per stage: the exact checks over all micro-batches (max errors, total violations)."""
+    return (
+        checks.group_by("stage")
+        .agg(
+            pl.col("step").n_unique().alias("steps"),
+            pl.len().alias("micro_batches"),
+            pl.col("n_checked").sum(),
+            pl.col("identity_max_rel_err").max(),
+            pl.col("identity_max_scaled_err").max(),
+            pl.col("identity_logits_max_rel_err").max(),
+            pl.col("logits_lo").min(),
+            pl.col("logits_ratio_min").min(),
+            pl.col("logits_ratio_max").max(),
+            pl.col("logits_hi").max(),
+            pl.col("logits_violations").sum(),
+            pl.col("head_n").sum(),
+            pl.col("head_ratio_max").max(),
+            pl.col("head_bound").min(),
+            pl.col("head_violations").sum(),
+            pl.col("grad_dtype").unique().sort().str.join(",").alias("grad_dtype"),
+            pl.col("tolerance").max(),
+        )
+        .sort("stage")
+        .collect()
+    )

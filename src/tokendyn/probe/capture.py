@@ -1,0 +1,100 @@
+"""State of one probed forward/backward, position alignment, and process-group helpers."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tokendyn.probe.inputs import StepInputs
+from tokendyn.probe.reduce import HeadCheckData
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs (e.g. a checkpointed layer recomputed in backward)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def dist_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the process group (a copy), or t itself in a single process."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def completion_positions(
+    batch: int, seq: int, mask: torch.Tensor, token_positions: torch.Tensor | None
+) -> torch.Tensor:
+    """p(t) [B, C]: the sequence position whose output predicts o_t, one before o_t.
+
+    Default layout (prompt + completion, as TRL builds it): o_{t_j} sits at S - C + j, so p = S - C - 1 + j.
+    Otherwise p = token_positions - 1."""
+    n_rows, c_len = mask.shape
+    if n_rows != batch:
+        raise ValueError(f"probe: completion_mask has {n_rows} rows but the forward had batch size {batch}")
+    if token_positions is None:
+        if c_len > seq - 1:
+            raise ValueError(
+                f"probe: completion length {c_len} needs at least {c_len + 1} sequence positions, the forward had "
+                f"{seq}; pass token_positions= if completions are not at the end of each row"
+            )
+        return torch.arange(seq - c_len - 1, seq - 1, device=mask.device).expand(batch, c_len)
+    pos = token_positions - 1
+    if bool((pos[mask] > seq - 2).any()):
+        raise ValueError(f"probe: token_positions must be <= {seq - 1} (the sequence length is {seq})")
+    return pos.clamp(0, seq - 2)
+
+
+class Pass:
+    """One forward with gradients and its backward: live tensors until prepared, then what the hooks read."""
+
+    def __init__(self) -> None:
+        self.inputs: StepInputs | None = None
+        self.hidden: dict[str, torch.Tensor] = {}  # live graph tensors, released once prepared
+        self.norms: dict[str, torch.Tensor] = {}  # point -> [b, S] float32 ||dL/dh|| per position
+        self.handles: list = []
+        self.shape: tuple[int, int] | None = None
+        self.logp_seq: torch.Tensor | None = (
+            None  # fused head output log_probs [b, S-1] (position p predicts p+1)
+        )
+        self.logits: torch.Tensor | None = None  # plain head output logits [b, S', V]
+        self.forward_done = self.prepared = self.backward_seen = False
+        self.w_kind: str | None = None  # "seq" (fused log_probs) or "completion" (the caller's logps [B, C])
+        self.w_grad: torch.Tensor | None = None
+        self.logp_value: torch.Tensor | None = None  # [B, C] log pi_t at the forward
+        self.positions: torch.Tensor | None = None  # [B, C] p(t)
+        self.sample: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.check_at: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.check: HeadCheckData | None = None
+        self.delta_check: torch.Tensor | None = None
+        self.logits_grad_check: torch.Tensor | None = None
+        self.grad_dtype: torch.dtype = torch.float32
+        self.direct: torch.Tensor | None = None
+
+    def release(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.hidden, self.logp_seq, self.logits = {}, None, None
+
+
+def gather_completion(p: Pass, point_names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norms [P, B, C] at p(t), NaN for points the backward did not reach; w [B, C] = dL/dlog pi_t)."""
+    pos = p.positions
+    b, c_len = pos.shape
+    norms = torch.full((len(point_names), b, c_len), float("nan"), dtype=torch.float32, device=pos.device)
+    for i, n in enumerate(point_names):
+        if n in p.norms:
+            norms[i] = torch.gather(p.norms[n], 1, pos)
+    if p.w_kind == "completion":
+        return norms, p.w_grad
+    return norms, torch.gather(p.w_grad, 1, pos.clamp(max=p.w_grad.shape[1] - 1))

@@ -1,0 +1,129 @@
+"""Probe points: the modules whose output hidden state is probed, with one stable name each.
+
+Names (used in configs, records and figures alike):
+  `layers.{i}.out`   output of decoder layer i (the residual stream after block i), i = 0..L-1
+  `final_norm.out`   output of the final norm, i.e. the input of the LM head
+Families: Qwen2 / Llama / Mistral (`model.layers`, `model.norm`), GPT-2 (`transformer.h`, `transformer.ln_f`),
+GPT-NeoX and OPT-style backbones; wrappers (DDP `.module`, PEFT `get_base_model()`) are unwrapped first.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+FINAL_NORM = "final_norm.out"
+_LAYER_ATTRS = ("layers", "h", "blocks")
+_NORM_ATTRS = ("norm", "ln_f", "final_layer_norm", "final_layernorm")
+_NESTED = ("decoder", "language_model")
+
+
+@dataclass(frozen=True)
+class ProbePoint:
+    """One probed place: its stable name, its module, and its index in the default order."""
+
+    name: str
+    module: nn.Module
+    index: int
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model under DDP / FSDP (`.module`) and PEFT (`get_base_model()`) wrappers."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+    return model
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    base = getattr(model, "base_model", None)
+    candidate = base if isinstance(base, nn.Module) else model
+    for _ in range(3):
+        if any(isinstance(getattr(candidate, a, None), nn.ModuleList) for a in _LAYER_ATTRS):
+            return candidate
+        nested = next(
+            (getattr(candidate, a) for a in _NESTED if isinstance(getattr(candidate, a, None), nn.Module)),
+            None,
+        )
+        if nested is None:
+            break
+        candidate = nested
+    raise ValueError(
+        f"probe points: cannot find the decoder layers of {type(model).__name__}; supported: backbones with "
+        f"{'/'.join(_LAYER_ATTRS)} (a ModuleList) and a final norm named {'/'.join(_NORM_ATTRS)}"
+    )
+
+
+def discover_points(model: nn.Module) -> list[ProbePoint]:
+    """All probe points of a causal LM, in forward order: `layers.0.out` .. `layers.{L-1}.out`, `final_norm.out`."""
+    backbone = _backbone(unwrap_model(model))
+    layers = next(
+        getattr(backbone, a) for a in _LAYER_ATTRS if isinstance(getattr(backbone, a, None), nn.ModuleList)
+    )
+    points = [ProbePoint(f"layers.{i}.out", layer, i) for i, layer in enumerate(layers)]
+    norm = next(
+        (getattr(backbone, a) for a in _NORM_ATTRS if isinstance(getattr(backbone, a, None), nn.Module)), None
+    )
+    if norm is None:
+        raise ValueError(
+            f"probe points: {type(backbone).__name__} has no final norm named {'/'.join(_NORM_ATTRS)}"
+        )
+    points.append(ProbePoint(FINAL_NORM, norm, len(points)))
+    return points
+
+
+def select_points(points: Sequence[ProbePoint], selection: str | Sequence[str] | None) -> list[ProbePoint]:
+    """Pick points by exact name or glob pattern (`layers.*.out`, `layers.1?.out`); None or "all" keeps all.
+
+    A comma-separated string is split. Order is the forward order. A selector that matches nothing is an error
+    that lists the available names.
+    """
+    if selection is None or selection == "all":
+        return list(points)
+    selectors = [s.strip() for s in selection.split(",")] if isinstance(selection, str) else list(selection)
+    selectors = [s for s in selectors if s]
+    if not selectors:
+        raise ValueError("probe points: empty selection; use None/'all', names or glob patterns")
+    names = [p.name for p in points]
+    chosen: set[str] = set()
+    for sel in selectors:
+        matched = [n for n in names if fnmatch.fnmatchcase(n, sel)]
+        if not matched:
+            raise ValueError(f"probe points: {sel!r} matches no point; available: {', '.join(names)}")
+        chosen.update(matched)
+    return [p for p in points if p.name in chosen]
+
+
+def output_head(model: nn.Module) -> nn.Module:
+    """The LM head (output embeddings): logits = h W^T + b."""
+    model = unwrap_model(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError(f"probe: {type(model).__name__} exposes no output embeddings (LM head)")
+    return head
+
+
+def head_transform_supported(model: nn.Module) -> bool:
+    """True when logits are a plain affine map of the final hidden state (no softcapping or logit scaling)."""
+    config = getattr(unwrap_model(model), "config", None)
+    if config is None:
+        return True
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for attr in (
+        "final_logit_softcapping",
+        "logit_scale",
+        "output_multiplier",
+        "lm_head_multiplier",
+        "logits_scaling",
+    ):
+        value = getattr(text, attr, None)
+        if value is not None and value != 1.0:
+            return False
+    return True

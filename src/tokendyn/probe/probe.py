@@ -1,0 +1,445 @@
+"""GradientProbe: per-token activation-gradient norms read from the real training backward.
+
+Hooks: a forward hook on each probed module registers a tensor hook on its output hidden state (this also works
+inside TRL's fused-LM-head forward, where `lm_head` hooks never fire); a tensor hook on the per-token log-probs
+reads w_t = dL/dlog pi_t. Hooks only read gradients (they return None), so training gradients are unchanged bit for
+bit. Alignment: p(t) = the position whose output predicts o_t, one before o_t; by default the completion occupies
+the last C positions of each row (prompt + completion, as TRL builds it), so p(t_j) = S - C - 1 + j.
+
+Driving it (one micro-batch = one forward + one backward):
+    begin_step(...) -> forward -> backward -> end_step()      (trainer: inputs known before the forward)
+    forward -> tokens(..., logps=logps) -> backward            (custom loop, auto=True; the step ends by itself)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+from torch import nn
+
+from tokendyn.probe import bound as B
+from tokendyn.probe.bins import BinSpec
+from tokendyn.probe.capture import (
+    Pass,
+    all_reduce_sum,
+    completion_positions,
+    dist_rank,
+    gather_completion,
+    in_backward,
+)
+from tokendyn.probe.direct import direct_norms, head_check_quantities
+from tokendyn.probe.inputs import StepInputs, validate_inputs
+from tokendyn.probe.points import (
+    FINAL_NORM,
+    discover_points,
+    head_transform_supported,
+    output_head,
+    select_points,
+    unwrap_model,
+)
+from tokendyn.probe.reduce import HeadCheckData, StepData, StepResult, reduce_step
+from tokendyn.probe.stats import LogHistogram, bottom_k_sample
+
+Sink = Callable[[dict[str, dict[str, list]]], None]
+
+
+class GradientProbe:
+    """Probe per-token activation gradients of a causal LM during training; see the module docstring.
+
+    Args:
+        model: a Hugging Face causal LM (DDP / PEFT wrappers are unwrapped).
+        points: names or glob patterns (`layers.*.out`, `final_norm.out`); default: every layer and the final norm.
+        bins: probability bins of pi_old (`BinSpec.parse`); default the paper's [0, .25, .5, .75, 1].
+        sample_tokens: tokens per micro-batch kept as raw rows (`tokens` records).
+        direct_tokens: tokens whose "direct" gradient is computed (one batched backward, see `direct_norms`: cost
+            ~ the most tokens falling in one row, in backward passes); 0 disables.
+        direct_every: compute the direct gradients on every n-th probed micro-batch only (1: all).
+        direct_chunk: backward passes batched at once (memory: chunk x the probed activations).
+        check_tokens: tokens per micro-batch for the exact LM-head checks; None: all tokens.
+        temperature: default sampling temperature T (logits are divided by T in the loss).
+        auto: capture every forward with gradients even without a prior `begin_step` (custom loops).
+        sink: called with the records (kind -> column -> list) of every finished micro-batch.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        points: str | Sequence[str] | None = None,
+        bins: BinSpec | str | int | Sequence[float] | None = None,
+        *,
+        sample_tokens: int = 128,
+        direct_tokens: int = 16,
+        direct_every: int = 1,
+        direct_chunk: int = 8,
+        check_tokens: int | None = 256,
+        temperature: float = 1.0,
+        seed: int = 0,
+        auto: bool = False,
+        sink: Sink | None = None,
+        rank: int | None = None,
+        hist: LogHistogram | None = None,
+    ) -> None:
+        for name, v in (("sample_tokens", sample_tokens), ("direct_tokens", direct_tokens)):
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"probe: {name} must be an integer >= 0, got {v!r}")
+        for name, v in (("direct_every", direct_every), ("direct_chunk", direct_chunk)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"probe: {name} must be an integer >= 1, got {v!r}")
+        if check_tokens is not None and (not isinstance(check_tokens, int) or check_tokens < 0):
+            raise ValueError(
+                f"probe: check_tokens must be None (all) or an integer >= 0, got {check_tokens!r}"
+            )
+        if not float(temperature) > 0:
+            raise ValueError(f"probe: temperature must be > 0, got {temperature}")
+        self.model = unwrap_model(model)
+        self.points = select_points(discover_points(self.model), points)
+        self.point_names = [p.name for p in self.points]
+        self.bins = BinSpec.parse(bins)
+        self.sample_tokens, self.direct_tokens, self.direct_chunk = sample_tokens, direct_tokens, direct_chunk
+        self.direct_every = direct_every
+        self._n_prepared = 0
+        self.check_tokens = check_tokens
+        self.temperature = float(temperature)
+        self.auto, self.sink, self.enabled = auto, sink, True
+        self.rank = dist_rank() if rank is None else rank
+        self.hist = hist or LogHistogram()
+        self.generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + self.rank)
+        self.has_final = FINAL_NORM in self.point_names
+        self.head_ok = self.has_final and head_transform_supported(self.model)
+        self.last: StepResult | None = None
+        self._handles: list = []
+        self._pass: Pass | None = None
+        self._pending: StepInputs | None = None
+        self._forwarding = False
+        self._guard = False
+        self._next_step = 0
+        self._micro: dict[tuple[int, str], int] = defaultdict(int)
+        self._sigma: tuple[tuple, float] | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def attach(self) -> GradientProbe:
+        if self._handles:
+            return self
+        self._handles.append(self.model.register_forward_pre_hook(self._on_root_pre))
+        self._handles.append(self.model.register_forward_hook(self._on_root_post))
+        for p in self.points:
+            self._handles.append(p.module.register_forward_hook(partial(self._on_point_forward, p.name)))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._pass is not None:
+            self._pass.release()
+        self._pass, self._pending, self._forwarding = None, None, False
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def __enter__(self) -> GradientProbe:
+        return self.attach()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            p = self._pass
+            if exc_type is None and p is not None and p.inputs is not None and p.backward_seen:
+                self.end_step()
+        finally:
+            self.detach()
+
+    # ---- driving ---------------------------------------------------------------------------------------------
+    def begin_step(self, step: int | None = None, stage: str = "train", **fields) -> None:
+        """Announce a micro-batch: completion_mask (required), advantages, pi_old or old_logps (None: on-policy),
+        completion_ids, temperature, token_positions, logps. Call before the forward (or after it, before the
+        backward). A finished previous step (backward seen) is ended first."""
+        step = self._next_step if step is None else step
+        temperature = fields.pop("temperature", None)
+        inputs = validate_inputs(
+            step=step,
+            stage=stage,
+            temperature=self.temperature if temperature is None else temperature,
+            **fields,
+        )
+        cur = self._pass
+        if cur is not None and cur.inputs is not None:
+            if not cur.backward_seen:
+                raise RuntimeError(
+                    f"probe: step {cur.inputs.step} ({cur.inputs.stage}) is still open without a backward; "
+                    "call end_step() (or run its backward) before starting another step"
+                )
+            self.end_step()
+            cur = self._pass
+        self._next_step = step + 1
+        if cur is not None and cur.forward_done and cur.inputs is None:
+            cur.inputs = inputs
+            self._prepare(cur)
+        else:
+            self._pending = inputs
+
+    def tokens(self, **fields) -> None:
+        """The custom-loop call: the batch's completion tokens (same fields as `begin_step`, `step` optional)."""
+        self.begin_step(**fields)
+
+    def watch_logps(self, logps: torch.Tensor) -> None:
+        """Read w = dL/dlogps from this per-token log-prob tensor [B, C] of the current step (before backward)."""
+        p = self._pass
+        if p is None or p.inputs is None:
+            raise RuntimeError("probe: watch_logps needs a begun step whose forward has run")
+        if p.prepared:
+            raise RuntimeError("probe: this step already has its log-probs (the fused head output or logps=)")
+        p.inputs.logps = validate_inputs(
+            step=0, stage="x", completion_mask=p.inputs.completion_mask, logps=logps
+        ).logps
+        self._prepare(p)
+
+    def end_step(self) -> StepResult | None:
+        """Reduce the finished micro-batch, hand its records to the sink, and return them (None if nothing usable)."""
+        p, self._pass = self._pass, None
+        if p is None or p.inputs is None:
+            if self._pending is not None:
+                warnings.warn(
+                    "probe: end_step() without a forward with gradients; nothing recorded", stacklevel=2
+                )
+                self._pending = None
+            if p is not None:
+                p.release()
+            return None
+        p.release()
+        inp = p.inputs
+        if not p.prepared and p.shape is None:
+            warnings.warn(
+                f"probe: step {inp.step}: no probed hidden state required grad; nothing recorded",
+                stacklevel=2,
+            )
+            return None
+        if not p.prepared:
+            warnings.warn(
+                f"probe: step {inp.step}: the per-token log-probs were never seen (pass logps=... to tokens() or "
+                "watch_logps()); nothing recorded",
+                stacklevel=2,
+            )
+            return None
+        if not p.backward_seen or p.w_grad is None:
+            warnings.warn(
+                f"probe: step {inp.step}: no backward reached the log-probs; nothing recorded", stacklevel=2
+            )
+            return None
+        key = (inp.step, inp.stage)
+        micro = self._micro[key]
+        self._micro[key] += 1
+        result = reduce_step(self._step_data(p, micro))
+        self.last = result
+        if self.sink is not None:
+            self.sink(result.records)
+        return result
+
+    # ---- hooks -----------------------------------------------------------------------------------------------
+    def _on_root_pre(self, module, args) -> None:
+        if (
+            not self.enabled
+            or not torch.is_grad_enabled()
+            or torch.is_inference_mode_enabled()
+            or in_backward()
+        ):
+            return
+        if self._pending is None and not self.auto:
+            return
+        cur = self._pass
+        if cur is not None:
+            if cur.inputs is not None and cur.backward_seen:
+                self.end_step()
+            elif cur.inputs is not None:
+                raise RuntimeError(
+                    f"probe: a second forward with gradients inside step {cur.inputs.step} before its backward; "
+                    "one probe step is one forward + one backward (call end_step() between micro-batches)"
+                )
+            else:
+                cur.release()
+        p = Pass()
+        p.inputs, self._pending = self._pending, None
+        self._pass, self._forwarding = p, True
+
+    def _on_point_forward(self, name: str, module, args, output) -> None:
+        p = self._pass
+        if p is None or not self._forwarding:
+            return
+        t = output if torch.is_tensor(output) else output[0]
+        if not torch.is_tensor(t) or not t.requires_grad:
+            return
+        p.shape = (int(t.shape[0]), int(t.shape[1]))
+        if self.direct_tokens > 0 or name == FINAL_NORM:
+            p.hidden[name] = t
+        p.handles.append(t.register_hook(partial(self._on_point_grad, p, name)))
+
+    def _on_root_post(self, module, args, output) -> None:
+        if not self._forwarding:
+            return
+        self._forwarding = False
+        p = self._pass
+        p.forward_done = True
+        lp = getattr(output, "log_probs", None)
+        if torch.is_tensor(lp) and lp.requires_grad:
+            p.logp_seq = lp
+            p.handles.append(lp.register_hook(partial(self._on_logp_grad, p, "seq")))
+        logits = getattr(output, "logits", None)
+        if torch.is_tensor(logits) and logits.requires_grad:
+            p.logits = logits
+        if p.inputs is not None:
+            self._prepare(p)
+
+    def _on_point_grad(self, p: Pass, name: str, grad: torch.Tensor) -> None:
+        if self._guard:
+            return
+        p.backward_seen = True
+        p.norms[name] = torch.linalg.vector_norm(grad.detach(), dim=-1, dtype=torch.float32)
+        if name == FINAL_NORM:
+            p.grad_dtype = grad.dtype
+            if p.check_at is not None:
+                p.delta_check = grad.detach()[p.check_at].float()
+
+    def _on_logp_grad(self, p: Pass, kind: str, grad: torch.Tensor) -> None:
+        if not self._guard and kind == p.w_kind:
+            p.w_grad = grad.detach().clone()
+
+    def _on_logits_grad(self, p: Pass, rows: torch.Tensor, pos: torch.Tensor, grad: torch.Tensor) -> None:
+        if not self._guard:
+            p.logits_grad_check = grad.detach()[rows, pos].float()
+
+    # ---- work ------------------------------------------------------------------------------------------------
+    def _prepare(self, p: Pass) -> None:
+        """Forward done and inputs known: align positions, pick the token sample, keep what the checks need, run
+        the direct gradients; then release the live activations."""
+        inp = p.inputs
+        if p.shape is None:
+            return
+        b, seq = p.shape
+        n_rows, c_len = inp.completion_mask.shape
+        pos = completion_positions(b, seq, inp.completion_mask, inp.token_positions)
+        device = next(iter(p.hidden.values())).device if p.hidden else inp.completion_mask.device
+        pos = pos.to(device)
+        if inp.logps is not None:
+            p.w_kind = "completion"
+            p.logp_value = inp.logps.detach()
+            p.handles.append(inp.logps.register_hook(partial(self._on_logp_grad, p, "completion")))
+        elif p.logp_seq is not None:
+            p.w_kind = "seq"
+            p.logp_value = torch.gather(p.logp_seq.detach(), 1, pos.clamp(max=p.logp_seq.shape[1] - 1))
+        else:
+            return  # wait for watch_logps
+        p.positions, p.prepared = pos, True
+        n_check = c_len * n_rows if self.check_tokens is None else self.check_tokens
+        k = max(self.sample_tokens, self.direct_tokens, n_check)
+        idx, ok = bottom_k_sample(inp.completion_mask, k, self.generator)
+        idx, ok = idx.to(device), ok.to(device)
+        p.sample = (idx, ok)
+        rows, cols = idx // c_len, idx % c_len
+        spos = pos[rows, cols]
+        h_final = p.hidden.get(FINAL_NORM)
+        if self.head_ok and h_final is not None and inp.completion_ids is not None:
+            kc = min(n_check, idx.shape[0])
+            p.check_at = (rows[:kc], spos[:kc])
+            p.check = self._head_check(
+                h_final.detach()[p.check_at], inp, idx[:kc], keep_pi=p.logits is not None
+            )
+            if p.logits is not None and kc > 0:
+                off = seq - p.logits.shape[1]
+                p.handles.append(
+                    p.logits.register_hook(
+                        partial(self._on_logits_grad, p, rows[:kc], (spos[:kc] - off).clamp(min=0))
+                    )
+                )
+            kd = min(self.direct_tokens, idx.shape[0])
+            self._n_prepared += 1
+            if kd > 0 and (self._n_prepared - 1) % self.direct_every == 0:
+                p.direct = self._direct(p, h_final, rows[:kd], spos[:kd], idx[:kd])
+        p.hidden, p.logp_seq, p.logits = {}, None, None
+
+    def _direct(self, p: Pass, h_final, rows, spos, idx) -> torch.Tensor | None:
+        """[P, Kd] ||d log pi_t / d h_l[p(t)]|| on the first Kd sampled tokens (NaN for points not captured)."""
+        head = output_head(self.model)
+        names = [n for n in self.point_names if n in p.hidden]
+        targets = p.inputs.completion_ids.to(rows.device).reshape(-1)[idx]
+        self._guard = True  # the probe's own tensor hooks must ignore this backward
+        try:
+            d = direct_norms(
+                [p.hidden[n] for n in names], h_final, rows, spos, targets, head.weight,
+                getattr(head, "bias", None), p.inputs.temperature, self.direct_chunk,
+            )  # fmt: skip
+        except RuntimeError as exc:  # e.g. reentrant checkpointing refuses autograd.grad
+            warnings.warn(f"probe: direct gradients disabled ({exc})", stacklevel=3)
+            self.direct_tokens = 0
+            return None
+        finally:
+            self._guard = False
+        full = torch.full(
+            (len(self.point_names), idx.shape[0]), float("nan"), dtype=torch.float32, device=rows.device
+        )
+        for i, n in enumerate(names):
+            full[self.point_names.index(n)] = d[i]
+        return full
+
+    @torch.no_grad()
+    def _head_check(
+        self, h: torch.Tensor, inp: StepInputs, idx: torch.Tensor, keep_pi: bool
+    ) -> HeadCheckData:
+        """Everything the exact checks need from the forward, taken now (before any optimizer step changes W)."""
+        head = output_head(self.model)
+        bias = getattr(head, "bias", None)
+        targets = inp.completion_ids.to(h.device).reshape(-1)[idx]
+        direction, ratio, pi = head_check_quantities(h, head.weight, bias, targets, inp.temperature, keep_pi)
+        return HeadCheckData(
+            vocab_size=int(head.weight.shape[0]),
+            sigma_max=self._sigma_max(head.weight),
+            direction=direction,
+            logits_ratio=ratio,
+            pi=pi,
+        )
+
+    def _sigma_max(self, weight: torch.Tensor) -> float:
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), str(weight.device))
+        if self._sigma is None or self._sigma[0] != key:
+            self._sigma = (key, B.spectral_norm(weight))
+        return self._sigma[1]
+
+    def _step_data(self, p: Pass, micro: int) -> StepData:
+        inp = p.inputs
+        device = p.positions.device
+        norms, w = gather_completion(p, self.point_names)
+        check = p.check
+        if check is not None:
+            check.delta, check.logits_grad, check.grad_dtype = (
+                p.delta_check,
+                p.logits_grad_check,
+                p.grad_dtype,
+            )
+        to = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return StepData(
+            step=inp.step,
+            stage=inp.stage,
+            rank=self.rank,
+            micro=micro,
+            points=self.point_names,
+            norms=norms,
+            valid=to(inp.completion_mask),
+            w=w,
+            logp=p.logp_value.to(device),
+            pi_old=to(inp.pi_old),
+            advantages=to(inp.advantages),
+            completion_ids=to(inp.completion_ids),
+            temperature=inp.temperature,
+            bins=self.bins,
+            sample_idx=p.sample[0],
+            sample_valid=p.sample[1],
+            n_record=self.sample_tokens,
+            direct=p.direct,
+            check=check,
+            final_index=self.point_names.index(FINAL_NORM) if self.has_final else None,
+            reduce_fn=all_reduce_sum,
+            hist=self.hist,
+        )

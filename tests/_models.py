@@ -1,0 +1,151 @@
+"""Small, locally built models and batches for the probe tests (real transformers models, no downloads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 61
+
+
+def tiny_qwen2(
+    seed: int = 0,
+    vocab: int = VOCAB,
+    hidden: int = 32,
+    layers: int = 2,
+    attn: str = "sdpa",
+    sharpen: float = 1.0,
+) -> Qwen2ForCausalLM:
+    """A random Qwen2ForCausalLM; `sharpen` scales the LM head so that pi spans (0, 1) instead of ~1/V."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        attn_implementation=attn,
+    )
+    model = Qwen2ForCausalLM(cfg).float()
+    if sharpen != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(sharpen)
+    return model.train()
+
+
+def tiny_gpt2(seed: int = 0, vocab: int = VOCAB) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=vocab,
+        n_positions=128,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(cfg).train()
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, P + C]
+    attention_mask: torch.Tensor  # [B, P + C]
+    completion_ids: torch.Tensor  # [B, C]
+    completion_mask: torch.Tensor  # [B, C]
+    advantages: torch.Tensor  # [B]
+
+    @property
+    def c(self) -> int:
+        return self.completion_ids.shape[1]
+
+
+def make_batch(
+    model, n: int = 6, prompt: int = 5, completion: int = 7, seed: int = 1, sample: bool = True
+) -> Batch:
+    """Prompts of random ids; completions sampled from the model token by token (so pi spans its range; every
+    forward has the full length, causal attention ignores the positions not sampled yet, and one shape keeps CPU
+    kernels warm); ragged completion masks (1 up to a random length); one advantage per completion, with an exact
+    zero (a group of equal rewards)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (n, prompt + completion), generator=g)
+    if sample:
+        with torch.no_grad():
+            for j in range(completion):
+                logits = model(input_ids=ids).logits[:, prompt - 1 + j].float()
+                ids[:, prompt + j] = torch.multinomial(torch.softmax(logits, -1), 1, generator=g).squeeze(1)
+    lengths = torch.randint(2, completion + 1, (n,), generator=g)
+    lengths[0] = completion
+    cmask = (torch.arange(completion).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    adv = torch.randn(n, generator=g)
+    adv[1] = 0.0
+    amask = torch.cat([torch.ones(n, prompt, dtype=torch.long), cmask], 1)
+    return Batch(ids, amask, ids[:, prompt:], cmask, adv)
+
+
+def completion_logps(logits: torch.Tensor, batch: Batch, temperature: float) -> torch.Tensor:
+    """log pi_t of the completion tokens from full logits [B, S, V]: position p(t) = S - C - 1 + j."""
+    c = batch.c
+    z = logits[:, -c - 1 : -1].float() / temperature
+    return torch.log_softmax(z, -1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def grpo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> torch.Tensor:
+    """-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), masked mean over all completion tokens (DAPO style)."""
+    ratio = torch.exp(logps - old_logps)
+    a = adv.unsqueeze(1) if adv.dim() == 1 else adv
+    per_token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a)
+    m = mask.to(per_token.dtype)
+    return (per_token * m).sum() / m.sum().clamp(min=1)
+
+
+def probed_rows(
+    model, batch: Batch, rows: slice, run_dir, rank: int, bins=None, temperature: float = 0.7
+) -> None:
+    """One instrumented GRPO micro-batch over `rows` of `batch`, as one rank of a data-parallel run would do it:
+    the loss of these rows is normalised by the token count of the whole batch, so every token's gradient is the
+    one it has in a single process over the whole batch. Records go to run_dir (shard `rank`)."""
+    from tokendyn.hooks import instrument
+
+    n_global = batch.completion_mask.sum()
+    sub = Batch(
+        batch.input_ids[rows],
+        batch.attention_mask[rows],
+        batch.completion_ids[rows],
+        batch.completion_mask[rows],
+        batch.advantages[rows],
+    )
+    with instrument(
+        model, run_dir, bins=bins, check_tokens=None, temperature=temperature, rank=rank
+    ) as probe:
+        out = model(input_ids=sub.input_ids, attention_mask=sub.attention_mask)
+        logps = completion_logps(out.logits, sub, temperature)
+        old = (logps.detach() - 0.05 * (sub.completion_ids % 3)).clamp(max=0)
+        probe.tokens(
+            step=0,
+            completion_mask=sub.completion_mask,
+            advantages=sub.advantages,
+            old_logps=old,
+            completion_ids=sub.completion_ids,
+            logps=logps,
+            temperature=temperature,
+        )
+        loss = (
+            grpo_loss(logps, old, sub.advantages, sub.completion_mask) * sub.completion_mask.sum() / n_global
+        )
+        loss.backward()
+        probe.end_step()
