@@ -16,6 +16,7 @@ COMMANDS = {
     "warmstart": "tokendyn.trainers.warmstart_cli",
     "eval": "tokendyn.trainers.eval_cli",
     "train": "tokendyn.trainers.train_cli",
+    "analyze": "tokendyn.analysis.cli",
 }
 
 

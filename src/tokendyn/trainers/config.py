@@ -88,6 +88,41 @@ class TokendynGRPOConfig(GRPOConfig):
         },
     )
 
+    probe_every: int = field(
+        default=0,
+        metadata={
+            "help": "Record per-token activation-gradient statistics (binned by pi_old) from the real training "
+            "backward every this many optimizer steps into OUTPUT_DIR/records; 0 (default) = off."
+        },
+    )
+    probe_layers: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Probed places, by name or glob (`layers.3.out`, `layers.*.out`, `final_norm.out`); default: "
+            "every decoder layer's output and the final norm's output (the LM head's input)."
+        },
+    )
+    probe_bins: str = field(
+        default="0,0.25,0.5,0.75,1",
+        metadata={
+            "help": "Probability bins of pi_old: comma-separated edges (default the paper's 0,.25,.5,.75,1), "
+            "`intervals:K` (K equal intervals) or `quantiles:K` (K quantile bins of the step's tokens)."
+        },
+    )
+    probe_sample_tokens: int = field(
+        default=128, metadata={"help": "Raw token rows kept per probed micro-batch (a bounded sample)."}
+    )
+    probe_direct_tokens: int = field(
+        default=16,
+        metadata={
+            "help": "Tokens per probed micro-batch whose 'direct' gradient (their own loss term only) is computed "
+            "with one batched backward; 0 = off."
+        },
+    )
+    probe_direct_every: int = field(
+        default=10, metadata={"help": "Compute the direct gradients on every n-th probed micro-batch only."}
+    )
+
     def __post_init__(self):
         self._validate_tokendyn_fields()
         super().__post_init__()
@@ -117,6 +152,19 @@ class TokendynGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"lopti_order must be one of {', '.join(LOPTI_ORDERS)}; got {self.lopti_order!r}"
             )
+        for name in ("probe_every", "probe_sample_tokens", "probe_direct_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.probe_direct_every, int) or self.probe_direct_every < 1:
+            raise ValueError(f"probe_direct_every must be an integer >= 1, got {self.probe_direct_every!r}")
+        if self.probe_every:
+            from tokendyn.probe.bins import BinSpec
+
+            try:
+                BinSpec.parse(self.probe_bins)
+            except ValueError as exc:
+                raise ValueError(f"probe_bins: {exc}") from None
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"advantage_estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}; got {self.advantage_estimator!r}"

@@ -38,7 +38,8 @@ class TokendynGRPOTrainer(GRPOTrainer):
 
     Hooks for probes: ``current_stage()`` (0 = no Lopti, 1 or 2), ``_last_loss_inputs`` (the dict handed to TRL's loss
     for the latest micro-step: advantages after REINFORCE++/Reweight and the stage mask; ``raw_advantages`` before
-    Reweight) and ``_last_loss_stage``.
+    Reweight) and ``_last_loss_stage``. With ``probe_every > 0`` the trainer drives a `GradientProbe`
+    (`tokendyn.hooks.trainer.TrainerProbe`) from the real training backward.
     """
 
     def __init__(self, *args, **kwargs):
@@ -57,6 +58,12 @@ class TokendynGRPOTrainer(GRPOTrainer):
         self._last_loss_stage = 0
         self._last_rewards_per_func: torch.Tensor | None = None
         self._kl_stage_pending: tuple[torch.Tensor, dict] | None = None
+        self.probe = None
+        if getattr(cfg, "probe_every", 0):
+            from tokendyn.hooks.trainer import TrainerProbe
+
+            self.probe = TrainerProbe(self, cfg.output_dir)
+            self.add_callback(self.probe)
 
     @property
     def _modifies_batch(self) -> bool:
@@ -178,6 +185,8 @@ class TokendynGRPOTrainer(GRPOTrainer):
                 self._kl_stage_pending = (keep, inputs)
         self._last_loss_inputs = inputs
         self._last_loss_stage = stage
+        if self.probe is not None:
+            self.probe.begin(inputs, stage)
         try:
             return super()._compute_loss(model, inputs)
         finally:

@@ -49,6 +49,14 @@ class RunArguments:
     template: str = field(
         default="qwen-instruct", metadata={"help": "Prompt template: qwen-instruct | base."}
     )
+    rollouts: int = field(
+        default=15,
+        metadata={
+            "help": "Length of the run in rollout batches (each generation batch is one RL step of the paper); "
+            "sets max_steps so that every method sees the same rollouts (Lopti takes twice the optimizer steps "
+            "per rollout). 0 = use --max_steps as given."
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("people", "eval_people"):

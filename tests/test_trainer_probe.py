@@ -1,0 +1,51 @@
+"""The probe inside the real TRL training loop: records from the training backward, Lopti stages apart,
+zero violations of the exact checks, and training itself unchanged bit for bit."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+import torch
+from test_trainer import _config, _trainer
+
+from tokendyn.analysis import analyze_run
+from tokendyn.hooks.trainer import stage_name
+
+torch.set_num_threads(1)
+
+
+def _params(trainer):
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+@pytest.mark.parametrize("lopti", [False, True])
+def test_probe_records_without_changing_training(tiny_model_dir, tmp_path, lopti):
+    extra = dict(lopti_eta=0.5) if lopti else {}
+    plain = _trainer(tiny_model_dir, _config(tmp_path / "plain", max_steps=4, **extra))
+    plain.train()
+    probed = _trainer(tiny_model_dir, _config(tmp_path / "probed", max_steps=4, probe_every=1, **extra))
+    probed.train()
+    for a, b in zip(_params(plain), _params(probed), strict=True):
+        assert torch.equal(a, b)  # the probe only reads gradients
+
+    run_dir = tmp_path / "probed" / "run"
+    tables = analyze_run(run_dir, write=True)
+    stages = set(tables["bins"]["stage"].to_list())
+    assert stages == ({"low", "high"} if lopti else {"train"})
+    checks = tables["checks"]
+    assert checks["logits_violations"].sum() == 0 and checks["head_violations"].sum() == 0
+    steps = pl.read_parquet(sorted((run_dir / "records").glob("binstats-*.parquet"))).get_column("step").unique()
+    assert sorted(steps.to_list()) == [0, 1, 2, 3]  # every optimizer step was probed
+    assert (run_dir / "analysis" / "bins.parquet").is_file()
+
+
+def test_stage_names_follow_the_lopti_order():
+    assert [stage_name(s, "low_first") for s in (0, 1, 2)] == ["train", "low", "high"]
+    assert [stage_name(s, "high_first") for s in (1, 2)] == ["high", "low"]
+
+
+def test_probe_fields_are_validated(tmp_path):
+    with pytest.raises(ValueError, match="probe_every must be an integer >= 0"):
+        _config(tmp_path, probe_every=-1)
+    with pytest.raises(ValueError, match="probe_bins"):
+        _config(tmp_path, probe_every=1, probe_bins="0,2")
