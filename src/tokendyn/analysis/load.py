@@ -7,7 +7,7 @@ from pathlib import Path
 
 import polars as pl
 
-from tokendyn.hooks.records import KINDS, SCHEMAS, records_dir, shard_files
+from tokendyn.records import KINDS, SCHEMAS, records_dir, shard_files
 
 
 class NoRecordsError(FileNotFoundError):

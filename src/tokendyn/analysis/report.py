@@ -11,7 +11,7 @@ from rich.table import Table
 
 from tokendyn.analysis.load import check_run_dir, load, select_steps
 from tokendyn.analysis.tables import bin_table, bound_report, checks_summary
-from tokendyn.hooks.records import write_atomic
+from tokendyn.records import write_atomic
 
 ANALYSIS_DIR = "analysis"
 

@@ -1,157 +1,23 @@
-"""Record files: schemas and the atomic parquet writer (polars only; importing this module does not import torch).
-
-Layout: RUN_DIR/records/{kind}-rank{RRR}-{NNNNNN}.parquet, one file per kind per flush, one shard per process
-rank; NNNNNN counts this rank's flushes of that kind (a new writer continues after the files already there, so
-nothing written earlier is overwritten). Each file is written to a hidden temp file in the same folder, then
-renamed with os.replace (atomic on POSIX): readers never see a partial file.
-"""
+"""The record writer of a probed run (one shard per process rank); schemas and layout are in `tokendyn.records`."""
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import polars as pl
 
-RECORDS_DIR = "records"
-_KEY = {"step": pl.Int64, "stage": pl.Utf8, "rank": pl.Int32, "micro": pl.Int32}
-
-SCHEMAS: dict[str, dict[str, pl.DataType]] = {
-    # per (step, stage, rank, micro, point, bin, quantity); quantity in norm | norm_per_w | ratio
-    "binstats": {
-        **_KEY,
-        "point": pl.Utf8,
-        "point_index": pl.Int32,
-        "bin": pl.Int32,
-        "bin_lo": pl.Float64,
-        "bin_hi": pl.Float64,
-        "quantity": pl.Utf8,
-        "count": pl.Int64,
-        "sum": pl.Float64,
-        "sumsq": pl.Float64,
-        "min": pl.Float64,
-        "max": pl.Float64,
-        "nonfinite": pl.Int64,
-    },
-    # non-empty cells of the log-spaced histogram of each quantity
-    "hist": {
-        **_KEY,
-        "point": pl.Utf8,
-        "bin": pl.Int32,
-        "quantity": pl.Utf8,
-        "cell": pl.Int32,
-        "lo": pl.Float64,
-        "hi": pl.Float64,
-        "count": pl.Int64,
-    },
-    # per point: envelope of ratio = ||delta|| / (|w| (1 - pi)) and spearman(||delta|| / |w|, 1 - pi)
-    "bound": {
-        **_KEY,
-        "point": pl.Utf8,
-        "point_index": pl.Int32,
-        "n": pl.Int64,
-        "ratio_min": pl.Float64,
-        "ratio_max": pl.Float64,
-        "spearman": pl.Float64,
-        "nonfinite": pl.Int64,
-        "direct_n": pl.Int64,
-        "direct_ratio_min": pl.Float64,
-        "direct_ratio_max": pl.Float64,
-        "direct_spearman": pl.Float64,
-    },
-    # the exact checks at the LM head and the logits
-    "checks": {
-        **_KEY,
-        "vocab_size": pl.Int64,
-        "temperature": pl.Float64,
-        "grad_dtype": pl.Utf8,
-        "n_checked": pl.Int64,
-        "identity_n": pl.Int64,
-        "identity_max_rel_err": pl.Float64,
-        "identity_mean_rel_err": pl.Float64,
-        "identity_max_scaled_err": pl.Float64,
-        "identity_logits_max_rel_err": pl.Float64,
-        "logits_lo": pl.Float64,
-        "logits_hi": pl.Float64,
-        "logits_ratio_min": pl.Float64,
-        "logits_ratio_max": pl.Float64,
-        "logits_violations": pl.Int64,
-        "head_sigma_max": pl.Float64,
-        "head_bound": pl.Float64,
-        "head_ratio_max": pl.Float64,
-        "head_n": pl.Int64,
-        "head_violations": pl.Int64,
-        "tolerance": pl.Float64,
-    },
-    # the bounded token sample: one row per (sampled token, point)
-    "tokens": {
-        **_KEY,
-        "row": pl.Int32,
-        "pos": pl.Int32,
-        "token_id": pl.Int64,
-        "bin": pl.Int32,
-        "pi_old": pl.Float64,
-        "pi": pl.Float64,
-        "advantage": pl.Float64,
-        "w": pl.Float64,
-        "point": pl.Utf8,
-        "norm": pl.Float64,
-        "ratio": pl.Float64,
-        "direct_norm": pl.Float64,
-        "direct_ratio": pl.Float64,
-        "identity_rel_err": pl.Float64,
-        "logits_ratio": pl.Float64,
-    },
-}
-KINDS = tuple(SCHEMAS)
-_NAME = re.compile(r"^(?P<kind>[a-z_]+)-rank(?P<rank>\d+)-(?P<seq>\d+)\.parquet$")
-
-
-def records_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / RECORDS_DIR
-
-
-def shard_files(run_dir: str | os.PathLike, kind: str) -> list[Path]:
-    """All shard files of one kind, every rank, in (rank, seq) order."""
-    d = records_dir(run_dir)
-    if not d.is_dir():
-        return []
-    found = []
-    for f in d.iterdir():
-        m = _NAME.match(f.name)
-        if m and m["kind"] == kind:
-            found.append((int(m["rank"]), int(m["seq"]), f))
-    return [f for _, _, f in sorted(found)]
-
-
-def to_frame(kind: str, columns: dict[str, list] | pl.DataFrame) -> pl.DataFrame:
-    """A DataFrame with exactly the schema of `kind` (missing or extra columns are an error)."""
-    if kind not in SCHEMAS:
-        raise ValueError(f"records: unknown kind {kind!r}; known: {', '.join(KINDS)}")
-    schema = SCHEMAS[kind]
-    names = list(columns.columns if isinstance(columns, pl.DataFrame) else columns)
-    if set(names) != set(schema):
-        missing, extra = set(schema) - set(names), set(names) - set(schema)
-        raise ValueError(
-            f"records: {kind} columns differ from the schema: missing {sorted(missing)}, extra {sorted(extra)}"
-        )
-    if isinstance(columns, pl.DataFrame):
-        return columns.select([pl.col(c).cast(t) for c, t in schema.items()])
-    return pl.DataFrame({c: columns[c] for c in schema}, schema=schema, strict=False)
-
-
-def write_atomic(df: pl.DataFrame, path: Path) -> None:
-    """Write parquet to a temp file next to `path`, fsync, then os.replace: all or nothing."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        df.write_parquet(tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+from tokendyn.records import (  # noqa: F401  (re-exported: the writer's public names)
+    _NAME,
+    KINDS,
+    RECORDS_DIR,
+    SCHEMAS,
+    records_dir,
+    shard_files,
+    to_frame,
+    write_atomic,
+    write_frames,
+)
 
 
 class RecordWriter:

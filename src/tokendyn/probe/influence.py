@@ -1,0 +1,176 @@
+"""Isolation and influence: what each probability bin's update does to every token's probability (DESIGN.md).
+
+For each source bin b (and for all tokens, source -1): a counterfactual update of a copy of the parameters with
+only the tokens of bin b in the loss (L_b = sum_{t in b} l_t: advantages and KL zeroed elsewhere, normalizer
+unchanged), then delta_pi_t = pi_after(o_t) - pi_before(o_t) for every token t. The matrix
+
+    M[source b, target b'] = mean over tokens t of bin b' of |delta_pi_t|     (and mean delta_pi, correct ratios)
+
+has the paper's Fig. 1e (source = the lowest bin) and 1f (the highest) as two of its rows, and Fig. 1c as the
+source = all row. Bins are over pi_old.
+
+Lopti (``stage_masks=(stage1, stage2)``, e.g. from `lopti_stage_masks`): the matrix per stage. Stage 1 starts from
+the model; its sources are the bins restricted to the stage-1 tokens. Stage 2 starts from the copy after the full
+stage-1 update (optimizer state carried over, pi_old fixed), its sources restricted to the stage-2 tokens; its
+delta pi is measured from the start of stage 2. Sources without tokens in a stage produce no rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokendyn.probe.change import OptimizerFactory, ParamCopy, correct_ratios, fix_pi_old, sgd
+from tokendyn.probe.shares import as_edges
+from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index
+
+
+def lopti_stage_masks(
+    batch: ProbeBatch,
+    eta: float | None = None,
+    quantile: float | None = None,
+    order: str = "low_first",
+    pi_old: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two Lopti stage masks of the batch's tokens (`tokendyn.trainers.functional.lopti_masks`, the trainer's
+    own rule: low = pi_old < eta). ``pi_old`` is needed only for an on-policy batch (old_logp None)."""
+    from tokendyn.trainers.functional import lopti_masks
+
+    if batch.old_logp is not None:
+        old = batch.old_logp
+    elif pi_old is not None:
+        old = torch.log(pi_old)
+    else:
+        raise ValueError("influence: an on-policy batch (old_logp None) needs pi_old for the Lopti masks")
+    return lopti_masks(old, batch.completion_mask, eta=eta, quantile=quantile, order=order)
+
+
+@dataclass
+class InfluenceResult:
+    """delta pi (B, C) per (update_stage, source bin); bins (B, C) over pi_old, -1 on padding."""
+
+    edges: torch.Tensor
+    bins: torch.Tensor
+    batch: ProbeBatch
+    deltas: dict[tuple[str, int], torch.Tensor]
+    source_counts: dict[tuple[str, int], int]
+    lr: float | None
+
+    def matrix(self, update_stage: str = "all", quantity: str = "mean_abs") -> torch.Tensor:
+        """M[source, target] as a (K + 1, K) tensor; row 0 is source = all tokens, row b + 1 source bin b; NaN
+        where a source has no tokens. quantity: mean_abs, mean, correct_pos, correct_neg, correct_pooled."""
+        k = self.edges.numel() - 1
+        out = torch.full((k + 1, k), float("nan"), dtype=torch.float64)
+        for (ustage, src), delta in self.deltas.items():
+            if ustage != update_stage:
+                continue
+            for tgt in range(k):
+                out[src + 1, tgt] = _cell(delta, self.batch.advantages, self.bins == tgt)[quantity]
+        return out
+
+    def to_frame(self, step: int, stage: str = "train"):
+        """The `influence` record: one row per (update_stage, source bin, target bin); bin -1 is all tokens."""
+        from tokendyn.probe.analysis_records import to_frame
+
+        e = self.edges
+        k = e.numel() - 1
+        rows = []
+        for (ustage, src), delta in self.deltas.items():
+            for tgt in [-1, *range(k)]:
+                mask = self.batch.completion_mask if tgt < 0 else (self.bins == tgt)
+                row = {
+                    "step": step,
+                    "stage": stage,
+                    "update_stage": ustage,
+                    "source_bin": src,
+                    "source_lo": float(e[0 if src < 0 else src]),
+                    "source_hi": float(e[-1 if src < 0 else src + 1]),
+                    "source_count": self.source_counts[(ustage, src)],
+                    "target_bin": tgt,
+                    "target_lo": float(e[0 if tgt < 0 else tgt]),
+                    "target_hi": float(e[-1 if tgt < 0 else tgt + 1]),
+                    "lr": self.lr,
+                }
+                row.update(_cell(delta, self.batch.advantages, mask))
+                rows.append(row)
+        return to_frame("influence", {c: [r[c] for r in rows] for c in rows[0]})
+
+
+def _cell(delta: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float | int]:
+    x = delta[mask]
+    n = int(x.numel())
+    out: dict[str, float | int] = {
+        "count": n,
+        "mean": float(x.mean()) if n else float("nan"),
+        "mean_abs": float(x.abs().mean()) if n else float("nan"),
+    }
+    out.update(correct_ratios(delta, advantages, mask))
+    return out
+
+
+def influence(
+    model: nn.Module,
+    batch: ProbeBatch,
+    edges: torch.Tensor | tuple[float, ...] | list[float] | None = None,
+    *,
+    stage_masks: Sequence[torch.Tensor] | None = None,
+    lr: float = 1e-3,
+    optimizer: OptimizerFactory | None = None,
+    objective: Objective | None = None,
+    sources: Sequence[int] | None = None,
+) -> InfluenceResult:
+    """delta pi of every token after a counterfactual update restricted to each source bin (module docstring).
+
+    ``stage_masks``: None (one update stage "all") or the two Lopti stage masks (update stages "stage1",
+    "stage2"). ``sources``: the source bins to run (default all bins); source -1 (all tokens of the stage) is
+    always run. Cost per stage: (len(sources) + 1) x (forward + backward + optimizer step + forward).
+    ``optimizer``: params -> torch.optim.Optimizer, default plain SGD(lr)."""
+    edges_t = as_edges(edges)
+    k = edges_t.numel() - 1
+    sources = list(range(k)) if sources is None else sorted({int(s) for s in sources})
+    if any(not 0 <= s < k for s in sources):
+        raise ValueError(f"influence: sources must be bin indices in 0..{k - 1}, got {sources}")
+    valid = batch.completion_mask
+    if stage_masks is None:
+        stages = [("all", valid)]
+    else:
+        if len(stage_masks) != 2:
+            raise ValueError(
+                f"influence: stage_masks must be two (B, C) masks (Lopti), got {len(stage_masks)}"
+            )
+        stages = [(f"stage{i + 1}", m.bool().to(valid.device) & valid) for i, m in enumerate(stage_masks)]
+    batch, pi_start = fix_pi_old(model, batch)
+    bins = bin_index(torch.exp(batch.old_logp.to(torch.float64)), valid, edges_t)
+    base = ParamCopy(model, optimizer or sgd(lr), objective)
+    deltas: dict[tuple[str, int], torch.Tensor] = {}
+    counts: dict[tuple[str, int], int] = {}
+    for name, smask in stages:
+        for src in sources:
+            mask = smask & (bins == src)
+            if not bool(mask.any()):
+                continue
+            fork = base.fork()
+            fork.step(batch, mask)
+            deltas[(name, src)] = _masked(fork.probs(batch) - pi_start, valid)
+            counts[(name, src)] = int(mask.sum())
+        base.step(batch, smask)  # the full stage update: source -1, and the start of the next stage
+        pi_next = base.probs(batch)
+        deltas[(name, -1)] = _masked(pi_next - pi_start, valid)
+        counts[(name, -1)] = int(smask.sum())
+        pi_start = pi_next
+    ordered = dict(sorted(deltas.items(), key=lambda kv: (kv[0][0], kv[0][1])))
+    return InfluenceResult(
+        edges_t,
+        bins,
+        batch,
+        ordered,
+        {key: counts[key] for key in ordered},
+        lr if optimizer is None else None,
+    )
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask.to(x.device), x, torch.zeros_like(x))

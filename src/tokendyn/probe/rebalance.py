@@ -1,0 +1,149 @@
+"""One call for a trainer or an offline run: every rebalancing analysis of one batch, as record frames.
+
+    frames = analyze_batch(model, batch, step=s, stage_masks=lopti_masks_or_None)     # before the optimizer step
+    pi_before = completion_probs(model, batch)                                        # (for the real change)
+    ... optimizer step ...
+    frames["prob_change"] = pl.concat([frames["prob_change"], real_change_frame(pi_before, model, batch, step=s)])
+    write_records(run_dir, frames)
+
+Each analysis can be switched off (`RebalanceOptions`). The counterfactual probability change is read off the
+influence run's all-token source (the same update), so turning influence on costs only the per-bin sources.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import polars as pl
+import torch
+from torch import nn
+
+from tokendyn.probe.analysis_records import token_shares_frame
+from tokendyn.probe.change import change_frame, counterfactual_change, fix_pi_old, real_change
+from tokendyn.probe.influence import influence
+from tokendyn.probe.shares import as_edges, gradient_shares
+from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index
+
+
+@dataclass(frozen=True)
+class RebalanceOptions:
+    """Which analyses run. shares: per-bin gradients, norms per layer, projection shares (one forward + one batched
+    backward); token_shares: tokens per bin kept from the per-token JVP shares (0: no JVP); prob_change: the
+    counterfactual update (lr, plain SGD); influence: one counterfactual update per source bin (and per Lopti
+    stage)."""
+
+    shares: bool = True
+    token_shares: int = 64
+    prob_change: bool = True
+    influence: bool = True
+    lr: float = 1e-3
+    share_method: str = "loop"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token_shares, int) or self.token_shares < 0:
+            raise ValueError(f"rebalance: token_shares must be an integer >= 0, got {self.token_shares!r}")
+        if not float(self.lr) > 0:
+            raise ValueError(f"rebalance: lr must be > 0, got {self.lr!r}")
+
+
+def _stages(stage_masks: Sequence[torch.Tensor] | None) -> list[tuple[str, torch.Tensor | None]]:
+    if stage_masks is None:
+        return [("all", None)]
+    return [("stage1", stage_masks[0]), ("stage2", stage_masks[1])]
+
+
+def analyze_batch(
+    model: nn.Module,
+    batch: ProbeBatch,
+    *,
+    step: int,
+    stage: str = "train",
+    edges: torch.Tensor | Sequence[float] | None = None,
+    options: RebalanceOptions | None = None,
+    objective: Objective | None = None,
+    stage_masks: Sequence[torch.Tensor] | None = None,
+) -> dict[str, pl.DataFrame]:
+    """The `shares`, `token_shares`, `prob_change` (counterfactual) and `influence` frames of one batch, for the
+    analyses switched on. ``stage_masks``: the two Lopti stage masks (then the counterfactual update and the
+    influence matrix run per stage), or None. The model is not modified."""
+    opts = options or RebalanceOptions()
+    edges_t = as_edges(edges)
+    batch, _ = fix_pi_old(model, batch)  # pi_old fixed once for every analysis
+    pi_old = torch.exp(batch.old_logp.to(torch.float64))
+    bins = bin_index(pi_old, batch.completion_mask, edges_t)
+    frames: dict[str, pl.DataFrame] = {}
+    all_delta = None
+    stages = _stages(stage_masks)
+    if opts.influence:
+        inf = influence(model, batch, edges_t, stage_masks=stage_masks, lr=opts.lr, objective=objective)
+        frames["influence"] = inf.to_frame(step, stage)
+        deltas = {name: inf.deltas[(name, -1)] for name, _ in stages}
+        if len(stages) > 1:
+            deltas["total"] = sum(deltas.values())
+    elif opts.prob_change:
+        deltas = counterfactual_change(model, batch, stages, lr=opts.lr, objective=objective).delta
+    else:
+        deltas = {}
+    if deltas:
+        all_delta = deltas["all"] if stage_masks is None else deltas["total"]
+    if opts.prob_change:
+        frames["prob_change"] = pl.concat(
+            [
+                change_frame(d, batch, bins, edges_t, step=step, stage=stage, update_stage=name, lr=opts.lr)
+                for name, d in deltas.items()
+            ]
+        )
+    if opts.shares or opts.token_shares:
+        res = gradient_shares(
+            model,
+            batch,
+            edges_t,
+            objective=objective,
+            method=opts.share_method,
+            per_token=opts.token_shares > 0,
+        )
+        if opts.shares:
+            frames["shares"] = res.bins.to_frame(step, stage)
+        if res.tokens is not None:
+            frames["token_shares"] = token_shares_frame(
+                res.tokens,
+                bins,
+                edges_t,
+                pi_old,
+                batch.advantages,
+                batch.completion_ids,
+                step=step,
+                stage=stage,
+                per_bin=opts.token_shares,
+                seed=opts.seed + step,
+                delta_pi=all_delta,
+            )
+    return frames
+
+
+def real_change_frame(
+    pi_before: torch.Tensor | nn.Module,
+    model_after: nn.Module,
+    batch: ProbeBatch,
+    *,
+    step: int,
+    stage: str = "train",
+    edges: torch.Tensor | Sequence[float] | None = None,
+    pi_old: torch.Tensor | None = None,
+) -> pl.DataFrame:
+    """The `prob_change` record (update "real") of a real training update: pi_before measured before the optimizer
+    step (`tokendyn.probe.change.completion_probs`) or the model before; bins over pi_old (default:
+    exp(batch.old_logp), else pi_before)."""
+    edges_t = as_edges(edges)
+    delta = real_change(pi_before, model_after, batch)
+    if pi_old is None:
+        if batch.old_logp is not None:
+            pi_old = torch.exp(batch.old_logp.to(torch.float64))
+        elif torch.is_tensor(pi_before):
+            pi_old = pi_before
+        else:
+            raise ValueError("rebalance: give pi_old (or a batch with old_logp) to bin the real change")
+    bins = bin_index(pi_old.to(torch.float64), batch.completion_mask, edges_t)
+    return change_frame(delta, batch, bins, edges_t, step=step, stage=stage, update="real")

@@ -1,0 +1,292 @@
+"""Per-token log-probabilities and per-token loss terms of a GRPO-style objective, for one batch of completions.
+
+Every rebalancing analysis (shares, probability change, influence) takes the same inputs, a `ProbeBatch`, and
+differentiates the same per-token terms l_t computed here, so sum_t l_t is exactly the loss L whose gradient
+they decompose.
+
+Alignment: a row is prompt + completion, the completion occupying the last C positions of input_ids (S columns,
+left padding as TRL builds it). Completion token j sits at sequence index t = S - C + j; the position whose output
+predicts it is p(t) = t - 1 = S - C - 1 + j. Only the logits of positions S-C-1 .. S-2 are computed
+(``logits_to_keep = C + 1``, the last one dropped), through the model's own unfused LM head.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The per-token loss l_t (token-mean GRPO / DAPO style, as TRL's ``loss_type="dapo"`` and the paper's code).
+
+    With r_t = exp(log pi_t - log pi_old,t) and N the normalizer (default: the number of completion tokens)::
+
+        r'_t = min(r_t, delta)                                   (if delta is set: TRL's two-sided ratio cap)
+        pg_t = -min(r'_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)   (if eps_low/eps_high are set)
+        pg_t = -r'_t A_t                                        (no clipping: the plain surrogate, the default)
+        kl_t = exp(ref_t - log pi_t) - (ref_t - log pi_t) - 1   (k3, only if beta > 0; needs batch.ref_logp)
+        l_t  = m_t (pg_t + beta kl_t) / N,        L = sum_t l_t
+
+    Zeroing A_t (and the KL term) outside a token set makes l_t = 0 there: the loss restricted to a set of
+    tokens is the sum of their l_t, and the normalizer still counts all tokens.
+    """
+
+    eps_low: float | None = None
+    eps_high: float | None = None
+    delta: float | None = None
+    beta: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("eps_low", "eps_high"):
+            v = getattr(self, name)
+            if v is not None and not 0.0 <= float(v) < 1e6:
+                raise ValueError(f"objective: {name} must be None or a number >= 0, got {v!r}")
+        if (self.eps_low is None) != (self.eps_high is None):
+            raise ValueError(
+                f"objective: give both eps_low and eps_high (clipping) or neither, got "
+                f"eps_low={self.eps_low!r}, eps_high={self.eps_high!r}"
+            )
+        if self.delta is not None and not float(self.delta) > 1.0:
+            raise ValueError(f"objective: delta (ratio cap) must be None or > 1, got {self.delta!r}")
+        if not float(self.beta) >= 0.0:
+            raise ValueError(f"objective: beta must be >= 0, got {self.beta!r}")
+
+
+def _as_2d(name: str, value: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    if not torch.is_tensor(value):
+        raise TypeError(f"batch: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"batch: {name} must have shape {list(shape)}, got {list(value.shape)}")
+    return value
+
+
+@dataclass(frozen=True)
+class ProbeBatch:
+    """One batch of completions to analyse. B rows, S = prompt + completion columns, C completion columns.
+
+    input_ids, attention_mask: (B, S), the completion in the last C columns (left padding).
+    completion_mask: (B, C), 1 on scored completion tokens (stored as bool).
+    advantages: (B,) one per completion (broadcast) or (B, C) per token (stored as (B, C) float64).
+    old_logp: (B, C) log pi_old at the temperature, or None: on-policy, pi_old = the current pi (detached).
+    ref_logp: (B, C) log pi_ref, needed only for an objective with beta > 0.
+    temperature: T > 0, the logits are divided by T.
+    normalizer: N of the token mean; None: the number of completion tokens in this batch.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    temperature: float = 1.0
+    normalizer: float | None = None
+
+    def __post_init__(self) -> None:
+        ids = self.input_ids
+        if not torch.is_tensor(ids) or ids.dim() != 2 or ids.is_floating_point():
+            raise ValueError("batch: input_ids must be an integer tensor of shape (B, S)")
+        b, s = ids.shape
+        _as_2d("attention_mask", self.attention_mask, (b, s))
+        cm = self.completion_mask
+        if not torch.is_tensor(cm) or cm.dim() != 2 or cm.size(0) != b:
+            raise ValueError(
+                f"batch: completion_mask must have shape (B={b}, C), got {list(getattr(cm, 'shape', []))}"
+            )
+        c = cm.size(1)
+        if not 1 <= c < s:
+            raise ValueError(f"batch: completion length C must be in 1..S-1 = {s - 1}, got C = {c}")
+        if cm.dtype != torch.bool:
+            if bool(((cm != 0) & (cm != 1)).any()):
+                raise ValueError("batch: completion_mask must hold only 0 and 1 (or booleans)")
+            object.__setattr__(self, "completion_mask", cm.bool())
+        if bool((self.completion_mask & (self.attention_mask[:, -c:] == 0)).any()):
+            raise ValueError(
+                "batch: every scored completion token must be attended (attention_mask = 1 there)"
+            )
+        adv = self.advantages
+        if not torch.is_tensor(adv):
+            raise TypeError(f"batch: advantages must be a torch.Tensor, got {type(adv).__name__}")
+        if adv.dim() == 1 and adv.size(0) == b:
+            adv = adv.unsqueeze(1).expand(b, c)
+        _as_2d("advantages (or shape (B,))", adv, (b, c))
+        adv = adv.detach().to(torch.float64)
+        if not bool(torch.isfinite(adv[self.completion_mask]).all()):
+            raise ValueError("batch: advantages must be finite on the completion tokens")
+        object.__setattr__(self, "advantages", adv)
+        for name in ("old_logp", "ref_logp"):
+            v = getattr(self, name)
+            if v is not None:
+                v = _as_2d(name, v, (b, c)).detach()
+                bad = torch.isnan(v) | (v > 1e-6)
+                if bool(bad[self.completion_mask].any()):
+                    raise ValueError(f"batch: {name} must be log-probabilities <= 0 on the completion tokens")
+                object.__setattr__(self, name, v)
+        try:
+            t = float(self.temperature)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"batch: temperature must be a number > 0, got {self.temperature!r}") from exc
+        if not t > 0:
+            raise ValueError(f"batch: temperature must be > 0, got {t}")
+        object.__setattr__(self, "temperature", t)
+        if self.normalizer is not None and not float(self.normalizer) > 0:
+            raise ValueError(f"batch: normalizer must be None or > 0, got {self.normalizer!r}")
+
+    @property
+    def n_completion(self) -> int:
+        return int(self.completion_mask.size(1))
+
+    @property
+    def completion_ids(self) -> torch.Tensor:
+        """o_t: the sampled ids, the last C columns of input_ids, (B, C)."""
+        return self.input_ids[:, -self.n_completion :]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+    @property
+    def norm(self) -> float:
+        """N of the token mean: `normalizer`, or the number of completion tokens (at least 1)."""
+        return float(self.normalizer) if self.normalizer is not None else float(max(self.n_tokens, 1))
+
+    def with_old_logp(self, old_logp: torch.Tensor) -> ProbeBatch:
+        return replace(self, old_logp=old_logp.detach())
+
+    def select(self, rows: torch.Tensor | slice) -> ProbeBatch:
+        """A sub-batch of rows (e.g. the sample a trainer probes); the normalizer is kept as given (None: the
+        sub-batch's own token count)."""
+
+        def pick(x):
+            return None if x is None else x[rows]
+
+        return replace(
+            self,
+            input_ids=self.input_ids[rows],
+            attention_mask=self.attention_mask[rows],
+            completion_mask=self.completion_mask[rows],
+            advantages=self.advantages[rows],
+            old_logp=pick(self.old_logp),
+            ref_logp=pick(self.ref_logp),
+        )
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Every submodule in eval mode (no dropout, no gradient checkpointing), each one's flag restored on exit."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """name -> parameter, for every parameter that requires grad (tied weights appear once)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _accepts_logits_to_keep(model: nn.Module) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def completion_logp(
+    model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """log pi_t(o_t) at temperature T for every completion token, (B, C), differentiable.
+
+    z = logits[p(t)] / T with p(t) = t - 1 (see the module docstring), log pi_t = log_softmax(z)[o_t]; computed in
+    float32 or wider. With ``params`` the model is called through ``torch.func.functional_call`` with those
+    tensors in place of its parameters (the module itself is not modified).
+    """
+    c = batch.n_completion
+    kwargs: dict = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
+    keep = _accepts_logits_to_keep(model)
+    if keep:
+        kwargs["logits_to_keep"] = c + 1
+    if params is None:
+        out = model(**kwargs)
+    else:
+        out = torch.func.functional_call(model, params, (), kwargs)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    logits = logits[:, -(c + 1) : -1, :]
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / batch.temperature
+    ids = batch.completion_ids.to(z.device).unsqueeze(-1)
+    return torch.log_softmax(z, dim=-1).gather(-1, ids).squeeze(-1)
+
+
+def loss_terms(logp: torch.Tensor, batch: ProbeBatch, objective: Objective | None = None) -> torch.Tensor:
+    """The per-token terms l_t, (B, C), zero on padding, sum = L (formula: `Objective`).
+
+    ``logp`` is log pi_t (B, C); pi_old is batch.old_logp, or logp.detach() when None (ratio 1, gradient of the
+    plain surrogate -A_t log pi_t)."""
+    objective = objective or Objective()
+    mask = batch.completion_mask.to(logp.device)
+    adv = batch.advantages.to(device=logp.device, dtype=logp.dtype)
+    old = logp.detach() if batch.old_logp is None else batch.old_logp.to(device=logp.device, dtype=logp.dtype)
+    log_ratio = torch.where(mask, logp - old, torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)
+    capped = ratio if objective.delta is None else torch.clamp(ratio, max=objective.delta)
+    if objective.eps_low is None:
+        pg = -capped * adv
+    else:
+        clipped = torch.clamp(ratio, 1.0 - objective.eps_low, 1.0 + objective.eps_high)
+        pg = -torch.minimum(capped * adv, clipped * adv)
+    if objective.beta > 0:
+        if batch.ref_logp is None:
+            raise ValueError("objective: beta > 0 needs batch.ref_logp (log pi_ref of the completion tokens)")
+        ref = batch.ref_logp.to(device=logp.device, dtype=logp.dtype)
+        d = torch.where(mask, ref - logp, torch.zeros_like(logp))
+        pg = pg + objective.beta * (torch.exp(d) - d - 1.0)
+    return torch.where(mask, pg, torch.zeros_like(pg)) / batch.norm
+
+
+@dataclass
+class TokenLoss:
+    """logp: log pi_t (B, C); terms: l_t (B, C); loss: L = sum_t l_t (0-d)."""
+
+    logp: torch.Tensor
+    terms: torch.Tensor
+    loss: torch.Tensor
+
+
+def token_loss(
+    model: nn.Module,
+    batch: ProbeBatch,
+    objective: Objective | None = None,
+    params: dict[str, torch.Tensor] | None = None,
+) -> TokenLoss:
+    """Forward the batch and return log pi_t, the per-token loss terms l_t and L = sum_t l_t
+    (`completion_logp` then `loss_terms`)."""
+    logp = completion_logp(model, batch, params)
+    terms = loss_terms(logp, batch, objective)
+    return TokenLoss(logp, terms, terms.sum())
+
+
+def bin_index(pi: torch.Tensor, mask: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """Bin of every token by probability (`tokendyn.probe.bins.assign_bins`: [e_b, e_b+1), last bin closed);
+    -1 on padding. (B, C) long."""
+    from tokendyn.probe.bins import assign_bins
+
+    idx = assign_bins(pi.detach(), edges.to(pi.device))
+    return torch.where(mask.to(pi.device), idx, torch.full_like(idx, -1))
+
+
+def pi_old(model: nn.Module, batch: ProbeBatch) -> torch.Tensor:
+    """pi_old of every completion token as float64 (B, C): exp(batch.old_logp), or the current pi (eval mode,
+    no grad) when the batch is on-policy."""
+    if batch.old_logp is not None:
+        return torch.exp(batch.old_logp.to(torch.float64))
+    with torch.no_grad(), eval_mode(model):
+        return torch.exp(completion_logp(model, batch).to(torch.float64))

@@ -1,0 +1,283 @@
+"""Probability change, correct ratios, the influence matrix and the per-batch analysis records
+(tokendyn.probe.change / influence / rebalance)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import polars as pl
+import pytest
+import torch
+from _rebalance import TEMPERATURE, tiny_batch, tiny_model
+
+from tokendyn.probe.analysis_records import SCHEMAS, write_records
+from tokendyn.probe.change import (
+    change_frame,
+    completion_probs,
+    correct_ratios,
+    counterfactual_change,
+    delta_summary,
+    real_change,
+)
+from tokendyn.probe.influence import influence, lopti_stage_masks
+from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch, real_change_frame
+from tokendyn.probe.shares import as_edges, bin_gradients
+from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index, completion_logp, token_loss
+
+torch.set_num_threads(1)
+LR = 1e-3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(attn="eager")
+
+
+@pytest.fixture(scope="module")
+def batch(model):
+    return tiny_batch(model)
+
+
+def _snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _unchanged(model, snap) -> bool:
+    return all(torch.equal(p, snap[n]) for n, p in model.named_parameters()) and all(
+        p.grad is None for p in model.parameters()
+    )
+
+
+def _hand_sgd(model, batch, masks, lr=LR, objective=None, make_opt=None):
+    """SGD (or ``make_opt``) steps done by hand on a deep copy: backward of sum_{t in mask} l_t, then step;
+    pi_old fixed at the start. Returns pi after each step."""
+    work = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        old = completion_logp(work, batch)
+    fixed = batch if batch.old_logp is not None else batch.with_old_logp(old)
+    opt = make_opt(list(work.parameters())) if make_opt else None
+    out = []
+    for mask in masks:
+        work.zero_grad(set_to_none=True)
+        terms = token_loss(work, fixed, objective).terms
+        (terms if mask is None else terms * mask).sum().backward()
+        if opt is None:
+            with torch.no_grad():
+                for p in work.parameters():
+                    if p.grad is not None:
+                        p -= lr * p.grad
+        else:
+            opt.step()
+        with torch.no_grad():
+            out.append(completion_logp(work, fixed).double().exp())
+    return out
+
+
+def test_counterfactual_all_tokens_equals_a_hand_sgd_step(model, batch):
+    snap = _snapshot(model)
+    res = counterfactual_change(model, batch, lr=LR)
+    (pi_hand,) = _hand_sgd(model, batch, [None])
+    assert _unchanged(model, snap) and model.training, "the model is untouched and its mode restored"
+    assert torch.allclose(res.pi_after["all"], pi_hand, atol=1e-6, rtol=0)
+    delta = res.delta["all"]
+    assert float(delta[batch.completion_mask].abs().max()) > 1e-3, "the step moves the probabilities"
+    assert float(delta[~batch.completion_mask].abs().max()) == 0.0
+    assert torch.allclose(res.pi_before, completion_probs(model, batch))
+
+
+def test_counterfactual_bin_masked_step_is_sgd_along_the_bin_gradient(model, batch):
+    """A counterfactual restricted to bin b equals theta - lr g_b with g_b from `bin_gradients`."""
+    grads = bin_gradients(model, batch)
+    b = 0
+    mask = grads.bins == b
+    res = counterfactual_change(model, batch, [("b0", mask)], lr=LR)
+    params = {n: p.detach() - LR * grads.per_bin[b][n] for n, p in model.named_parameters()}
+    assert torch.allclose(res.pi_after["b0"], completion_probs(model, batch, params), atol=1e-6, rtol=0)
+
+
+def test_lopti_stages_with_adam_carry_the_optimizer_state(model, batch):
+    """Stage 2 starts from stage 1's parameters and optimizer state, pi_old fixed: against two Adam steps by hand."""
+    low, high = lopti_stage_masks(batch, eta=0.5, pi_old=completion_probs(model, batch))
+    assert low.any() and high.any() and not (low & high).any()
+    assert torch.equal(low | high, batch.completion_mask)
+
+    def adam(params):
+        return torch.optim.Adam(params, lr=1e-3)
+
+    obj = Objective(eps_low=0.2, eps_high=0.24)
+    res = counterfactual_change(
+        model, batch, [("stage1", low), ("stage2", high)], optimizer=adam, objective=obj
+    )
+    pi1, pi2 = _hand_sgd(model, batch, [low, high], objective=obj, make_opt=adam)
+    assert torch.allclose(res.pi_after["stage1"], pi1, atol=1e-6, rtol=0)
+    assert torch.allclose(res.pi_after["stage2"], pi2, atol=1e-6, rtol=0)
+    assert torch.allclose(res.delta["stage2"], (pi2 - pi1) * batch.completion_mask, atol=1e-6, rtol=0)
+    assert torch.allclose(res.delta["total"], res.delta["stage1"] + res.delta["stage2"], atol=1e-12)
+
+
+def test_real_change_is_side_effect_free(model, batch):
+    after = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in after.parameters():
+            p.add_(1e-3 * torch.randn_like(p))
+    model.train()
+    after.train()
+    before_pi = completion_probs(model, batch)
+    d1 = real_change(model, after, batch)
+    d2 = real_change(before_pi, after, batch)
+    assert torch.equal(d1, d2)
+    assert model.training and after.training
+    assert all(p.grad is None for p in after.parameters())
+    expect = (completion_probs(after, batch) - before_pi) * batch.completion_mask
+    assert torch.allclose(d1, expect, atol=1e-12)
+    df = real_change_frame(before_pi, after, batch, step=2)
+    assert df["update"].unique().to_list() == ["real"]
+    assert dict(df.schema) == SCHEMAS["prob_change"]
+
+
+def test_correct_ratios_hand_checked():
+    delta = torch.tensor([[0.1, -0.2, 0.0, 0.3], [-0.1, -0.05, 0.2, 0.4]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, 1.0, -1.0], [-2.0, 0.0, 0.5, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    r = correct_ratios(delta, adv, mask)
+    # A > 0: (0.1 up), (-0.2 down), (0.0 flat), (0.2 up) -> 2 / 4; A < 0: (0.3 up), (-0.1 down) -> 1 / 2
+    assert (r["n_pos"], r["n_neg"]) == (4, 2)
+    assert r["correct_pos"] == 0.5 and r["correct_neg"] == 0.5
+    assert r["correct_pooled"] == 3 / 6
+    only_pos = correct_ratios(delta, adv.abs(), mask)
+    assert only_pos["n_neg"] == 0 and math.isnan(only_pos["correct_neg"])
+    s = delta_summary(delta, adv, mask)
+    x = delta[mask]
+    assert s["count"] == 7 and abs(s["mean_abs"] - float(x.abs().mean())) < 1e-15
+    assert abs(s["q50"] - float(x.median())) < 1e-15 and s["min"] == -0.2 and s["max"] == 0.3
+
+
+def test_influence_rows(model, batch):
+    edges = as_edges(None)
+    res = influence(model, batch, edges, lr=LR)
+    cf = counterfactual_change(model, batch, lr=LR)
+    assert torch.allclose(res.deltas[("all", -1)], cf.delta["all"], atol=1e-12)
+    grads = bin_gradients(model, batch)
+    for b in range(4):  # each row is the update along its bin's gradient
+        params = {n: p.detach() - LR * grads.per_bin[b][n] for n, p in model.named_parameters()}
+        want = (completion_probs(model, batch, params) - cf.pi_before) * batch.completion_mask
+        assert torch.allclose(res.deltas[("all", b)], want, atol=1e-6, rtol=0)
+    # first order: the rows add up to the all-token row (SGD is linear in the gradient)
+    small = influence(model, batch, edges, lr=1e-6)
+    summed = sum(small.deltas[("all", b)] for b in range(4))
+    full = small.deltas[("all", -1)]
+    assert float((summed - full).abs().max()) < 1e-2 * float(full.abs().max())
+    m = res.matrix("all", "mean_abs")
+    assert m.shape == (5, 4) and bool(torch.isfinite(m).all())
+    df = res.to_frame(step=1)
+    assert dict(df.schema) == SCHEMAS["influence"]
+    assert df.height == 5 * 5
+    row = df.filter((pl.col("source_bin") == 0) & (pl.col("target_bin") == 3))
+    assert abs(row["mean_abs"][0] - float(m[1, 3])) < 1e-15
+
+
+def test_influence_per_lopti_stage(model, batch):
+    low, high = lopti_stage_masks(batch, eta=0.5, pi_old=completion_probs(model, batch))
+    res = influence(model, batch, stage_masks=(low, high), lr=LR)
+    cf = counterfactual_change(model, batch, [("stage1", low), ("stage2", high)], lr=LR)
+    assert torch.allclose(res.deltas[("stage1", -1)], cf.delta["stage1"], atol=1e-12)
+    assert torch.allclose(res.deltas[("stage2", -1)], cf.delta["stage2"], atol=1e-12)
+    # eta = 0.5 on the quarter bins: stage 1 sources are bins 0, 1 and stage 2 sources bins 2, 3
+    stage_sources = {
+        s: sorted(b for (st, b) in res.deltas if st == s and b >= 0) for s in ("stage1", "stage2")
+    }
+    assert stage_sources == {"stage1": [0, 1], "stage2": [2, 3]}
+    # a stage-2 row starts from the model after the full stage-1 update
+    edges = as_edges(None)
+    bins = bin_index(completion_probs(model, batch), batch.completion_mask, edges)
+    pi1 = cf.pi_after["stage1"]
+    _, pi2_b3 = _hand_sgd(model, batch, [low, high & (bins == 3)])
+    assert torch.allclose(
+        res.deltas[("stage2", 3)], (pi2_b3 - pi1) * batch.completion_mask, atol=1e-6, rtol=0
+    )
+
+
+def test_analyze_batch_records(model, batch, tmp_path):
+    low, high = lopti_stage_masks(batch, eta=0.5, pi_old=completion_probs(model, batch))
+    snap = _snapshot(model)
+    frames = analyze_batch(
+        model, batch, step=4, stage_masks=(low, high), options=RebalanceOptions(token_shares=3)
+    )
+    assert _unchanged(model, snap)
+    assert set(frames) == {"shares", "token_shares", "prob_change", "influence"}
+    for kind, df in frames.items():
+        assert dict(df.schema) == SCHEMAS[kind], kind
+    pc = frames["prob_change"]
+    assert sorted(pc["update_stage"].unique().to_list()) == ["stage1", "stage2", "total"]
+    ts = frames["token_shares"]
+    assert ts.height <= 4 * 3 and ts["delta_pi"].null_count() == 0
+    files = write_records(tmp_path, frames, rank=1)
+    assert sorted(f.name for f in files) == sorted(f"{k}-rank001-000000.parquet" for k in frames)
+    back = pl.read_parquet(tmp_path / "records" / "prob_change-rank001-000000.parquet")
+    assert back.equals(pc)
+
+
+def test_analyze_batch_switches(model, batch):
+    frames = analyze_batch(
+        model, batch, step=0, options=RebalanceOptions(shares=False, token_shares=0, influence=False)
+    )
+    assert set(frames) == {"prob_change"}
+    frames = analyze_batch(model, batch, step=0, options=RebalanceOptions(prob_change=False, influence=False))
+    assert set(frames) == {"shares", "token_shares"}
+    assert frames["token_shares"]["delta_pi"].null_count() == frames["token_shares"].height
+
+
+def test_change_frame_bins(model, batch):
+    res = counterfactual_change(model, batch)
+    edges = as_edges((0.0, 0.5, 1.0))
+    bins = bin_index(res.pi_before, batch.completion_mask, edges)
+    df = change_frame(res.delta["all"], batch, bins, edges, step=0, lr=LR)
+    assert df["bin"].to_list() == [-1, 0, 1]
+    assert df["count"][0] == df["count"][1] + df["count"][2] == batch.n_tokens
+
+
+def test_bad_batch_is_named():
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match="completion_mask"):
+        ProbeBatch(ids, torch.ones_like(ids), torch.full((2, 3), 2), torch.zeros(2))
+    with pytest.raises(ValueError, match="advantages"):
+        ProbeBatch(ids, torch.ones_like(ids), torch.ones(2, 3), torch.zeros(3))
+    with pytest.raises(ValueError, match="temperature"):
+        ProbeBatch(ids, torch.ones_like(ids), torch.ones(2, 3), torch.zeros(2), temperature=0.0)
+    with pytest.raises(ValueError, match="old_logp"):
+        ProbeBatch(ids, torch.ones_like(ids), torch.ones(2, 3), torch.zeros(2), old_logp=torch.ones(2, 3))
+
+
+def test_on_a_saved_model_with_generated_completions(tiny_model_dir, tmp_path):
+    """End to end on the saved tiny policy (sdpa attention, real tokenizer): sampled completions cut at eos, GRPO
+    advantages from rewards, every analysis written as records and read back."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from tokendyn.trainers.functional import grpo_advantages
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tiny_model_dir))
+    lm = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    assert lm.config._attn_implementation == "sdpa"
+    prompts = ["Knights always tell the truth", "You meet 3 inhabitants: Zoey"]
+    enc = tok([p for p in prompts for _ in range(4)], return_tensors="pt", padding=True)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = lm.generate(**enc, do_sample=True, temperature=TEMPERATURE, top_k=0, max_new_tokens=10)
+    comp = out[:, enc["input_ids"].shape[1] :]
+    is_eos = (comp == tok.eos_token_id).long()
+    after_eos = (is_eos.cumsum(1) - is_eos) > 0
+    cmask = (~after_eos).long()
+    rewards = cmask.sum(1).double() % 3  # any deterministic reward
+    adv = grpo_advantages(rewards, group_size=4)
+    attn = torch.cat([enc["attention_mask"], cmask], 1)
+    b = ProbeBatch(out, attn, cmask, adv, temperature=TEMPERATURE)
+    frames = analyze_batch(lm, b, step=0)
+    shares = frames["shares"].filter((pl.col("layer") == "all") & (pl.col("bin") >= 0))
+    assert abs(shares["share"].sum() - 1.0) < 1e-5
+    assert abs(shares["jvp_share"].sum() - 1.0) < 1e-4
+    write_records(tmp_path, frames)
+    from tokendyn.hooks.records import shard_files
+
+    for kind in frames:
+        assert pl.read_parquet(shard_files(tmp_path, kind)[0]).equals(frames[kind])
