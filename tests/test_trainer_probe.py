@@ -38,6 +38,16 @@ def test_probe_records_without_changing_training(tiny_model_dir, tmp_path, lopti
     assert sorted(steps.to_list()) == [0, 1, 2, 3]  # every optimizer step was probed
     assert (run_dir / "analysis" / "bins.parquet").is_file()
 
+    # the rebalancing analyses ran on the rollout samples, before and after the real update
+    shares = pl.read_parquet(sorted((run_dir / "records").glob("shares-*.parquet")))
+    per_step = shares.filter((pl.col("layer") == "all") & (pl.col("bin") >= 0)).group_by("step").agg(pl.col("share").sum())
+    assert per_step.height >= 1 and (per_step["share"] - 1).abs().max() < 1e-6
+    change = pl.read_parquet(sorted((run_dir / "records").glob("prob_change-*.parquet")))
+    assert set(change["update"].unique()) == {"counterfactual", "real"}
+    influence = pl.read_parquet(sorted((run_dir / "records").glob("influence-*.parquet")))
+    assert set(influence["update_stage"].unique()) == ({"stage1", "stage2"} if lopti else {"all"})
+    assert (run_dir / "records").glob("token_shares-*.parquet")
+
 
 def test_stage_names_follow_the_lopti_order():
     assert [stage_name(s, "low_first") for s in (0, 1, 2)] == ["train", "low", "high"]

@@ -5,6 +5,11 @@ stage masking, with exactly the tensors the loss uses), `end()` after the micro-
 and `close()` at the end of training. A probed optimizer step records every micro-batch of it;
 Lopti's stages are recorded apart (stage "low" / "high"); plain GRPO is stage "train". No extra
 forward or backward pass is made for these statistics: they are read from the training backward.
+
+The rebalancing analyses (`tokendyn.probe.rebalance`) are the one deliberate extra cost: on probed
+steps, at the first micro-step of each rollout batch, `analyze(inputs)` runs them on the first
+``probe_sample_sequences`` sequences (before any update of that batch; the model is not modified),
+and after the batch's last optimizer step the same sequences are re-scored for the real change.
 """
 
 from __future__ import annotations
@@ -47,6 +52,87 @@ class TrainerProbe(TrainerCallback):
             rank=trainer.accelerator.process_index,
         ).attach()
         self._open = False
+        self.run_dir = Path(run_dir)
+        self.analyses = args.probe_analysis_set
+        self.sample = int(args.probe_sample_sequences)
+        self._pending_real = None
+        if self.analyses:
+            from ..probe.rebalance import RebalanceOptions
+            from ..probe.tokenloss import Objective
+
+            self.options = RebalanceOptions(
+                shares="shares" in self.analyses,
+                token_shares=32 if "token_shares" in self.analyses else 0,
+                prob_change="prob_change" in self.analyses,
+                influence="influence" in self.analyses,
+                lr=float(args.probe_lr),
+                seed=args.seed,
+            )
+            eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon  # as TRL
+            self.objective = Objective(eps_low=args.epsilon, eps_high=eps_high, delta=args.delta, beta=args.beta)
+            edges = self.probe.bins.edges
+            self.edges = list(edges) if edges is not None else None  # quantile bins: the paper's edges here
+
+    def _generate_every(self) -> int:
+        return self.trainer.args.steps_per_generation * self.trainer.num_iterations
+
+    def analyze(self, inputs: dict) -> None:
+        """The rebalancing analyses of a rollout batch (first micro-step of a probed rollout only)."""
+        t = self.trainer
+        if not self.analyses or not self.due() or not t.model.training or t._step % self._generate_every():
+            return
+        import torch
+
+        from ..probe.rebalance import analyze_batch
+        from ..probe.tokenloss import ProbeBatch
+        from ..records import write_frames
+
+        rows = slice(0, self.sample)
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        batch = ProbeBatch(
+            input_ids=torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)[rows],
+            attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)[rows],
+            completion_mask=mask[rows],
+            advantages=inputs["advantages"][rows],
+            old_logp=inputs["old_per_token_logps"][rows] if inputs.get("old_per_token_logps") is not None else None,
+            ref_logp=inputs["ref_per_token_logps"][rows] if inputs.get("ref_per_token_logps") is not None else None,
+            temperature=t.temperature,
+        )
+        stage_masks = None
+        if "lopti_stage1_mask" in inputs:
+            stage_masks = (inputs["lopti_stage1_mask"][rows], inputs["lopti_stage2_mask"][rows])
+        model = t.accelerator.unwrap_model(t.model)
+        step = t.state.global_step
+        self.probe.enabled = False  # the analyses' own forwards are not training passes
+        try:
+            frames = analyze_batch(model, batch, step=step, edges=self.edges, options=self.options,
+                                   objective=self.objective, stage_masks=stage_masks)
+            if "real_change" in self.analyses:
+                from ..probe.change import completion_probs
+
+                self._pending_real = (completion_probs(model, batch), batch, step)
+        finally:
+            self.probe.enabled = True
+        write_frames(self.run_dir, frames, rank=t.accelerator.process_index)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """After the rollout batch's last optimizer step: the real probability change of the sample."""
+        if self._pending_real is None or self.trainer._step % self._generate_every():
+            return
+        from ..probe.rebalance import real_change_frame
+        from ..records import write_frames
+
+        pi_before, batch, step = self._pending_real
+        self._pending_real = None
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        self.probe.enabled = False
+        try:
+            frame = real_change_frame(pi_before, model, batch, step=step, edges=self.edges)
+        finally:
+            self.probe.enabled = True
+        write_frames(self.run_dir, {"prob_change": frame}, rank=self.trainer.accelerator.process_index)
 
     def due(self) -> bool:
         return self.every > 0 and self.trainer.state.global_step % self.every == 0

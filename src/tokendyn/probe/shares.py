@@ -19,6 +19,7 @@ was: no ``.grad`` is written, no parameter changes.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -284,9 +285,28 @@ def token_shares(
     def terms(*ps: torch.Tensor) -> torch.Tensor:
         return loss_terms(completion_logp(model, batch, dict(zip(names, ps, strict=True))), batch, objective)
 
-    with eval_mode(model), jvp_attention(model):
+    with eval_mode(model), jvp_attention(model), _no_input_require_grads(model):
         _, dterms = torch.func.jvp(terms, primals, tangents)
     return dterms.detach().to(torch.float64) / norm2
+
+
+@contextlib.contextmanager
+def _no_input_require_grads(model: nn.Module):
+    """Gradient checkpointing makes HF models call ``requires_grad_`` on the embeddings' output in a forward
+    hook (``enable_input_require_grads``; the trainers may register it more than once), which functorch
+    transforms refuse: set those hooks aside for the JVP and put them back after."""
+    stashed = []
+    for module in model.modules():
+        hooks = module._forward_hooks
+        for key, fn in list(hooks.items()):
+            if getattr(fn, "__name__", "") == "make_inputs_require_grads":
+                stashed.append((hooks, key, fn))
+                del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, key, fn in stashed:
+            hooks[key] = fn
 
 
 @dataclass

@@ -14,6 +14,7 @@ from trl import GRPOConfig
 from .functional import LOPTI_ORDERS
 
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp")
+PROBE_ANALYSES = ("shares", "token_shares", "prob_change", "influence", "real_change")
 
 
 def _is_number(value) -> bool:
@@ -123,10 +124,37 @@ class TokendynGRPOConfig(GRPOConfig):
         default=10, metadata={"help": "Compute the direct gradients on every n-th probed micro-batch only."}
     )
 
+    probe_sample_sequences: int = field(
+        default=8,
+        metadata={
+            "help": "Rebalancing analyses (gradient shares per bin, per-token JVP shares, probability change, "
+            "influence matrix) run every probe_every steps on this many sequences of the rollout batch; 0 = off."
+        },
+    )
+    probe_analyses: str = field(
+        default="shares,token_shares,prob_change,influence,real_change",
+        metadata={
+            "help": "Which rebalancing analyses run, comma-separated from: shares, token_shares, prob_change, "
+            "influence, real_change (the probability change of the sample after the real update); 'none' = off."
+        },
+    )
+    probe_lr: float = field(
+        default=1e-3,
+        metadata={"help": "Learning rate of the counterfactual SGD updates (the paper's diagnostic: 1e-3)."},
+    )
+
     def __post_init__(self):
         self._validate_tokendyn_fields()
         super().__post_init__()
         self._validate_lopti_schedule()
+
+    @property
+    def probe_analysis_set(self) -> tuple[str, ...]:
+        """The rebalancing analyses switched on (empty when off)."""
+        text = (self.probe_analyses or "").strip()
+        if text.lower() in ("", "none") or not self.probe_sample_sequences:
+            return ()
+        return tuple(a.strip() for a in text.split(",") if a.strip())
 
     @property
     def lopti_enabled(self) -> bool:
@@ -158,6 +186,15 @@ class TokendynGRPOConfig(GRPOConfig):
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if not isinstance(self.probe_direct_every, int) or self.probe_direct_every < 1:
             raise ValueError(f"probe_direct_every must be an integer >= 1, got {self.probe_direct_every!r}")
+        if not isinstance(self.probe_sample_sequences, int) or self.probe_sample_sequences < 0:
+            raise ValueError(f"probe_sample_sequences must be an integer >= 0, got {self.probe_sample_sequences!r}")
+        unknown = set(self.probe_analysis_set) - set(PROBE_ANALYSES)
+        if unknown:
+            raise ValueError(
+                f"probe_analyses: unknown {sorted(unknown)}; allowed: {', '.join(PROBE_ANALYSES)} (or 'none')"
+            )
+        if not _is_number(self.probe_lr) or self.probe_lr <= 0:
+            raise ValueError(f"probe_lr must be a number > 0, got {self.probe_lr!r}")
         if self.probe_every:
             from tokendyn.probe.bins import BinSpec
 

@@ -174,6 +174,8 @@ class TokendynGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):
         stage = self.current_stage()
+        if self.probe is not None:  # rebalancing analyses see the batch before any stage masking
+            self.probe.analyze(inputs)
         if stage:
             keep = inputs[STAGE_MASK_KEYS[stage]]
             inputs = dict(inputs)  # the buffered batch is reused by later passes: never modify it
