@@ -17,6 +17,8 @@ COMMANDS = {
     "eval": "tokendyn.trainers.eval_cli",
     "train": "tokendyn.trainers.train_cli",
     "analyze": "tokendyn.analysis.cli",
+    "figures": "tokendyn.figures.cli",
+    "probe": "tokendyn.hooks.offline_cli",
 }
 
 

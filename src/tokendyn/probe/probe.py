@@ -297,7 +297,9 @@ class GradientProbe:
         if self._guard:
             return
         p.backward_seen = True
-        p.norms[name] = torch.linalg.vector_norm(grad.detach(), dim=-1, dtype=torch.float32)
+        p.norms[name] = torch.linalg.vector_norm(
+            grad.detach(), dim=-1, dtype=torch.promote_types(grad.dtype, torch.float32)
+        )
         if name == FINAL_NORM:
             p.grad_dtype = grad.dtype
             if p.check_at is not None:

@@ -1,0 +1,69 @@
+"""`tokendyn figures RUN_DIR [RUN_DIR ...] --out DIR [--format png|svg|pdf]`: every figure the records allow, the
+tables, and one self-contained report.html; several runs are drawn side by side / overlaid."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tokendyn.figures.report import FORMATS, REPORT
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the `figures` subcommand to an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "figures",
+        help="the paper's figures and report.html from one or more run directories",
+        description="Read RUN_DIR/records/*.parquet, RUN_DIR/metrics.parquet and RUN_DIR/run.json of each run, draw "
+        "every figure the records allow (runs side by side / overlaid, named by method), write the tables as CSV "
+        f"and one self-contained {REPORT}. Figures whose record kinds are missing are skipped with a note.",
+    )
+    p.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (written by tokendyn train)"
+    )
+    p.add_argument("--out", required=True, help="output folder (created)")
+    p.add_argument(
+        "--format", default="png", choices=FORMATS, help="file format of the figures (default png)"
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from tokendyn.common import check_writable
+    from tokendyn.figures.data import RunDirError, check_run_dir
+
+    err = Console(stderr=True)
+    for d in args.run_dirs:  # all of them, before any work
+        try:
+            check_run_dir(d)
+        except RunDirError as exc:
+            print(f"tokendyn figures: error: {exc}", file=sys.stderr)
+            return 2
+    try:
+        check_writable(args.out, "--out")
+    except ValueError as exc:
+        print(f"tokendyn figures: error: {exc}", file=sys.stderr)
+        return 2
+
+    from tokendyn.figures.report import FIGURES, TABLES, build_report
+
+    console = Console()
+    total = len(FIGURES) + len(TABLES)
+    done = [0]
+
+    def progress(msg: str) -> None:
+        done[0] += 1
+        err.print(f"[{done[0]}/{total}] {msg}", highlight=False)
+
+    result = build_report(args.run_dirs, args.out, fmt=args.format, progress=progress)
+    for name, note in result.notes.items():
+        console.print(f"[yellow]{name}[/yellow]: {note}", highlight=False)
+    console.print(
+        f"wrote {len(result.figures)} figures ({args.format}) and {len(result.tables)} tables to {args.out}",
+        highlight=False,
+    )
+    print(f"report: {result.path}")
+    return 0

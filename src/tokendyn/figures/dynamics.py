@@ -1,0 +1,319 @@
+"""Figures of what an update does to the tokens' probabilities: delta pi per bin after the full update (paper
+Fig. 1c), the isolation panels (Fig. 1e/f) and the whole influence matrix, the correct ratio per bin (Fig. 2b).
+
+All read the rebalancing records (``prob_change``, ``influence``); a Lopti run's full update is its "total" (both
+stages), a plain run's "all".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import polars as pl
+import seaborn as sns
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from tokendyn.figures.data import MissingRecords, bin_label, need, optional, run_order
+from tokendyn.figures.style import new_figure, offsets, run_colors, run_markers, shade_bins, themed
+
+QS = ("q01", "q05", "q25", "q50", "q75", "q95", "q99")
+FULL_STAGES = ("total", "all")  # the full update: both Lopti stages, else the single update
+
+
+def full_update(prob_change: pl.DataFrame, update: str | None = "counterfactual") -> pl.DataFrame:
+    """Rows of the full update per run: source all tokens (-1), the given kind of update (fallback: whatever the
+    run has), update_stage "total" where present, else "all"."""
+    pc = prob_change.filter(pl.col("source_bin") == -1)
+    out = []
+    for run in run_order(pc):
+        r = pc.filter(pl.col("run") == run)
+        kinds = r.get_column("update").unique().to_list()
+        kind = (
+            update
+            if update in kinds
+            else ("counterfactual" if "counterfactual" in kinds else sorted(kinds)[0])
+        )
+        r = r.filter(pl.col("update") == kind)
+        stages = r.get_column("update_stage").unique().to_list()
+        stage = next((s for s in FULL_STAGES if s in stages), sorted(stages)[0])
+        out.append(r.filter(pl.col("update_stage") == stage))
+    return pl.concat(out, how="diagonal_relaxed") if out else pc.clear()
+
+
+def pooled_change(prob_change: pl.DataFrame, update: str | None = "counterfactual") -> pl.DataFrame:
+    """Per (run, bin; bin -1 = all tokens) over the steps of the full update: tokens, count-weighted mean of the
+    mean, mean |delta pi| and the quantiles, and the correct ratios pooled (correct counts summed)."""
+    full = full_update(prob_change, update).filter(pl.col("count") > 0)
+    wmean = lambda c: ((pl.col(c) * pl.col("count")).sum() / pl.col("count").sum()).alias(c)  # noqa: E731
+
+    def ratio(c: str, n: str) -> pl.Expr:
+        ok = pl.col(c).is_not_null() & pl.col(c).is_not_nan() & (pl.col(n) > 0)
+        num = (pl.col(c) * pl.col(n)).filter(ok).sum()
+        den = pl.col(n).filter(ok).sum()
+        return pl.when(den > 0).then(num / den).otherwise(None).alias(c)
+
+    return (
+        full.group_by("run", "bin")
+        .agg(
+            pl.col("update").first(),
+            pl.col("update_stage").first(),
+            pl.col("lr").first(),
+            pl.col("step").n_unique().alias("steps"),
+            pl.col("bin_lo").mean(),
+            pl.col("bin_hi").mean(),
+            pl.col("count").sum().alias("tokens"),
+            *[wmean(c) for c in ("mean", "mean_abs", *QS)],
+            pl.col("min").min(),
+            pl.col("max").max(),
+            pl.col("n_pos").sum(),
+            pl.col("n_neg").sum(),
+            ratio("correct_pos", "n_pos"),
+            ratio("correct_neg", "n_neg"),
+            (
+                (pl.col("correct_pooled") * (pl.col("n_pos") + pl.col("n_neg"))).sum()
+                / (pl.col("n_pos") + pl.col("n_neg")).sum()
+            ).alias("correct_pooled"),
+        )
+        .sort("run", "bin")
+    )
+
+
+def _update_note(df: pl.DataFrame) -> str:
+    kinds = df.get_column("update").unique().to_list()
+    lrs = [x for x in df.get_column("lr").unique().to_list() if x is not None]
+    if kinds == ["counterfactual"]:
+        return f"counterfactual SGD step, lr = {lrs[0]:g}" if len(lrs) == 1 else "counterfactual SGD step"
+    if kinds == ["real"]:
+        return "the real training update"
+    return "update: " + ", ".join(kinds)
+
+
+def prob_change_by_bin(prob_change: pl.DataFrame | None, token_shares: pl.DataFrame | None = None) -> Figure:
+    """Delta pi = pi_after - pi_before per bin of pi_old after one update with all tokens (Fig. 1c): box q25..q75,
+    median, whiskers q01..q99 (the top and bottom 1 % left out, as the paper), pooled over the recorded steps; the
+    sampled tokens' delta pi (``token_shares``) as violins behind when recorded. Runs side by side in each bin."""
+    pc = need(prob_change, "probability change per bin", ["prob_change"])
+    pooled = pooled_change(pc).filter(pl.col("bin") >= 0)
+    if not pooled.height:
+        raise MissingRecords("probability change per bin", ["prob_change"], reason="no full-update rows")
+    runs = run_order(pooled)
+    colors = run_colors(runs)
+    ts = optional(token_shares)
+    if ts is not None:
+        ts = ts.drop_nulls("delta_pi") if "delta_pi" in ts.columns else None
+    with themed():
+        fig, axes = new_figure(1, 1, w=max(6.4, 2.0 + 1.4 * len(runs) * 2), h=4.2)
+        ax = axes[0, 0]
+        offs = offsets(len(runs), 0.78)
+        edges = []
+        for i, run in enumerate(runs):
+            r = pooled.filter(pl.col("run") == run).sort("bin")
+            lo, hi = r["bin_lo"].to_numpy(), r["bin_hi"].to_numpy()
+            edges.append([*lo, *hi])
+            pos = (lo + hi) / 2 + np.array(offs[i]) * (hi - lo)
+            width = (hi - lo) * 0.78 / len(runs)
+            if ts is not None:
+                t = ts.filter(pl.col("run") == run)
+                for b, p, wd in zip(r["bin"].to_list(), pos, width, strict=True):
+                    v = t.filter(pl.col("bin") == b)["delta_pi"].to_numpy()
+                    if v.size > 2 and np.ptp(v) > 0:
+                        lo_q, hi_q = np.quantile(v, [0.01, 0.99])
+                        parts = ax.violinplot(v[(v >= lo_q) & (v <= hi_q)], [p], widths=wd * 0.95,
+                                              showextrema=False)  # fmt: skip
+                        for body in parts["bodies"]:
+                            body.set(facecolor=colors[run], alpha=0.25, edgecolor=colors[run])
+            stats = [
+                dict(med=q50, q1=q25, q3=q75, whislo=q01, whishi=q99, fliers=[], label="")
+                for q01, q25, q50, q75, q99 in r.select("q01", "q25", "q50", "q75", "q99").iter_rows()
+            ]
+            ax.bxp(stats, positions=pos, widths=width * 0.55, patch_artist=True, manage_ticks=False,
+                   boxprops=dict(facecolor=colors[run], alpha=0.75, edgecolor="0.2"),
+                   medianprops=dict(color="black", lw=1.5), whiskerprops=dict(color="0.25"),
+                   capprops=dict(color="0.25"))  # fmt: skip
+        ax.axhline(0, color="0.4", lw=0.8)
+        ax.set_xlim(0, 1)
+        shade_bins(ax, edges)
+        ax.set_xlabel("probability interval of the sampled token, π_old")
+        ax.set_ylabel("probability change Δπ = π_after − π_before")
+        ax.set_title(
+            f"Probability change after one update with all tokens\n({_update_note(pooled)})", fontsize=11
+        )
+        handles = [Patch(color=colors[r], label=r) for r in runs]
+        if ts is not None:
+            handles.append(Patch(color="0.6", alpha=0.3, label="violin: sampled tokens"))
+        ax.legend(handles=handles, fontsize=8, loc="upper right")
+    return fig
+
+
+def _pooled_influence(influence: pl.DataFrame) -> pl.DataFrame:
+    """Per (run, update_stage, source, target) over the steps: count-weighted mean |delta pi| and mean."""
+    inf = influence.filter(pl.col("count") > 0)
+    return (
+        inf.group_by("run", "update_stage", "source_bin", "target_bin")
+        .agg(
+            pl.col("source_lo").mean(),
+            pl.col("source_hi").mean(),
+            pl.col("target_lo").mean(),
+            pl.col("target_hi").mean(),
+            pl.col("lr").first(),
+            pl.col("count").sum().alias("tokens"),
+            pl.col("source_count").sum(),
+            ((pl.col("mean_abs") * pl.col("count")).sum() / pl.col("count").sum()).alias("mean_abs"),
+            ((pl.col("mean") * pl.col("count")).sum() / pl.col("count").sum()).alias("mean"),
+        )
+        .sort("run", "update_stage", "source_bin", "target_bin")
+    )
+
+
+def isolation(influence: pl.DataFrame | None, *, sources: Sequence[int] | None = None) -> Figure:
+    """Mean |delta pi| per target bin after an update restricted to one source bin (Fig. 1e: the lowest bin,
+    Fig. 1f: the highest; ``sources`` to choose), the updated bin shaded red and the frozen ones blue, against the
+    update with all tokens of the same stage (black markers). One row per run."""
+    inf = need(influence, "isolation panels", ["influence"])
+    pooled = _pooled_influence(inf)
+    runs = run_order(pooled)
+    bins = sorted(b for b in pooled.get_column("source_bin").unique().to_list() if b >= 0)
+    if not bins:
+        raise MissingRecords(
+            "isolation panels", ["influence"], reason="no update restricted to one bin recorded"
+        )
+    srcs = list(sources) if sources is not None else sorted({bins[0], bins[-1]})
+    colors = run_colors(runs)
+    from tokendyn.figures.style import run_rows
+
+    with themed():
+        fig, axes = run_rows(runs, len(srcs), w=4.4, h=3.4)
+        for i, run in enumerate(runs):
+            r = pooled.filter((pl.col("run") == run) & (pl.col("target_bin") >= 0))
+            ymax = float(r["mean_abs"].max() or 0) * 1.25 or 1.0
+            for j, src in enumerate(srcs):
+                ax = axes[i, j]
+                rows = r.filter(pl.col("source_bin") == src)
+                stages = rows.get_column("update_stage").unique().to_list()
+                if not stages:
+                    ax.text(0.5, 0.5, f"no tokens in source bin {src}", ha="center", va="center",
+                            transform=ax.transAxes)  # fmt: skip
+                    ax.set_axis_off()
+                    continue
+                stage = "all" if "all" in stages else sorted(stages)[0]
+                rows = rows.filter(pl.col("update_stage") == stage).sort("target_bin")
+                ref = r.filter((pl.col("source_bin") == -1) & (pl.col("update_stage") == stage)).sort(
+                    "target_bin"
+                )
+                lo, hi = rows["target_lo"].to_numpy(), rows["target_hi"].to_numpy()
+                s_lo, s_hi = float(rows["source_lo"][0]), float(rows["source_hi"][0])
+                for a, b in zip(lo, hi, strict=True):
+                    hot = math.isclose(a, s_lo) and math.isclose(b, s_hi)
+                    ax.axvspan(a, b, color="#d6604d" if hot else "#4393c3", alpha=0.12, lw=0)
+                ax.bar((lo + hi) / 2, rows["mean_abs"].to_numpy(), width=(hi - lo) * 0.6, color=colors[run],
+                       edgecolor="0.2", label=f"only {bin_label(s_lo, s_hi, s_hi >= 1)} updated")  # fmt: skip
+                if ref.height:
+                    ax.plot((ref["target_lo"] + ref["target_hi"]).to_numpy() / 2, ref["mean_abs"].to_numpy(), "o",
+                            color="black", ms=6, label="all tokens updated")  # fmt: skip
+                ax.set_xlim(0, 1)
+                ax.set_ylim(0, ymax)
+                where = "" if stage == "all" else f", {stage}"
+                ax.set_title(f"update only π_old in {bin_label(s_lo, s_hi, s_hi >= 1)}{where}", fontsize=10)
+                ax.set_xlabel("probability interval of the measured tokens, π_old")
+                ax.set_ylabel("mean |Δπ|" if j == 0 else "")
+                ax.legend(fontsize=7.5, loc="upper right")
+        fig.suptitle(
+            "Isolation: red = updated interval, blue = frozen (ideally unchanged)", fontweight="bold"
+        )
+    return fig
+
+
+def influence_matrix(influence: pl.DataFrame | None) -> Figure:
+    """Heatmap M[source bin, target bin] = mean |delta pi| over the target bin's tokens after an update with only the
+    source bin's tokens (row "all": every token), one panel per run (and per Lopti stage)."""
+    inf = need(influence, "influence matrix", ["influence"])
+    pooled = _pooled_influence(inf)
+    order = run_order(pooled)
+    panels = sorted(
+        pooled.select("run", "update_stage").unique().rows(), key=lambda p: (order.index(p[0]), p[1])
+    )
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    with themed():
+        fig, axes = new_figure(nrows, ncols, w=4.6, h=3.8)
+        for k, (run, stage) in enumerate(panels):
+            ax = axes[k // ncols, k % ncols]
+            r = pooled.filter(
+                (pl.col("run") == run) & (pl.col("update_stage") == stage) & (pl.col("target_bin") >= 0)
+            )
+            tl = r.select("target_bin", "target_lo", "target_hi").unique().sort("target_bin")
+            sl = r.select("source_bin", "source_lo", "source_hi").unique().sort("source_bin")
+            nt = tl.height
+            tlab = [bin_label(a, b, i == nt - 1) for i, (_, a, b) in enumerate(tl.iter_rows())]
+            slab = ["all" if s < 0 else bin_label(a, b, b >= 1) for s, a, b in sl.iter_rows()]
+            m = np.full((sl.height, nt), np.nan)
+            si = {s: i for i, s in enumerate(sl["source_bin"].to_list())}
+            ti = {t: i for i, t in enumerate(tl["target_bin"].to_list())}
+            for s, t, v in r.select("source_bin", "target_bin", "mean_abs").iter_rows():
+                m[si[s], ti[t]] = v
+            exp = math.floor(math.log10(np.nanmax(m))) if np.nanmax(m) > 0 else 0
+            sns.heatmap(m / 10.0**exp, ax=ax, annot=True, fmt=".2g", cmap="rocket_r", xticklabels=tlab,
+                        yticklabels=slab, linewidths=0.5, linecolor="white",
+                        cbar_kws={"label": "mean |Δπ|" + (f" (×$10^{{{exp}}}$)" if exp else "")})  # fmt: skip
+            ax.set_xlabel("measured tokens (target), π_old")
+            ax.set_ylabel("updated tokens (source)")
+            ax.set_title(run if stage == "all" else f"{run}: {stage}", fontsize=10)
+            ax.tick_params(axis="x", rotation=0, labelsize=8)
+            ax.tick_params(axis="y", rotation=0, labelsize=8)
+        for k in range(len(panels), nrows * ncols):
+            axes[k // ncols, k % ncols].set_axis_off()
+        fig.suptitle("Influence matrix: who moves whom", fontweight="bold")
+    return fig
+
+
+def correct_ratio(prob_change: pl.DataFrame | None, *, update: str | None = "counterfactual") -> Figure:
+    """Per bin of pi_old, the fraction of positive-advantage tokens whose probability rose (left: the paper's
+    Fig. 2b), of negative-advantage tokens whose probability fell (middle) and both pooled (right), after the full
+    update; runs overlaid; error bars: binomial standard error."""
+    pc = need(prob_change, "correct ratio per bin", ["prob_change"])
+    pooled = pooled_change(pc, update).filter(pl.col("bin") >= 0)
+    runs = run_order(pooled)
+    colors = run_colors(runs)
+    marks = run_markers(runs)
+    panels = [("correct_pos", "n_pos", "A > 0: share with Δπ > 0"), ("correct_neg", "n_neg", "A < 0: share with Δπ < 0"),
+              ("correct_pooled", None, "both signs pooled")]  # fmt: skip
+    with themed():
+        fig, axes = new_figure(1, 3, w=4.4, h=3.8, sharey=True)
+        offs = offsets(len(runs), 0.5)
+        edges: list[list[float]] = []
+        for j, (col, ncol, title) in enumerate(panels):
+            ax = axes[0, j]
+            for i, run in enumerate(runs):
+                r = (
+                    pooled.filter(pl.col("run") == run)
+                    .sort("bin")
+                    .drop_nulls(col)
+                    .filter(pl.col(col).is_not_nan())
+                )
+                if not r.height:
+                    continue
+                lo, hi = r["bin_lo"].to_numpy(), r["bin_hi"].to_numpy()
+                edges.append([*lo, *hi])
+                x = (lo + hi) / 2 + np.array(offs[i]) * (hi - lo)
+                p = r[col].to_numpy()
+                n = r[ncol].to_numpy() if ncol else (r["n_pos"] + r["n_neg"]).to_numpy()
+                se = np.sqrt(np.clip(p * (1 - p), 0, None) / np.maximum(n, 1))
+                ax.errorbar(x, p, yerr=se, fmt="-", marker=marks[run], color=colors[run], capsize=4, ms=5, lw=1.5,
+                            alpha=0.9, label=run)  # fmt: skip
+            ax.axhline(0.5, color="0.3", lw=1, ls=":")
+            ax.set_xlim(0, 1)
+            shade_bins(ax, edges)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("probability interval, π_old")
+        axes[0, 0].set_ylabel("correct ratio")
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        fig.legend(
+            handles, labels, loc="outside lower center", ncol=min(4, len(runs)), fontsize=9, frameon=False
+        )
+        fig.suptitle(
+            f"Tokens moved in the direction of their advantage ({_update_note(pooled)})", fontweight="bold"
+        )
+    return fig

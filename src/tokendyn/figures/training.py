@@ -1,0 +1,174 @@
+"""Training curves across runs (reward, accuracy per puzzle size) and the accuracy table (paper Fig. 3), from each
+run's ``metrics.parquet`` (one row per logged step; ``rollout`` added by `load_runs`)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import matplotlib.pyplot as plt
+import numpy as np
+import polars as pl
+from matplotlib.figure import Figure
+
+from tokendyn.figures.data import MissingRecords, need, run_order
+from tokendyn.figures.style import new_figure, run_colors, run_markers, themed
+
+HELDOUT = re.compile(r"^heldout/accuracy_(\d+)ppl$")
+LAST_EVALS = 3  # the paper averages the last three checkpoints
+
+
+def heldout_sizes(metrics: pl.DataFrame) -> list[int]:
+    return sorted(int(m.group(1)) for c in metrics.columns if (m := HELDOUT.match(c)))
+
+
+def _x(metrics: pl.DataFrame) -> str:
+    return "rollout" if "rollout" in metrics.columns else "step"
+
+
+def ema(y: np.ndarray, smoothing: float) -> np.ndarray:
+    """Exponential moving average with bias correction (TensorBoard's smoothing)."""
+    out, acc, w = np.empty_like(y, dtype=float), 0.0, 0.0
+    for i, v in enumerate(y):
+        acc = smoothing * acc + (1 - smoothing) * v
+        w = smoothing * w + (1 - smoothing)
+        out[i] = acc / w
+    return out
+
+
+def _smoothing(n: int) -> float:
+    return 0.95 if n >= 100 else 0.8 if n >= 20 else 0.0
+
+
+def training_curves(metrics: pl.DataFrame | None) -> Figure:
+    """Training reward (raw, and EMA-smoothed when there are enough steps, as the paper), training accuracy when
+    logged, and held-out accuracy per puzzle size and on average, against rollout batches (the paper's RL steps:
+    Lopti takes two optimizer steps per rollout), runs overlaid."""
+    m = need(metrics, "training curves", ["metrics"], "RUN_DIR/metrics.parquet")
+    x = _x(m)
+    sizes = heldout_sizes(m)
+    panels = [("reward", "training reward")]
+    acc_cols = [c for c in m.columns if c.startswith("rewards/") and "accuracy" in c and c.endswith("/mean")]
+    panels += [(c, "training accuracy") for c in acc_cols[:1]]
+    panels += [(f"heldout/accuracy_{k}ppl", f"held-out accuracy, {k} people") for k in sizes]
+    if len(sizes) > 1 and "heldout/accuracy" in m.columns:
+        panels.append(("heldout/accuracy", "held-out accuracy, mean over sizes"))
+    panels = [(c, t) for c, t in panels if c in m.columns and m[c].drop_nulls().len()]
+    if not panels:
+        raise MissingRecords("training curves", ["metrics"], reason="no reward or accuracy column logged")
+    runs = run_order(m)
+    colors = run_colors(runs)
+    marks = run_markers(runs)
+    ncols = min(4, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    try:
+        table = accuracy_table(m)
+    except MissingRecords:
+        table = None
+    with themed():
+        top = None
+        if table is None:
+            fig, axes = new_figure(nrows, ncols, w=4.0, h=3.2)
+        else:
+            fig = plt.figure(
+                figsize=(4.0 * ncols, 3.2 * nrows + 0.9 + 0.3 * table.height), layout="constrained"
+            )
+            top, bottom = fig.subfigures(2, 1, height_ratios=[3.2 * nrows, 0.9 + 0.3 * table.height])
+            axes = top.subplots(nrows, ncols, squeeze=False)
+            _draw_table(bottom.subplots(), table, colors)
+        for k, (col, title) in enumerate(panels):
+            ax = axes[k // ncols, k % ncols]
+            for run in runs:
+                d = m.filter((pl.col("run") == run) & pl.col(col).is_not_null() & pl.col(col).is_not_nan())
+                d = d.sort(x)
+                if not d.height:
+                    continue
+                xs, ys = d[x].to_numpy(), d[col].to_numpy().astype(float)
+                s = _smoothing(len(ys)) if col == "reward" else 0.0
+                if s:
+                    ax.plot(xs, ys, color=colors[run], alpha=0.25, lw=1)
+                    ax.plot(xs, ema(ys, s), color=colors[run], lw=2, label=run)
+                else:
+                    ax.plot(
+                        xs, ys, "-", marker=marks[run], color=colors[run], lw=1.8, ms=5, alpha=0.9, label=run
+                    )
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("rollout batch (RL step)" if x == "rollout" else "optimizer step")
+            if "accuracy" in col:
+                ax.set_ylim(-0.03, 1.03)
+            if (
+                k % ncols == 0
+                or col == "reward"
+                or (k > 0 and "accuracy" in col) != ("accuracy" in panels[k - 1][0])
+            ):
+                ax.set_ylabel("accuracy" if "accuracy" in col else "reward")
+        for k in range(len(panels), nrows * ncols):
+            axes[k // ncols, k % ncols].set_axis_off()
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        host = fig if table is None else top
+        host.legend(
+            handles, labels, loc="outside lower center", ncol=min(4, len(runs)), fontsize=9, frameon=False
+        )
+        fig.suptitle("Training curves", fontweight="bold")
+    return fig
+
+
+def _draw_table(ax, table: pl.DataFrame, colors: dict[str, str]) -> None:
+    """The accuracy table under the curves, each run's row in its colour (as the paper's Fig. 3)."""
+    ax.set_axis_off()
+    cols = [c for c in table.columns if c not in ("evaluations",)]
+    cells = [[_cell(v, c) for c, v in zip(cols, row, strict=True)] for row in table.select(cols).iter_rows()]
+    width = min(0.95, 0.12 * (len(cols) + 2))
+    tab = ax.table(cellText=cells, colLabels=[c.replace("people", "ppl") for c in cols], cellLoc="center",
+                   bbox=[(1 - width) / 2, 0, width, 1])  # fmt: skip
+    tab.auto_set_font_size(False)
+    tab.set_fontsize(9)
+    tab.auto_set_column_width(list(range(len(cols))))
+    for (r, _c), cell in tab.get_celld().items():
+        cell.set_edgecolor("0.85")
+        if r == 0:
+            cell.set_text_props(fontweight="bold")
+        else:
+            cell.get_text().set_color(colors.get(table["run"][r - 1], "black"))
+    n = int(table["evaluations"].max() or 0)
+    ax.set_title(f"held-out accuracy, mean of the last {n} evaluation{'s' * (n != 1)}", fontsize=10)
+
+
+def _cell(v, col: str) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:+.1f}%" if "%" in col else f"{v:.2f}" if "people" in col or col == "mean" else f"{v:g}"
+    return str(v)
+
+
+def accuracy_table(metrics: pl.DataFrame | None, last: int = LAST_EVALS) -> pl.DataFrame:
+    """Per run: held-out accuracy per puzzle size and its mean, averaged over the last ``last`` evaluations (as the
+    paper), the number of evaluations used, and the relative gain of the mean over the plain GRPO run (when one of
+    the runs is plain GRPO)."""
+    m = need(metrics, "accuracy table", ["metrics"], "RUN_DIR/metrics.parquet")
+    sizes = heldout_sizes(m)
+    if not sizes:
+        raise MissingRecords(
+            "accuracy table", ["metrics"], reason="no held-out accuracy logged (eval_n = 0?)"
+        )
+    x = _x(m)
+    rows = []
+    for run in run_order(m):
+        d = m.filter(pl.col("run") == run)
+        row: dict = {"run": run}
+        evals = d.filter(pl.col(f"heldout/accuracy_{sizes[0]}ppl").is_not_null()).sort(x).tail(last)
+        for k in sizes:
+            v = evals[f"heldout/accuracy_{k}ppl"].drop_nulls()
+            row[f"{k} people"] = float(v.mean()) if v.len() else None
+        vals = [row[f"{k} people"] for k in sizes if row[f"{k} people"] is not None]
+        row["mean"] = sum(vals) / len(vals) if vals else None
+        row["evaluations"] = evals.height
+        row["at rollout" if x == "rollout" else "at step"] = float(evals[x].max()) if evals.height else None
+        rows.append(row)
+    table = pl.DataFrame(rows)
+    base = [r for r in rows if r["run"].strip().upper() == "GRPO"]
+    if base and base[0]["mean"]:
+        b = base[0]["mean"]
+        table = table.with_columns(((pl.col("mean") / b - 1) * 100).alias("vs GRPO (%)"))
+    return table

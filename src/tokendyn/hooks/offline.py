@@ -1,0 +1,346 @@
+"""The offline probe: the training records of one rollout batch from any RL stack, without training.
+
+`probe_rollouts(model, tokenizer, rollouts, run_dir)` mirrors `tokendyn.hooks.trainer.TrainerProbe` on a batch
+read from a rollouts file (`tokendyn.hooks.rollouts`):
+
+1. micro-batches of ``batch_size`` rows, padded as TRL pads them (prompts left, completions right; rows keep the
+   padding they were given), each run through one forward and one backward of the token-mean loss
+
+       L = sum_t m_t l_t / N,   l_t = the clipped policy-gradient term (+ beta k3) of `tokendyn.probe.tokenloss`
+
+   with N = the scored tokens of the whole file (so the micro-batch gradients add up to the gradient of the file's
+   token mean, as one TRL step over the batch), under a `GradientProbe` (step 0, stage "train"); pi_old is the
+   file's old_logp, else the model's own pi (on-policy). Only activation gradients are computed (parameters are
+   frozen for the pass, the embedding output carries the gradient): the probed gradients are those of the full
+   backward, no parameter gradient is written;
+2. the rebalancing analyses (`tokendyn.probe.rebalance.analyze_batch`) on the first ``sample_sequences`` rows;
+3. everything is written to a staging folder beside RUN_DIR, renamed onto RUN_DIR at the end: RUN_DIR (absent or
+   empty before) gets records/ and run.json all at once, or nothing.
+
+The model is left as it was (parameters, requires_grad flags, .grad, train/eval mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokendyn.common import write_json
+from tokendyn.hooks.records import RecordWriter
+from tokendyn.hooks.rollouts import Rollouts, RolloutsError, read_rollouts
+from tokendyn.probe.probe import GradientProbe
+from tokendyn.probe.tokenloss import Objective, ProbeBatch, eval_mode, token_loss
+
+ANALYSES = ("shares", "token_shares", "prob_change", "influence")
+TOKEN_SHARES_PER_BIN = 32  # sampled token-share rows per bin, as the trainer keeps
+METHOD = "offline probe"
+
+
+def parse_analyses(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """'shares,influence' / a sequence / 'none' / '' / None -> the analyses (checked against ANALYSES)."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    items = [a.strip() for a in items if a.strip()]
+    if items in (["none"], []):
+        return ()
+    unknown = sorted(set(items) - set(ANALYSES))
+    if unknown:
+        raise ValueError(
+            f"analyses: unknown {unknown}; allowed: {', '.join(ANALYSES)} (comma-separated) or 'none'"
+        )
+    return tuple(dict.fromkeys(items))
+
+
+def check_run_dir(run_dir: str | os.PathLike) -> Path:
+    """RUN_DIR must be absent or an empty directory in a writable place (the probe never mixes runs)."""
+    from tokendyn.common import check_writable
+
+    path = Path(run_dir)
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"out: {str(path)!r} exists and is not a directory")
+        if any(path.iterdir()):
+            raise ValueError(f"out: {str(path)!r} is not empty; give a new (or empty) run directory")
+    check_writable(path, "out")
+    return path
+
+
+def resolve_temperature(rollouts: Rollouts, temperature: float | None) -> float:
+    """The file's temperature column, else ``temperature``, else 1.0; a conflict between the two is an error."""
+    file_t = rollouts.temperature
+    if temperature is not None:
+        t = float(temperature)
+        if not t > 0:
+            raise ValueError(f"temperature: must be > 0, got {temperature!r}")
+        if file_t is not None and abs(file_t - t) > 1e-12 * max(1.0, t):
+            raise ValueError(
+                f"temperature: the rollouts file says {file_t:g} (column 'temperature') but {t:g} was given; "
+                "drop one of them"
+            )
+        return t
+    return 1.0 if file_t is None else file_t
+
+
+@dataclass
+class OfflineResult:
+    """What `probe_rollouts` wrote."""
+
+    run_dir: Path
+    files: list[Path]
+    rows: int
+    tokens: int
+    micro_batches: int
+    analysed_rows: int
+
+
+@contextlib.contextmanager
+def _activation_grads_only(model: nn.Module) -> Iterator[None]:
+    """Parameters frozen and the embedding output made to require grad: a backward then computes every activation
+    gradient (the same values as a full backward) and no parameter gradient. Flags restored on exit."""
+    params = list(model.parameters())
+    flags = [p.requires_grad for p in params]
+    embed = model.get_input_embeddings()
+
+    def need_grad(module, args, output):
+        return output.requires_grad_(True)
+
+    handle = embed.register_forward_hook(need_grad)
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        yield
+    finally:
+        handle.remove()
+        for p, f in zip(params, flags, strict=True):
+            p.requires_grad_(f)
+
+
+def _probe_batch(b: dict, temperature: float, normalizer: float | None) -> ProbeBatch:
+    return ProbeBatch(
+        input_ids=torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1),
+        attention_mask=torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1),
+        completion_mask=b["loss_mask"],
+        advantages=b["advantages"],
+        old_logp=b.get("old_per_token_logps"),
+        ref_logp=b.get("ref_per_token_logps"),
+        temperature=temperature,
+        normalizer=normalizer,
+    )
+
+
+def _check_ids(rollouts: Rollouts, model: nn.Module) -> None:
+    vocab = model.get_input_embeddings().num_embeddings
+    for name in ("prompt_ids", "completion_ids"):
+        for i, ids in enumerate(getattr(rollouts, name)):
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+                raise RolloutsError(
+                    f"rollouts {rollouts.source}: row {i}: {name} holds ids outside the model's vocabulary "
+                    f"[0, {vocab}) (min {int(ids.min())}, max {int(ids.max())}); wrong model or tokenizer?"
+                )
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return contextlib.nullcontext(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+
+
+def probe_rollouts(
+    model: nn.Module,
+    tokenizer,
+    rollouts: Rollouts | str | os.PathLike,
+    run_dir: str | os.PathLike,
+    *,
+    bins=None,
+    points: str | Sequence[str] | None = None,
+    temperature: float | None = None,
+    batch_size: int = 16,
+    sample_sequences: int = 8,
+    analyses: str | Sequence[str] | None = ANALYSES,
+    lr: float = 1e-3,
+    objective: Objective | None = None,
+    seed: int = 0,
+    sample_tokens: int = 128,
+    direct_tokens: int = 16,
+    progress: bool = False,
+    meta: dict | None = None,
+) -> OfflineResult:
+    """Probe one rollout batch offline and write the training records to RUN_DIR (see the module docstring).
+
+    rollouts: a validated `Rollouts` or anything `read_rollouts` takes; tokenizer: needed for text rollouts (and
+    for the pad id; None: 0). bins / points: as `GradientProbe` (default the paper's bins, every layer and the
+    final norm). temperature: None = the file's, else 1.0. analyses: a subset of ANALYSES (or 'none');
+    objective: default `Objective(0.2, 0.28)` (TRL's clipped surrogate, beta 0). meta: extra run.json fields.
+    Everything is checked before any forward; on any error nothing is written."""
+    t0 = time.time()
+    rollouts = read_rollouts(rollouts)
+    temperature = resolve_temperature(rollouts, temperature)
+    wanted = parse_analyses(analyses)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
+    if isinstance(sample_sequences, bool) or not isinstance(sample_sequences, int) or sample_sequences < 0:
+        raise ValueError(
+            f"sample_sequences: must be an integer >= 0 (0: no analyses), got {sample_sequences!r}"
+        )
+    objective = objective or Objective(eps_low=0.2, eps_high=0.28)
+    if objective.beta > 0 and rollouts.ref_logp is None:
+        raise ValueError(
+            f"beta: {objective.beta:g} > 0 needs a 'ref_logp' column (log pi_ref per completion token); "
+            "give it or use beta 0"
+        )
+    run_dir = check_run_dir(run_dir)
+    rollouts = rollouts.encode(tokenizer)
+    _check_ids(rollouts, model)
+    n_analysed = min(sample_sequences, rollouts.n) if wanted else 0
+    from tokendyn.probe.rebalance import RebalanceOptions
+
+    options = RebalanceOptions(
+        shares="shares" in wanted,
+        token_shares=TOKEN_SHARES_PER_BIN if "token_shares" in wanted else 0,
+        prob_change="prob_change" in wanted,
+        influence="influence" in wanted,
+        lr=float(lr),
+        seed=seed,
+    )
+    if options.token_shares and n_analysed:
+        from tokendyn.probe.shares import jvp_attention
+
+        jvp_attention(model)  # raises for attention kernels forward-mode AD cannot go through
+    probe = GradientProbe(
+        model,
+        points=points,
+        bins=bins,
+        sample_tokens=sample_tokens,
+        direct_tokens=direct_tokens,
+        temperature=temperature,
+        seed=seed,
+        rank=0,
+    )
+    pad_id = 0
+    if tokenizer is not None:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    device = next(model.parameters()).device
+    n_tokens = rollouts.n_scored()
+    chunks = [range(s, min(s + batch_size, rollouts.n)) for s in range(0, rollouts.n, batch_size)]
+
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = run_dir.parent / f".{run_dir.name}.staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        writer = RecordWriter(staging, rank=0, flush_every=16)
+        probe.sink = writer.add
+        with _progress(progress) as bar:
+            task = bar.add_task("probing micro-batches", total=len(chunks)) if bar is not None else None
+            with eval_mode(model), _activation_grads_only(model), probe:
+                for rows in chunks:
+                    b = rollouts.batch(rows, pad_id, device)
+                    batch = _probe_batch(b, temperature, normalizer=float(max(n_tokens, 1)))
+                    probe.begin_step(
+                        0,
+                        "train",
+                        completion_mask=batch.completion_mask,
+                        advantages=b["advantages"],
+                        old_logps=b.get("old_per_token_logps"),
+                        completion_ids=b["completion_ids"],
+                        temperature=temperature,
+                    )
+                    loss = token_loss(model, batch, objective)
+                    probe.watch_logps(loss.logp)
+                    loss.loss.backward()
+                    probe.end_step()
+                    if bar is not None:
+                        bar.advance(task)
+            writer.flush()
+            if n_analysed:
+                if bar is not None:
+                    bar.update(task, description=f"analyses on {n_analysed} sequences", completed=0, total=1)
+                sample = rollouts.batch(range(n_analysed), pad_id, device)
+                _analyse(model, _probe_batch(sample, temperature, None), probe, options, objective, staging)
+        files = [p.relative_to(staging) for p in sorted((staging / "records").glob("*.parquet"))]
+        info = {
+            "method": METHOD,
+            "model": getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__,
+            "rollouts": rollouts.source,
+            "rows": rollouts.n,
+            "tokens": n_tokens,
+            "micro_batches": len(chunks),
+            "analysed_rows": n_analysed,
+            "advantages": rollouts.advantage_source,
+            "pi_old": "old_logp column" if rollouts.old_logp is not None else "on-policy (the model's pi)",
+            "input": "token ids" if rollouts.prompts is None else "text (tokenized here)",
+            "ignored_columns": list(rollouts.ignored),
+            "options": {
+                "bins": probe.bins.describe(),
+                "points": probe.point_names,
+                "temperature": temperature,
+                "batch_size": batch_size,
+                "sample_sequences": sample_sequences,
+                "analyses": list(wanted),
+                "lr": float(lr),
+                "objective": asdict(objective),
+                "normalizer": "scored tokens of the whole file",
+                "seed": seed,
+            },
+            "versions": _versions(),
+            "status": "finished",
+            "wall_time_s": round(time.time() - t0, 2),
+            **(meta or {}),
+        }
+        write_json(staging / "run.json", info)
+        if run_dir.exists():
+            run_dir.rmdir()  # empty (checked above); the rename below puts the whole run in its place
+        os.replace(staging, run_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return OfflineResult(run_dir, [run_dir / f for f in files], rollouts.n, n_tokens, len(chunks), n_analysed)
+
+
+def _analyse(model, batch: ProbeBatch, probe: GradientProbe, options, objective, out: Path) -> None:
+    """The rebalancing analyses on the sample, as the trainer runs them on its own (token mean over the sample,
+    pi_old fixed once); bins: the probe's fixed edges (quantile bins: the paper's)."""
+    from tokendyn.probe.rebalance import analyze_batch
+    from tokendyn.records import write_frames
+
+    edges = probe.bins.edges
+    frames = analyze_batch(
+        model,
+        batch,
+        step=0,
+        stage="train",
+        edges=list(edges) if edges is not None else None,
+        options=options,
+        objective=objective,
+    )
+    write_frames(out, frames, rank=0)
+
+
+def _versions() -> dict:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("tokendyn", "torch", "transformers", "trl"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out

@@ -1,0 +1,188 @@
+"""`tokendyn probe --model PATH_OR_ID --rollouts FILE --out RUN_DIR`: the training records of a rollout batch from any
+RL stack (`tokendyn.hooks.offline`). Input is checked first (the rollouts schema, the out dir, every value range),
+then the tokenizer, then the model; nothing is written unless the whole probe succeeds."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+# no float64: the probe takes vector_norm(..., dtype=float32) of the gradients, which refuses float64 input
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the `probe` subcommand to an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "probe",
+        help="probe a rollouts file from any RL stack offline (same records as training)",
+        description="Read a rollouts file (parquet or jsonl: prompt_ids + completion_ids or prompt + completion, "
+        "and advantage or reward + group; optional old_logp, ref_logp, masks, temperature; see the README), run "
+        "one forward + backward of the token-mean loss per micro-batch under the gradient probe and the rebalancing "
+        "analyses on the first sequences, and write RUN_DIR/records and RUN_DIR/run.json as a training run does.",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model id or local directory (default: the embedded default)",
+    )
+    p.add_argument(
+        "--rollouts", required=True, help="rollouts file, .parquet or .jsonl (one completion per row)"
+    )
+    p.add_argument("--out", required=True, help="run directory to create (must be absent or empty)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature T (default: the file's column, else 1.0)",
+    )
+    p.add_argument(
+        "--bins", default="0,0.25,0.5,0.75,1", help="pi_old bins: edges, intervals:K or quantiles:K"
+    )
+    p.add_argument("--layers", nargs="+", default=None, help="probe points by name or glob (default: all)")
+    p.add_argument("--batch_size", type=int, default=16, help="completions per forward + backward (>= 1)")
+    p.add_argument(
+        "--sample_sequences", type=int, default=8, help="sequences the rebalancing analyses run on (0 = none)"
+    )
+    p.add_argument(
+        "--analyses",
+        default="shares,token_shares,prob_change,influence",
+        help="comma-separated subset of shares,token_shares,prob_change,influence, or 'none'",
+    )
+    p.add_argument(
+        "--lr", type=float, default=1e-3, help="learning rate of the counterfactual SGD step (> 0)"
+    )
+    p.add_argument("--epsilon", type=float, default=0.2, help="lower clip range of the ratio (>= 0)")
+    p.add_argument("--epsilon_high", type=float, default=0.28, help="upper clip range of the ratio (>= 0)")
+    p.add_argument("--delta", type=float, default=None, help="two-sided ratio cap (> 1; default none)")
+    p.add_argument(
+        "--beta", type=float, default=0.0, help="k3 KL coefficient (>= 0; > 0 needs a ref_logp column)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the token samples")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _check_args(args: argparse.Namespace):
+    """Value ranges; returns (analyses, objective). Raises ValueError naming the flag."""
+    from tokendyn.hooks.offline import parse_analyses
+    from tokendyn.probe.bins import BinSpec
+    from tokendyn.probe.tokenloss import Objective
+
+    def finite(name: str, v: float | None) -> None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError(f"--{name}: must be a finite number, got {v!r}")
+
+    for name in ("temperature", "lr", "epsilon", "epsilon_high", "delta", "beta"):
+        finite(name, getattr(args, name))
+    if args.temperature is not None and not args.temperature > 0:
+        raise ValueError(f"--temperature: must be > 0, got {args.temperature:g}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch_size: must be >= 1, got {args.batch_size}")
+    if args.sample_sequences < 0:
+        raise ValueError(f"--sample_sequences: must be >= 0 (0 = no analyses), got {args.sample_sequences}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr: must be > 0, got {args.lr:g}")
+    for name in ("epsilon", "epsilon_high", "beta"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name}: must be >= 0, got {getattr(args, name):g}")
+    if args.delta is not None and not args.delta > 1:
+        raise ValueError(f"--delta: must be > 1 (or left unset), got {args.delta:g}")
+    try:
+        BinSpec.parse(args.bins)
+    except ValueError as exc:
+        raise ValueError(f"--bins: {exc}") from None
+    try:
+        analyses = parse_analyses(args.analyses)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
+    objective = Objective(eps_low=args.epsilon, eps_high=args.epsilon_high, delta=args.delta, beta=args.beta)
+    return analyses, objective
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device: unknown device {name!r} (auto, cpu, cuda, cuda:N, mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: {name!r} asked but no CUDA device is available")
+    return device
+
+
+def _load(what: str, fn, *a, **kw):
+    try:
+        return fn(*a, **kw)
+    except (OSError, ValueError) as exc:  # transformers raises OSError for missing repos or folders
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--model: cannot load the {what} ({first})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from tokendyn.hooks.offline import check_run_dir, resolve_temperature
+    from tokendyn.hooks.rollouts import read_rollouts
+
+    console = Console(stderr=True)
+    analyses, objective = _check_args(args)
+    rollouts = read_rollouts(args.rollouts)
+    temperature = resolve_temperature(rollouts, args.temperature)
+    if args.beta > 0 and rollouts.ref_logp is None:
+        raise ValueError(
+            f"--beta: {args.beta:g} > 0 needs a 'ref_logp' column in the rollouts file; use --beta 0"
+        )
+    check_run_dir(args.out)
+    device = _device(args.device)
+    console.print(
+        f"rollouts: {rollouts.n} completions ({'token ids' if rollouts.mode == 'ids' else 'text'}), advantages from "
+        f"{rollouts.advantage_source}, pi_old {'from old_logp' if rollouts.old_logp is not None else 'on-policy'}, "
+        f"T = {temperature:g}"
+        + (f"; ignored columns: {', '.join(rollouts.ignored)}" if rollouts.ignored else "")
+    )
+
+    import torch
+
+    from tokendyn.hooks.offline import probe_rollouts
+    from tokendyn.trainers.policy import default_policy_dir, load_tokenizer
+
+    model_path = args.model or str(default_policy_dir())
+    tokenizer = _load("tokenizer", load_tokenizer, model_path)
+    rollouts = rollouts.encode(tokenizer)  # text rows tokenized and checked before the model is loaded
+    from transformers import AutoModelForCausalLM
+
+    console.print(f"loading {model_path} ({args.dtype}, {device})")
+    model = _load("model", AutoModelForCausalLM.from_pretrained, model_path, dtype=getattr(torch, args.dtype))
+    model.to(device)
+    result = probe_rollouts(
+        model,
+        tokenizer,
+        rollouts,
+        args.out,
+        bins=args.bins,
+        points=args.layers,
+        temperature=temperature,
+        batch_size=args.batch_size,
+        sample_sequences=args.sample_sequences,
+        analyses=analyses,
+        lr=args.lr,
+        objective=objective,
+        seed=args.seed,
+        progress=True,
+        meta={"model": model_path, "device": str(device), "dtype": args.dtype},
+    )
+    console.print(
+        f"probed {result.tokens} tokens of {result.rows} completions in {result.micro_batches} micro-batch(es)"
+        + (f"; analyses on {result.analysed_rows} sequences" if result.analysed_rows else "")
+    )
+    print(
+        f"wrote {len(result.files)} record files to {result.run_dir / 'records'} and {result.run_dir / 'run.json'}"
+    )
+    print(f"next: tokendyn analyze {result.run_dir}")
+    return 0

@@ -1,0 +1,223 @@
+"""Figures and report from the records of real short runs: GRPO, +Reweight and +Lopti on the tiny Qwen2 through the
+real TRL trainer with the probe and the rebalancing analyses on (probe_every=1), the real metrics log and held-out
+evaluation. No hand-typed numbers."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+import shutil
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import polars as pl  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
+from test_trainer import _config, _trainer  # noqa: E402
+
+from tokendyn import figures as F  # noqa: E402
+from tokendyn.analysis import analyze_run, load  # noqa: E402
+from tokendyn.common import write_json  # noqa: E402
+from tokendyn.figures import cli, readings, tables  # noqa: E402
+from tokendyn.figures.data import load_runs  # noqa: E402
+from tokendyn.figures.report import FIGURES, build_report  # noqa: E402
+from tokendyn.figures.tables import TABLES  # noqa: E402
+from tokendyn.trainers.callbacks import HeldoutEvalCallback, ParquetLogCallback  # noqa: E402
+from tokendyn.trainers.runner import method_name  # noqa: E402
+
+torch.set_num_threads(1)
+
+METHODS = {"grpo": {}, "reweight": dict(advantage_reweight_alpha=0.3), "lopti": dict(lopti_eta=0.5)}
+
+
+@pytest.fixture(scope="session")
+def run_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Three real runs (4 optimizer steps each) with run.json, metrics.parquet and every record kind."""
+    root = tmp_path_factory.mktemp("figure_runs")
+    out = {}
+    for name, extra in METHODS.items():
+        cfg = _config(root / name, max_steps=4, probe_every=1, **extra)
+        trainer = _trainer(tiny_model_dir, cfg)
+        run_dir = Path(cfg.output_dir)
+        trainer.add_callback(ParquetLogCallback(run_dir / "metrics.parquet", method=method_name(cfg)))
+        trainer.add_callback(HeldoutEvalCallback(trainer, [3, 4], 2, 2, cfg.temperature, "qwen-instruct"))
+        trainer.train()
+        write_json(run_dir / "run.json", {"method": method_name(cfg), "config": cfg.to_dict()})
+        out[name] = run_dir
+    return out
+
+
+@pytest.fixture(scope="session")
+def records(run_dirs):
+    return load_runs(run_dirs.values())
+
+
+def _texts(fig: Figure) -> set[str]:
+    return {t.get_text() for t in fig.findobj(Text) if t.get_text()}
+
+
+def _png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def test_runs_hold_every_record_kind(records):
+    assert records.labels == ["GRPO", "GRPO + Reweight(a=0.3)", "GRPO + Lopti(eta=0.5)"]
+    assert set(records.kinds()) == {
+        "binstats", "hist", "bound", "checks", "tokens", "shares", "token_shares", "prob_change", "influence",
+        "metrics",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", FIGURES, ids=[s.name for s in FIGURES])
+def test_every_figure_renders_all_runs_named_by_method(records, spec):
+    fig = spec.draw(records)
+    try:
+        png = _png(fig)
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+        texts = _texts(fig)
+        for label in records.labels:  # legends / row titles name every run by its method
+            assert any(label in t for t in texts), (spec.name, label, texts)
+        drawn = [a for a in fig.axes if a.has_data()]
+        assert drawn, spec.name
+        for ax in drawn:  # labelled axes (heatmap colorbars aside)
+            if ax.get_label() != "<colorbar>":
+                assert ax.get_xlabel() or ax.get_ylabel() or ax.get_title(), spec.name
+    finally:
+        matplotlib.pyplot.close(fig)
+
+
+@pytest.mark.parametrize(
+    "fn, args",
+    [
+        (F.token_share, (None,)),
+        (F.advantage_by_bin, (None,)),
+        (F.prob_change_by_bin, (None,)),
+        (F.gradient_norm_by_bin, (None, None)),
+        (F.layer_bin_heatmap, (None, None)),
+        (F.isolation, (None,)),
+        (F.influence_matrix, (None,)),
+        (F.bound, (None,)),
+        (F.correct_ratio, (None,)),
+        (F.update_shares, (None,)),
+        (F.training_curves, (None,)),
+        (F.accuracy_table, (None,)),
+    ],
+)
+def test_missing_kind_raises_missing_records(fn, args):
+    with pytest.raises(F.MissingRecords, match="needs"):
+        fn(*args)
+    with pytest.raises(F.MissingRecords):
+        fn(*(pl.DataFrame() for _ in args))
+
+
+def test_token_share_matches_the_probe_tables(records, run_dirs):
+    """The bars are the exact token counts of the probe (one point, each token once)."""
+    from tokendyn.figures.tokens import token_counts
+
+    counts = token_counts(records.get("binstats")).filter(pl.col("run") == "GRPO").sort("bin")
+    bins = analyze_run(run_dirs["grpo"], write=False)["bins"]
+    ref = bins.filter(pl.col("point") == "final_norm.out").sort("bin")
+    assert counts["tokens"].to_list() == ref["tokens"].to_list()
+    assert counts["share"].sum() == pytest.approx(1.0)
+    # one run's lazy frames straight from tokendyn.analysis.load (no run column) draw too
+    fig = F.token_share(load(run_dirs["grpo"], "binstats"), load(run_dirs["grpo"], "tokens"))
+    assert "density (right axis)" in _texts(fig)
+    heights = [p.get_height() for p in fig.axes[0].patches]
+    assert heights == pytest.approx(counts["share"].to_list())
+    matplotlib.pyplot.close(fig)
+
+
+def test_lopti_tokens_keep_their_own_stage(records):
+    tk = records.get("tokens").filter(pl.col("run") == "GRPO + Lopti(eta=0.5)")
+    inside = tk.filter(pl.col("in_stage"))
+    assert set(inside.filter(pl.col("stage") == "low")["bin"].unique()) <= {0, 1}
+    assert set(inside.filter(pl.col("stage") == "high")["bin"].unique()) <= {2, 3}
+    # outside its stage a token's advantage is masked to 0 in the records
+    assert (tk.filter(~pl.col("in_stage"))["advantage"] == 0).all()
+
+
+def test_readings_state_the_table_numbers(records):
+    shares = tables.shares_table(records)
+    text = readings.update_shares(records)
+    for run in records.labels:
+        low = shares.filter((pl.col("run") == run) & (pl.col("interval") == "[0, 0.25)")).row(0, named=True)
+        assert f"carry {100 * low['share_b']:.0f}% of the update" in text
+    acc = tables.accuracy(records)
+    assert acc["evaluations"].min() >= 1 and set(acc.columns) >= {"run", "3 people", "4 people", "mean"}
+
+
+def test_report_has_every_figure_and_table(records, tmp_path):
+    result = build_report(records, tmp_path / "out", strict=True)
+    html = result.path.read_text()
+    assert result.notes == {}
+    for spec in FIGURES:
+        section = html.split(f"<h2 id='{spec.name}'>", 1)[1].split("<h2", 1)[0]
+        assert "data:image/png;base64," in section, spec.name
+        assert "<div class='reading'>" in section, spec.name
+        assert (tmp_path / "out" / f"{spec.name}.png").is_file()
+    for name in TABLES:
+        section = html.split(f"<h3 id='table-{name}'>", 1)[1].split("<h3", 1)[0]
+        assert "<table>" in section and "class='note'" not in section, name
+        assert pl.read_csv(result.tables[name]).height > 0
+    assert "src='http" not in html and "<script" not in html  # self-contained
+    assert re.search(r"tokens below π = 0.25 are \d+% of tokens and carry \d+% of the update", html)
+
+
+def test_missing_kinds_give_notes_not_a_crash(run_dirs, tmp_path):
+    run = tmp_path / "grpo"
+    shutil.copytree(run_dirs["grpo"], run)
+    for f in (run / "records").glob("*.parquet"):
+        if f.name.split("-rank")[0] in ("influence", "shares", "token_shares"):
+            f.unlink()
+    bare = tmp_path / "bare"  # only the training log
+    bare.mkdir()
+    shutil.copy(run_dirs["reweight"] / "metrics.parquet", bare / "metrics.parquet")
+    result = build_report([run, bare], tmp_path / "out", strict=True)
+    html = result.path.read_text()
+    for name in ("e_isolation", "e_influence_matrix"):
+        assert "`influence` records" in result.notes[name]
+    assert "`shares` records" in result.notes["h_update_shares"]
+    assert "d_gradient_norm" not in result.notes  # falls back to the activation-gradient norms
+    assert "i_training" in result.figures and "f_bound" in result.figures
+    assert "No `binstats` records in: bare" in html  # the run without records is named
+    assert "<div class='note'>Skipped: isolation panels: needs `influence` records" in html
+    assert "table:shares" in result.notes and "table:accuracy" not in result.notes
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser(prog="tokendyn")
+    cli.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["figures", *argv])
+
+
+def test_cli_validates_every_run_dir_first(run_dirs, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.run(_args(str(run_dirs["grpo"]), str(tmp_path / "nope"), "--out", str(out))) == 2
+    assert "nope" in capsys.readouterr().err and not out.exists()
+    assert cli.run(_args(str(tmp_path), "--out", str(out))) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _args(str(run_dirs["grpo"]), "--out", str(out), "--format", "gif")
+
+
+def test_cli_writes_svg_figures_notes_and_the_report(run_dirs, tmp_path, capsys):
+    bare = tmp_path / "bare"  # a run directory with its training log only: one figure, notes for the rest
+    bare.mkdir()
+    shutil.copy(run_dirs["lopti"] / "metrics.parquet", bare / "metrics.parquet")
+    out = tmp_path / "out"
+    assert cli.run(_args(str(bare), "--out", str(out), "--format", "svg")) == 0
+    printed = capsys.readouterr().out
+    assert f"report: {out / 'report.html'}" in printed and "needs `binstats` records" in printed
+    assert [f.name for f in out.glob("*.svg")] == ["i_training.svg"]
+    assert "<svg" in (out / "i_training.svg").read_text()
+    assert (
+        "data:image/png;base64," in (out / "report.html").read_text()
+    )  # the report embeds PNG whatever --format
