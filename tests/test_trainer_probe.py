@@ -9,6 +9,7 @@ import torch
 from test_trainer import _config, _trainer
 
 from tokendyn.analysis import analyze_run
+from tokendyn.hooks.rollouts import read_rollouts
 from tokendyn.hooks.trainer import stage_name
 
 torch.set_num_threads(1)
@@ -23,7 +24,10 @@ def test_probe_records_without_changing_training(tiny_model_dir, tmp_path, lopti
     extra = dict(lopti_eta=0.5) if lopti else {}
     plain = _trainer(tiny_model_dir, _config(tmp_path / "plain", max_steps=4, **extra))
     plain.train()
-    probed = _trainer(tiny_model_dir, _config(tmp_path / "probed", max_steps=4, probe_every=1, **extra))
+    probed = _trainer(
+        tiny_model_dir,
+        _config(tmp_path / "probed", max_steps=4, probe_every=1, probe_dump_rollouts=True, **extra),
+    )
     probed.train()
     for a, b in zip(_params(plain), _params(probed), strict=True):
         assert torch.equal(a, b)  # the probe only reads gradients
@@ -46,7 +50,11 @@ def test_probe_records_without_changing_training(tiny_model_dir, tmp_path, lopti
     assert set(change["update"].unique()) == {"counterfactual", "real"}
     influence = pl.read_parquet(sorted((run_dir / "records").glob("influence-*.parquet")))
     assert set(influence["update_stage"].unique()) == ({"stage1", "stage2"} if lopti else {"all"})
-    assert (run_dir / "records").glob("token_shares-*.parquet")
+    assert list((run_dir / "records").glob("token_shares-*.parquet"))
+
+    # each probed rollout's first micro-batch is a rollouts file that `tokendyn probe` reads
+    dumps = sorted((run_dir / "rollouts").glob("step-*.parquet"))
+    assert dumps and read_rollouts(dumps[0]).n == 8
 
 
 def test_stage_names_follow_the_lopti_order():

@@ -79,7 +79,13 @@ class TrainerProbe(TrainerCallback):
     def analyze(self, inputs: dict) -> None:
         """The rebalancing analyses of a rollout batch (first micro-step of a probed rollout only)."""
         t = self.trainer
-        if not self.analyses or not self.due() or not t.model.training or t._step % self._generate_every():
+        if not self.due() or not t.model.training or t._step % self._generate_every():
+            return
+        if t.args.probe_dump_rollouts and t.accelerator.is_main_process:
+            from .rollouts import dump_rollouts
+
+            dump_rollouts(inputs, self.run_dir / "rollouts" / f"step-{t.state.global_step:06d}.parquet", t.temperature)
+        if not self.analyses:
             return
         import torch
 

@@ -138,6 +138,13 @@ class TokendynGRPOConfig(GRPOConfig):
             "influence, real_change (the probability change of the sample after the real update); 'none' = off."
         },
     )
+    probe_dump_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "Also write the first micro-batch of every probed rollout as a rollouts file "
+            "(OUTPUT_DIR/rollouts/step-NNNNNN.parquet) that `tokendyn probe` reads."
+        },
+    )
     probe_lr: float = field(
         default=1e-3,
         metadata={"help": "Learning rate of the counterfactual SGD updates (the paper's diagnostic: 1e-3)."},
