@@ -221,3 +221,17 @@ def test_cli_writes_svg_figures_notes_and_the_report(run_dirs, tmp_path, capsys)
     assert (
         "data:image/png;base64," in (out / "report.html").read_text()
     )  # the report embeds PNG whatever --format
+
+
+def test_analyze_prints_the_rebalancing_tables_side_by_side(run_dirs, capsys):
+    from tokendyn.analysis.compare import compare
+    from tokendyn.cli import main
+
+    dirs = [str(d) for d in run_dirs.values()]
+    assert main(["analyze", *dirs]) == 0
+    out = capsys.readouterr().out
+    assert "rebalancing, side by side" in out and "update share s_b" in out
+    shares = compare(dirs)["update share s_b"]
+    assert shares.columns[0] == "pi_old" and shares.width == 1 + len(dirs)
+    for col in shares.columns[1:]:  # the projection shares of each run sum to 1 over the bins
+        assert abs(shares[col].sum() - 1.0) < 1e-6

@@ -7,6 +7,7 @@ import sys
 
 from rich.console import Console
 
+from tokendyn.analysis.compare import compare, run_label
 from tokendyn.analysis.load import NoRecordsError, check_run_dir
 from tokendyn.analysis.report import ANALYSIS_DIR, analyze_run, print_report
 
@@ -29,7 +30,7 @@ def register(subparsers) -> argparse.ArgumentParser:
         description="Read RUN_DIR/records/*.parquet (all ranks), print the per-bin table and the bound report, "
         f"and write them to RUN_DIR/{ANALYSIS_DIR}/ (or --out).",
     )
-    p.add_argument("run_dir", help="run directory holding records/")
+    p.add_argument("run_dir", nargs="+", help="run directories holding records/ (several: tables side by side)")
     p.add_argument("--steps", type=_step_range, default=None, help="steps to include: N, A:B, A: or :B")
     p.add_argument("--stage", default=None, help="only this stage (e.g. train, low, high)")
     p.add_argument("--by-step", action="store_true", help="per-bin table per step instead of pooled")
@@ -42,16 +43,39 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = Console(width=max(Console().width, 140))
+    run_dirs = list(args.run_dir)
     try:
-        check_run_dir(args.run_dir)
+        for d in run_dirs:  # every directory is checked before any work
+            check_run_dir(d)
     except NoRecordsError as exc:
         print(f"tokendyn analyze: error: {exc}", file=sys.stderr)
         return 2
-    tables = analyze_run(
-        args.run_dir, steps=args.steps, stage=args.stage, by_step=args.by_step, out_dir=args.out
-    )
-    print_report(tables, console, point=args.point)
-    out = args.out or f"{args.run_dir.rstrip('/')}/{ANALYSIS_DIR}"
-    console.print(f"wrote {', '.join(f'{n}.parquet' for n in tables)} to {out}")
+    if args.out and len(run_dirs) > 1:
+        print("tokendyn analyze: error: --out takes one run directory (each run writes its own analysis/)",
+              file=sys.stderr)
+        return 2
+    for d in run_dirs:
+        console.rule(f"[bold]{run_label(d)}")
+        tables = analyze_run(d, steps=args.steps, stage=args.stage, by_step=args.by_step, out_dir=args.out)
+        print_report(tables, console, point=args.point)
+        out = args.out or f"{d.rstrip('/')}/{ANALYSIS_DIR}"
+        console.print(f"wrote {', '.join(f'{n}.parquet' for n in tables)} to {out}")
+    side = compare(run_dirs)
+    if side:
+        console.rule("[bold]rebalancing, side by side")
+        for title, frame in side.items():
+            print_frame(console, title, frame)
     return 0
+
+
+def print_frame(console: Console, title: str, frame) -> None:
+    """A polars frame as a rich table (floats with 3 decimals)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in frame.columns:
+        table.add_column(col, justify="left" if col == frame.columns[0] else "right")
+    for row in frame.iter_rows():
+        table.add_row(*[f"{v:.3g}" if isinstance(v, float) else ("-" if v is None else str(v)) for v in row])
+    console.print(table)

@@ -1,0 +1,129 @@
+"""Side-by-side rebalancing tables for several runs (rows: probability bins; columns: runs).
+
+- update share s_b = <g_b, g>/||g||^2 (all parameters), mean over probed steps;
+- ||g_b|| / ||g||, mean over probed steps;
+- correct ratio of A>0 tokens (pi rose) per bin, pooled over steps by token counts, after the
+  counterfactual full update (Lopti: both stages) and after the real training update;
+- isolation: mean |delta pi| per target bin when only the lowest / the highest bin is updated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+
+from tokendyn.analysis.load import load
+
+
+def run_label(run_dir: str | Path) -> str:
+    """The run's method (from run.json) and its folder name."""
+    meta = Path(run_dir) / "run.json"
+    if meta.is_file():
+        method = json.loads(meta.read_text()).get("method")
+        if method:
+            return f"{method} [{Path(run_dir).name}]"
+    return Path(run_dir).name
+
+
+def short_labels(run_dirs) -> dict[str, str]:
+    """Column labels: each folder's name, with its parents added while two runs would share one."""
+    paths = [Path(d).resolve() for d in run_dirs]
+    depth = 1
+    while True:
+        labels = ["/".join(p.parts[-depth:]) for p in paths]
+        if len(set(labels)) == len(labels) or depth >= max(len(p.parts) for p in paths):
+            return {str(d): lab for d, lab in zip(run_dirs, labels, strict=True)}
+        depth += 1
+
+
+def _interval(df: pl.DataFrame, lo: str = "bin_lo", hi: str = "bin_hi") -> pl.DataFrame:
+    """A readable pi_old interval; the last bin is closed (pi = 1 belongs to it)."""
+    close = pl.when(pl.col(hi) >= 1.0).then(pl.lit("]")).otherwise(pl.lit(")"))
+    return df.with_columns(pl.format("[{}, {}{}", pl.col(lo).round(2), pl.col(hi).round(2), close).alias("pi_old"))
+
+
+def _pivot(frames: list[pl.DataFrame], value: str, index: str = "pi_old") -> pl.DataFrame:
+    frames = [f for f in frames if f.height]
+    if not frames:
+        return pl.DataFrame()
+    long = pl.concat(frames, how="vertical_relaxed")
+    order = long.select(index, "bin").unique().sort("bin")
+    wide = long.pivot(on="run", index=index, values=value, aggregate_function="first")
+    return order.join(wide, on=index, how="left").drop("bin")
+
+
+def shares(run_dirs) -> dict[str, pl.DataFrame]:
+    """{"share": s_b per bin and run, "norm_ratio": ||g_b||/||g||} (layer "all", bins >= 0)."""
+    label = short_labels(run_dirs)
+    per_run = []
+    for d in run_dirs:
+        df = load(d, "shares").filter((pl.col("layer") == "all") & (pl.col("bin") >= 0)).collect()
+        if df.height == 0:
+            continue
+        df = (
+            df.with_columns((pl.col("grad_norm") / pl.col("total_norm")).alias("norm_ratio"))
+            .group_by("bin", "bin_lo", "bin_hi")
+            .agg(pl.col("share").mean(), pl.col("norm_ratio").mean())
+        )
+        per_run.append(_interval(df).with_columns(pl.lit(label[str(d)]).alias("run")))
+    return {"share": _pivot(per_run, "share"), "norm_ratio": _pivot(per_run, "norm_ratio")}
+
+
+def correct_ratios(run_dirs, update: str = "counterfactual") -> pl.DataFrame:
+    """Fraction of A>0 tokens whose pi rose, per bin (and all tokens), pooled over steps."""
+    label = short_labels(run_dirs)
+    per_run = []
+    for d in run_dirs:
+        df = load(d, "prob_change").filter(
+            (pl.col("update") == update) & (pl.col("update_stage").is_in(["all", "total"])) & (pl.col("bin") >= 0)
+        ).collect()
+        if df.height == 0:
+            continue
+        df = df.group_by("bin", "bin_lo", "bin_hi").agg(
+            ((pl.col("correct_pos").fill_nan(0) * pl.col("n_pos")).sum() / pl.col("n_pos").sum()).alias("correct"),
+        )
+        per_run.append(_interval(df).with_columns(pl.lit(label[str(d)]).alias("run")))
+    return _pivot(per_run, "correct")
+
+
+def isolation(run_dirs) -> pl.DataFrame:
+    """Mean |delta pi| per target bin under an update with only the lowest (low) or highest (high) source bin."""
+    label = short_labels(run_dirs)
+    per_run = []
+    for d in run_dirs:
+        df = load(d, "influence").filter(
+            (pl.col("update_stage").is_in(["all", "stage1"])) & (pl.col("target_bin") >= 0)
+        ).collect()
+        if df.height == 0:
+            continue
+        sources = sorted(s for s in df["source_bin"].unique().to_list() if s >= 0)
+        if not sources:
+            continue
+        pick = {-1: "all", sources[0]: "low", sources[-1]: "high"}
+        df = (
+            df.filter(pl.col("source_bin").is_in(list(pick)))
+            .group_by("source_bin", "target_bin", "target_lo", "target_hi")
+            .agg(pl.col("mean_abs").mean())
+            .with_columns(pl.col("source_bin").replace_strict(pick, return_dtype=pl.Utf8).alias("source"))
+            .rename({"target_bin": "bin"})
+        )
+        df = _interval(df, "target_lo", "target_hi")
+        for source in ("all", "low", "high"):
+            part = df.filter(pl.col("source") == source)
+            per_run.append(part.with_columns(pl.lit(f"{label[str(d)]}: {source}").alias("run")))
+    return _pivot(per_run, "mean_abs")
+
+
+def compare(run_dirs) -> dict[str, pl.DataFrame]:
+    """Every side-by-side table that the runs' records allow (empty frames are left out)."""
+    s = shares(run_dirs)
+    tables = {
+        "update share s_b": s["share"],
+        "||g_b|| / ||g||": s["norm_ratio"],
+        "correct ratio A>0, counterfactual full update": correct_ratios(run_dirs, "counterfactual"),
+        "correct ratio A>0, real training update": correct_ratios(run_dirs, "real"),
+        "isolation: mean |delta pi| (update source: all / low bin / high bin)": isolation(run_dirs),
+    }
+    return {k: v for k, v in tables.items() if v.height}
