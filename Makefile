@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/tokendyn demo
+	$(BIN)/tokendyn demo --out runs/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

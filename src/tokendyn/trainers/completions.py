@@ -12,8 +12,17 @@ from __future__ import annotations
 import random
 
 from ..tasks.kk.logic import evaluate, mentioned_people
-from ..tasks.kk.render import Puzzle, content, role
+from ..tasks.kk.render import Puzzle, content, oxford_join, role
 
+# the reasoning opens by restating who is there: a contiguous copy of the prompt's name list, the
+# easiest copying pattern for a small transformer to learn (name copying is what a from-scratch
+# policy learns last: WARMSTART_NOTES.md)
+ROLL_CALLS = (
+    "We meet {n} inhabitants: {names}.",
+    "There are {n} inhabitants: {names}.",
+    "The {n} inhabitants are {names}.",
+    "So we have {n} inhabitants: {names}.",
+)
 OPENERS = (
     "",
     "Let me check each claim.",
@@ -63,7 +72,8 @@ def search_order(p: Puzzle) -> list[int]:
 
 
 def reasoning(p: Puzzle, rng: random.Random) -> str:
-    """Faithful, varied reasoning for ``p``."""
+    """Faithful, varied, short reasoning for ``p``: the roll call, then conclusions about a few people
+    (each stated role is the solution's), some with the claim they rest on."""
     kind = rng.random()
     if kind < 0.4:
         order = list(range(p.people))
@@ -71,11 +81,12 @@ def reasoning(p: Puzzle, rng: random.Random) -> str:
         order = search_order(p)
     else:
         order = rng.sample(range(p.people), p.people)
-    sentences = [rng.choice(OPENERS)]
+    order = order[: rng.randint(1, min(3, p.people))]
+    sentences = [rng.choice(ROLL_CALLS).format(n=p.people, names=oxford_join(list(p.names))), rng.choice(OPENERS)]
     for q in order:
         name, claim = p.names[q], content(p.statements[q], p.names)
         truth = "true" if evaluate(p.statements[q], p.solution) else "false"
-        if rng.random() < 0.7:
+        if rng.random() < 0.25:
             sentences.append(rng.choice(CLAIMS).format(P=name, c=claim))
         sentences.append(rng.choice(CONCLUSIONS).format(P=name, r=role(p.solution[q]), t=truth))
     sentences.append(rng.choice(CLOSERS))

@@ -237,6 +237,13 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True) -> dict:
     write_json(out / "run.json", meta)
     t0 = time.time()
     trainer.train()
+    final = out / "final"
+    trainer.save_model(str(final))  # the trained policy: `tokendyn eval --model RUN_DIR/final`
+    if trainer.accelerator.is_main_process:
+        tok.save_pretrained(str(final))
+        marker = Path(model_path) / "tokendyn.json"  # keep the tokendyn tokenizer marker (see load_tokenizer)
+        if marker.is_file():
+            (final / "tokendyn.json").write_text(marker.read_text())
     meta.update(status="finished", wall_time_s=round(time.time() - t0, 1), summary=logger.summary())
     write_json(out / "run.json", meta)
     return meta
