@@ -116,7 +116,7 @@ class TokendynGRPOTrainer(GRPOTrainer):
         """pi_old of the sampled tokens (log, at the sampling temperature) under the policy that generated them,
         for when TRL skipped it (it does when the generation and optimizer steps are aligned)."""
         if "pixel_values" in output:
-            raise NotImplementedError("Reweight/Lopti with multimodal inputs is not supported")
+            raise ValueError("Reweight/Lopti: multimodal inputs (pixel_values) are not supported")
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         with (
