@@ -36,14 +36,24 @@ def measure(extra: dict, rollouts: int, people: list[int], max_completion_length
     model, tok = load_policy()
     out = tempfile.mkdtemp(prefix="tokendyn-bench-")
     kw = dict(EMBEDDED_DEFAULTS)
-    kw.update(output_dir=out, use_cpu=True, max_completion_length=max_completion_length, disable_tqdm=True,
-              logging_steps=10**6)
+    kw.update(
+        output_dir=out,
+        use_cpu=True,
+        max_completion_length=max_completion_length,
+        disable_tqdm=True,
+        logging_steps=10**6,
+    )
     kw.update(extra)
     cfg = TokendynGRPOConfig(**kw)
     per = optimizer_steps_per_rollout(cfg)
     cfg.max_steps = (rollouts + 1) * per  # the first rollout is warm-up
-    trainer = TokendynGRPOTrainer(model=model, processing_class=tok, reward_funcs=[kk_reward], args=cfg,
-                                  train_dataset=build_datasets(RunArguments(people=people)))
+    trainer = TokendynGRPOTrainer(
+        model=model,
+        processing_class=tok,
+        reward_funcs=[kk_reward],
+        args=cfg,
+        train_dataset=build_datasets(RunArguments(people=people)),
+    )
     gen_times: list[float] = []
     step_times: list[float] = []
     original = trainer._generate_and_score_completions
@@ -65,21 +75,35 @@ def measure(extra: dict, rollouts: int, people: list[int], max_completion_length
 
     trainer.add_callback(StepClock())
     trainer.train()
-    whole = [sum(step_times[i * per:(i + 1) * per]) for i in range(1, rollouts + 1)]
-    update = [w - g for w, g in zip(whole, gen_times[1:rollouts + 1], strict=True)]
+    whole = [sum(step_times[i * per : (i + 1) * per]) for i in range(1, rollouts + 1)]
+    update = [w - g for w, g in zip(whole, gen_times[1 : rollouts + 1], strict=True)]
     records = Path(out) / "records"
     record_bytes = sum(f.stat().st_size for f in records.glob("*.parquet")) if records.is_dir() else 0
     probed_steps = cfg.max_steps // extra.get("probe_every", 1) if extra.get("probe_every") else 0
-    return {"whole": statistics.median(whole), "update": statistics.median(update),
-            "rollout": statistics.median(gen_times[1:rollouts + 1]), "optimizer_steps_per_rollout": per,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "record_bytes": record_bytes, "probed_steps": probed_steps}
+    return {
+        "whole": statistics.median(whole),
+        "update": statistics.median(update),
+        "rollout": statistics.median(gen_times[1 : rollouts + 1]),
+        "optimizer_steps_per_rollout": per,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "record_bytes": record_bytes,
+        "probed_steps": probed_steps,
+    }
 
 
 def run_variant(extra: dict, rollouts: int, people: list[int], max_completion_length: int = 160) -> dict:
     """``measure`` in a fresh Python process (isolated peak memory)."""
-    cmd = [sys.executable, __file__, json.dumps(extra), "--rollouts", str(rollouts), "--people", *map(str, people),
-           "--max_completion_length", str(max_completion_length)]
+    cmd = [
+        sys.executable,
+        __file__,
+        json.dumps(extra),
+        "--rollouts",
+        str(rollouts),
+        "--people",
+        *map(str, people),
+        "--max_completion_length",
+        str(max_completion_length),
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

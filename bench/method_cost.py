@@ -26,11 +26,15 @@ def main() -> None:
     args = ap.parse_args()
     rows = {name: run_variant(extra, args.rollouts, args.people) for name, extra in METHODS.items()}
     base = rows["GRPO"]
-    print(f"{'method':<10} {'opt steps':>9} {'rollout s':>10} {'update s':>9} {'whole s':>8} "
-          f"{'update/GRPO':>12} {'whole/GRPO':>11}")
+    print(
+        f"{'method':<10} {'opt steps':>9} {'rollout s':>10} {'update s':>9} {'whole s':>8} "
+        f"{'update/GRPO':>12} {'whole/GRPO':>11}"
+    )
     for name, r in rows.items():
-        print(f"{name:<10} {r['optimizer_steps_per_rollout']:>9} {r['rollout']:>10.2f} {r['update']:>9.2f} "
-              f"{r['whole']:>8.2f} {r['update'] / base['update']:>12.2f} {r['whole'] / base['whole']:>11.2f}")
+        print(
+            f"{name:<10} {r['optimizer_steps_per_rollout']:>9} {r['rollout']:>10.2f} {r['update']:>9.2f} "
+            f"{r['whole']:>8.2f} {r['update'] / base['update']:>12.2f} {r['whole'] / base['whole']:>11.2f}"
+        )
 
 
 if __name__ == "__main__":

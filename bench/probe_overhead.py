@@ -23,15 +23,25 @@ def main() -> None:
     on = run_variant({"probe_every": 1, "probe_analyses": "none"}, args.rollouts, args.people)
     full = run_variant({"probe_every": 1}, args.rollouts, args.people)
     print(f"{'variant':<28} {'update s':>9} {'whole s':>8} {'peak RSS MB':>12} {'MB/probed step':>15}")
-    for name, r in (("probe off", off), ("probe on (every step)", on), ("probe + rebalancing analyses", full)):
+    for name, r in (
+        ("probe off", off),
+        ("probe on (every step)", on),
+        ("probe + rebalancing analyses", full),
+    ):
         per_step = r["record_bytes"] / max(1, r["probed_steps"]) / 1e6
-        print(f"{name:<28} {r['update']:>9.3f} {r['whole']:>8.3f} {r['peak_rss_mb']:>12.0f} {per_step:>15.3f}")
+        print(
+            f"{name:<28} {r['update']:>9.3f} {r['whole']:>8.3f} {r['peak_rss_mb']:>12.0f} {per_step:>15.3f}"
+        )
     print(f"probe on/off, whole step: {on['whole'] / off['whole']:.3f} (target <= 1.05)")
     print(f"probe on/off, update phase: {on['update'] / off['update']:.3f}")
     print(f"probe on/off, peak memory: {on['peak_rss_mb'] / off['peak_rss_mb']:.3f}")
-    print(f"records per probed optimizer step: {on['record_bytes'] / max(1, on['probed_steps']) / 1e6:.3f} MB "
-          "(target <= 1 MB)")
-    print(f"probe + analyses / off, whole step: {full['whole'] / off['whole']:.3f} (the analyses are a chosen cost)")
+    print(
+        f"records per probed optimizer step: {on['record_bytes'] / max(1, on['probed_steps']) / 1e6:.3f} MB "
+        "(target <= 1 MB)"
+    )
+    print(
+        f"probe + analyses / off, whole step: {full['whole'] / off['whole']:.3f} (the analyses are a chosen cost)"
+    )
 
 
 if __name__ == "__main__":

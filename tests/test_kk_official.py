@@ -35,11 +35,36 @@ def test_every_field_of_the_official_test_split(n):
 def test_cli_generate_equals_official_file(n, tmp_path):
     official = _official(n)
     out = tmp_path / f"{n}.parquet"
-    assert main(["kk", "generate", "--people", str(n), "--seed", "1234", "--start", "1000", "--count", "100",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "kk",
+                "generate",
+                "--people",
+                str(n),
+                "--seed",
+                "1234",
+                "--start",
+                "1000",
+                "--count",
+                "100",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     ours = pl.read_parquet(out)
     assert ours.schema == official.schema
-    for col in ("quiz", "names", "solution", "solution_text_format", "statements", "prompt", "cot_repeat_steps"):
+    for col in (
+        "quiz",
+        "names",
+        "solution",
+        "solution_text_format",
+        "statements",
+        "prompt",
+        "cot_repeat_steps",
+    ):
         assert ours[col].to_list() == official[col].to_list(), col
 
 

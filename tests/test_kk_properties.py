@@ -22,7 +22,9 @@ def test_unique_solution_and_reference_scores_3(n, seed, start):
     assert solutions(p.statements) == [p.solution]
     assert is_consistent(p.statements, p.solution)
     prompt = render_prompt(p.quiz)
-    assert score(prompt, f"ok</think><answer> {p.solution_text_format} </answer>", p.solution_text_format) == 3
+    assert (
+        score(prompt, f"ok</think><answer> {p.solution_text_format} </answer>", p.solution_text_format) == 3
+    )
     assert score(prompt, completion(p, random.Random(seed)), p.solution_text_format) == 3
 
 

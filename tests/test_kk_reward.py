@@ -27,7 +27,10 @@ def r(response: str) -> float:
         (f"x</think><answer>{RIGHT}</answer> and then some text<|im_end|>", 3),
         (f"<think>x</think><answer>{RIGHT}</answer>", -3),  # writes <think> itself: 2x <think>
         (f"x</think><answer>{RIGHT.replace('Evelyn is a knave', 'Evelyn is a knight')}</answer>", -0.5),
-        ("x</think><answer>(1) Amelia is a knave\n(2) Penelope is a knave\n(3) Evelyn is a knight</answer>", -0.5),
+        (
+            "x</think><answer>(1) Amelia is a knave\n(2) Penelope is a knave\n(3) Evelyn is a knight</answer>",
+            -0.5,
+        ),
         (f"x</think><answer>{RIGHT}\nKnights tell the truth.</answer>", -1),  # role-word count != N
         ("x</think><answer>(1) Amelia is a knight\n(2) Penelope is a knight</answer>", -1),  # one missing
         ("x</think><answer>Amelia is a knight, Penelope is a knight, Evelyn is not a knave</answer>", -1),
@@ -53,7 +56,9 @@ def test_names_match_on_word_boundaries():
 
 
 def test_official_ground_truth_dict_and_parts():
-    s = compute_score(PROMPT + f"x</think><answer>{RIGHT}</answer>", {"solution_text_format": GT, "statements": ""})
+    s = compute_score(
+        PROMPT + f"x</think><answer>{RIGHT}</answer>", {"solution_text_format": GT, "statements": ""}
+    )
     assert (s.total, s.format_ok, s.correct) == (3, True, True)
     assert s.parsed == {"Amelia": "knight", "Penelope": "knight", "Evelyn": "knave"}
 
@@ -61,8 +66,11 @@ def test_official_ground_truth_dict_and_parts():
 def test_cli_score(tmp_path, capsys):
     rows = [
         {"prompt": PROMPT, "ground_truth": GT, "response": f"x</think><answer>{RIGHT}</answer>"},
-        {"prompt": [{"content": PROMPT, "role": "user"}], "reward_model": {"ground_truth": {"solution_text_format": GT}},
-         "response": "no tags"},
+        {
+            "prompt": [{"content": PROMPT, "role": "user"}],
+            "reward_model": {"ground_truth": {"solution_text_format": GT}},
+            "response": "no tags",
+        },
     ]
     inp = tmp_path / "rows.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in rows))

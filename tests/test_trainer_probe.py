@@ -38,13 +38,19 @@ def test_probe_records_without_changing_training(tiny_model_dir, tmp_path, lopti
     assert stages == ({"low", "high"} if lopti else {"train"})
     checks = tables["checks"]
     assert checks["logits_violations"].sum() == 0 and checks["head_violations"].sum() == 0
-    steps = pl.read_parquet(sorted((run_dir / "records").glob("binstats-*.parquet"))).get_column("step").unique()
+    steps = (
+        pl.read_parquet(sorted((run_dir / "records").glob("binstats-*.parquet"))).get_column("step").unique()
+    )
     assert sorted(steps.to_list()) == [0, 1, 2, 3]  # every optimizer step was probed
     assert (run_dir / "analysis" / "bins.parquet").is_file()
 
     # the rebalancing analyses ran on the rollout samples, before and after the real update
     shares = pl.read_parquet(sorted((run_dir / "records").glob("shares-*.parquet")))
-    per_step = shares.filter((pl.col("layer") == "all") & (pl.col("bin") >= 0)).group_by("step").agg(pl.col("share").sum())
+    per_step = (
+        shares.filter((pl.col("layer") == "all") & (pl.col("bin") >= 0))
+        .group_by("step")
+        .agg(pl.col("share").sum())
+    )
     assert per_step.height >= 1 and (per_step["share"] - 1).abs().max() < 1e-6
     change = pl.read_parquet(sorted((run_dir / "records").glob("prob_change-*.parquet")))
     assert set(change["update"].unique()) == {"counterfactual", "real"}

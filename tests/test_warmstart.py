@@ -36,7 +36,10 @@ def test_save_reload_generates_exactly_the_same(tiny_policy, tmp_path):
     save_policy(model, tok, tmp_path, {"preset": "tiny"})
     model2, tok2 = load_policy(tmp_path)
     prompts = [render_prompt(p.quiz) for p in heldout(3)[:3]]
-    enc, enc2 = tok(prompts, return_tensors="pt", padding=True), tok2(prompts, return_tensors="pt", padding=True)
+    enc, enc2 = (
+        tok(prompts, return_tensors="pt", padding=True),
+        tok2(prompts, return_tensors="pt", padding=True),
+    )
     assert torch.equal(enc["input_ids"], enc2["input_ids"])
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
     with torch.no_grad():
@@ -60,9 +63,11 @@ def test_cli_tiny_end_to_end(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "argv, message",
-    [(["--preset", "huge"], "preset: must be one of ['cpu', 'gpu', 'tiny']"),
-     (["--preset", "tiny", "--seed", "-1"], "seed: must be >= 0"),
-     (["--preset", "tiny", "--threads", "0"], "threads: must be > 0")],
+    [
+        (["--preset", "huge"], "preset: must be one of ['cpu', 'gpu', 'tiny']"),
+        (["--preset", "tiny", "--seed", "-1"], "seed: must be >= 0"),
+        (["--preset", "tiny", "--threads", "0"], "threads: must be > 0"),
+    ],
 )
 def test_cli_rejects_bad_input(argv, message, tmp_path, capsys):
     out = tmp_path / "p"

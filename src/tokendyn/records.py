@@ -253,7 +253,11 @@ def write_frames(
         if df.height == 0:
             continue
         d.mkdir(parents=True, exist_ok=True)
-        seqs = [int(m["seq"]) for f in shard_files(run_dir, kind) if (m := _NAME.match(f.name)) and int(m["rank"]) == rank]
+        seqs = [
+            int(m["seq"])
+            for f in shard_files(run_dir, kind)
+            if (m := _NAME.match(f.name)) and int(m["rank"]) == rank
+        ]
         path = d / f"{kind}-rank{rank:03d}-{max(seqs, default=-1) + 1:06d}.parquet"
         write_atomic(df, path)
         out.append(path)

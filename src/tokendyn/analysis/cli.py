@@ -30,7 +30,9 @@ def register(subparsers) -> argparse.ArgumentParser:
         description="Read RUN_DIR/records/*.parquet (all ranks), print the per-bin table and the bound report, "
         f"and write them to RUN_DIR/{ANALYSIS_DIR}/ (or --out).",
     )
-    p.add_argument("run_dir", nargs="+", help="run directories holding records/ (several: tables side by side)")
+    p.add_argument(
+        "run_dir", nargs="+", help="run directories holding records/ (several: tables side by side)"
+    )
     p.add_argument("--steps", type=_step_range, default=None, help="steps to include: N, A:B, A: or :B")
     p.add_argument("--stage", default=None, help="only this stage (e.g. train, low, high)")
     p.add_argument("--by-step", action="store_true", help="per-bin table per step instead of pooled")
@@ -52,8 +54,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokendyn analyze: error: {exc}", file=sys.stderr)
         return 2
     if args.out and len(run_dirs) > 1:
-        print("tokendyn analyze: error: --out takes one run directory (each run writes its own analysis/)",
-              file=sys.stderr)
+        print(
+            "tokendyn analyze: error: --out takes one run directory (each run writes its own analysis/)",
+            file=sys.stderr,
+        )
         return 2
     for d in run_dirs:
         console.rule(f"[bold]{run_label(d)}")

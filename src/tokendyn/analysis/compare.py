@@ -41,7 +41,9 @@ def short_labels(run_dirs) -> dict[str, str]:
 def _interval(df: pl.DataFrame, lo: str = "bin_lo", hi: str = "bin_hi") -> pl.DataFrame:
     """A readable pi_old interval; the last bin is closed (pi = 1 belongs to it)."""
     close = pl.when(pl.col(hi) >= 1.0).then(pl.lit("]")).otherwise(pl.lit(")"))
-    return df.with_columns(pl.format("[{}, {}{}", pl.col(lo).round(2), pl.col(hi).round(2), close).alias("pi_old"))
+    return df.with_columns(
+        pl.format("[{}, {}{}", pl.col(lo).round(2), pl.col(hi).round(2), close).alias("pi_old")
+    )
 
 
 def _pivot(frames: list[pl.DataFrame], value: str, index: str = "pi_old") -> pl.DataFrame:
@@ -76,13 +78,21 @@ def correct_ratios(run_dirs, update: str = "counterfactual") -> pl.DataFrame:
     label = short_labels(run_dirs)
     per_run = []
     for d in run_dirs:
-        df = load(d, "prob_change").filter(
-            (pl.col("update") == update) & (pl.col("update_stage").is_in(["all", "total"])) & (pl.col("bin") >= 0)
-        ).collect()
+        df = (
+            load(d, "prob_change")
+            .filter(
+                (pl.col("update") == update)
+                & (pl.col("update_stage").is_in(["all", "total"]))
+                & (pl.col("bin") >= 0)
+            )
+            .collect()
+        )
         if df.height == 0:
             continue
         df = df.group_by("bin", "bin_lo", "bin_hi").agg(
-            ((pl.col("correct_pos").fill_nan(0) * pl.col("n_pos")).sum() / pl.col("n_pos").sum()).alias("correct"),
+            ((pl.col("correct_pos").fill_nan(0) * pl.col("n_pos")).sum() / pl.col("n_pos").sum()).alias(
+                "correct"
+            ),
         )
         per_run.append(_interval(df).with_columns(pl.lit(label[str(d)]).alias("run")))
     return _pivot(per_run, "correct")
@@ -93,9 +103,11 @@ def isolation(run_dirs) -> pl.DataFrame:
     label = short_labels(run_dirs)
     per_run = []
     for d in run_dirs:
-        df = load(d, "influence").filter(
-            (pl.col("update_stage").is_in(["all", "stage1"])) & (pl.col("target_bin") >= 0)
-        ).collect()
+        df = (
+            load(d, "influence")
+            .filter((pl.col("update_stage").is_in(["all", "stage1"])) & (pl.col("target_bin") >= 0))
+            .collect()
+        )
         if df.height == 0:
             continue
         sources = sorted(s for s in df["source_bin"].unique().to_list() if s >= 0)

@@ -69,7 +69,9 @@ class TrainerProbe(TrainerCallback):
                 seed=args.seed,
             )
             eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon  # as TRL
-            self.objective = Objective(eps_low=args.epsilon, eps_high=eps_high, delta=args.delta, beta=args.beta)
+            self.objective = Objective(
+                eps_low=args.epsilon, eps_high=eps_high, delta=args.delta, beta=args.beta
+            )
             edges = self.probe.bins.edges
             self.edges = list(edges) if edges is not None else None  # quantile bins: the paper's edges here
 
@@ -84,7 +86,9 @@ class TrainerProbe(TrainerCallback):
         if t.args.probe_dump_rollouts and t.accelerator.is_main_process:
             from .rollouts import dump_rollouts
 
-            dump_rollouts(inputs, self.run_dir / "rollouts" / f"step-{t.state.global_step:06d}.parquet", t.temperature)
+            dump_rollouts(
+                inputs, self.run_dir / "rollouts" / f"step-{t.state.global_step:06d}.parquet", t.temperature
+            )
         if not self.analyses:
             return
         import torch
@@ -102,8 +106,12 @@ class TrainerProbe(TrainerCallback):
             attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)[rows],
             completion_mask=mask[rows],
             advantages=inputs["advantages"][rows],
-            old_logp=inputs["old_per_token_logps"][rows] if inputs.get("old_per_token_logps") is not None else None,
-            ref_logp=inputs["ref_per_token_logps"][rows] if inputs.get("ref_per_token_logps") is not None else None,
+            old_logp=inputs["old_per_token_logps"][rows]
+            if inputs.get("old_per_token_logps") is not None
+            else None,
+            ref_logp=inputs["ref_per_token_logps"][rows]
+            if inputs.get("ref_per_token_logps") is not None
+            else None,
             temperature=t.temperature,
         )
         stage_masks = None
@@ -113,8 +121,15 @@ class TrainerProbe(TrainerCallback):
         step = t.state.global_step
         self.probe.enabled = False  # the analyses' own forwards are not training passes
         try:
-            frames = analyze_batch(model, batch, step=step, edges=self.edges, options=self.options,
-                                   objective=self.objective, stage_masks=stage_masks)
+            frames = analyze_batch(
+                model,
+                batch,
+                step=step,
+                edges=self.edges,
+                options=self.options,
+                objective=self.objective,
+                stage_masks=stage_masks,
+            )
             if "real_change" in self.analyses:
                 from ..probe.change import completion_probs
 

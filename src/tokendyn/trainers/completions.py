@@ -82,7 +82,10 @@ def reasoning(p: Puzzle, rng: random.Random) -> str:
     else:
         order = rng.sample(range(p.people), p.people)
     order = order[: rng.randint(1, min(3, p.people))]
-    sentences = [rng.choice(ROLL_CALLS).format(n=p.people, names=oxford_join(list(p.names))), rng.choice(OPENERS)]
+    sentences = [
+        rng.choice(ROLL_CALLS).format(n=p.people, names=oxford_join(list(p.names))),
+        rng.choice(OPENERS),
+    ]
     for q in order:
         name, claim = p.names[q], content(p.statements[q], p.names)
         truth = "true" if evaluate(p.statements[q], p.solution) else "false"

@@ -194,7 +194,9 @@ class TokendynGRPOConfig(GRPOConfig):
         if not isinstance(self.probe_direct_every, int) or self.probe_direct_every < 1:
             raise ValueError(f"probe_direct_every must be an integer >= 1, got {self.probe_direct_every!r}")
         if not isinstance(self.probe_sample_sequences, int) or self.probe_sample_sequences < 0:
-            raise ValueError(f"probe_sample_sequences must be an integer >= 0, got {self.probe_sample_sequences!r}")
+            raise ValueError(
+                f"probe_sample_sequences must be an integer >= 0, got {self.probe_sample_sequences!r}"
+            )
         unknown = set(self.probe_analysis_set) - set(PROBE_ANALYSES)
         if unknown:
             raise ValueError(

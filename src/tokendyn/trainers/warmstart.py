@@ -175,7 +175,9 @@ def train_policy(preset_name: str, seed: int = 0, threads: int | None = None, pr
     t_train = time.time()
     from ..tasks.kk.render import COMMON_NAMES
 
-    name_pool = [COMMON_NAMES[int(i)] for i in np_rng.choice(len(COMMON_NAMES), preset.name_pool, replace=False)]
+    name_pool = [
+        COMMON_NAMES[int(i)] for i in np_rng.choice(len(COMMON_NAMES), preset.name_pool, replace=False)
+    ]
     pool_steps = int(preset.steps * preset.name_pool_frac) if preset.name_pool else 0
     for step in range(preset.steps):
         n = int(np_rng.choice(sizes, p=weights))
@@ -228,11 +230,16 @@ def _copy_phase(model, tokenizer, preset: WarmstartPreset, seed: int, progress: 
         return {"steps": 0}
     words = list(COMMON_NAMES) + list(COPY_WORDS)
     rng = random.Random(10_000 + seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay
+    )
     losses, t0 = [], time.time()
     model.train()
     for step in range(preset.copy_steps):
-        seqs = [" " + " ".join(rng.choice(words) for _ in range(rng.randint(10, 30))) for _ in range(preset.batch_size)]
+        seqs = [
+            " " + " ".join(rng.choice(words) for _ in range(rng.randint(10, 30)))
+            for _ in range(preset.batch_size)
+        ]
         ids, attn, labels = _sft_batch(tokenizer, [s + " |" for s in seqs], seqs)
         for g in opt.param_groups:
             g["lr"] = preset.lr * min(1.0, (step + 1) / 50)
@@ -244,8 +251,11 @@ def _copy_phase(model, tokenizer, preset: WarmstartPreset, seed: int, progress: 
         losses.append(loss.item())
         if not progress and (step + 1) % 100 == 0:
             print(f"copy step {step + 1}/{preset.copy_steps} loss {np.mean(losses[-100:]):.4f}", flush=True)
-    return {"steps": preset.copy_steps, "final_loss_mean_last_50": float(np.mean(losses[-50:])),
-            "wall_s": round(time.time() - t0, 1)}
+    return {
+        "steps": preset.copy_steps,
+        "final_loss_mean_last_50": float(np.mean(losses[-50:])),
+        "wall_s": round(time.time() - t0, 1),
+    }
 
 
 def _sft_batch(tokenizer, prompts: list[str], completions: list[str]):
