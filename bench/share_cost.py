@@ -33,30 +33,12 @@ def timed(fn, repeats: int, warmup: bool = True) -> float:
     return statistics.median(times)
 
 
-def build(vocab: int = 870):
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def build():
+    """The embedded default policy (shipped as package data)."""
+    from tokendyn.trainers.policy import load_policy
 
-    try:
-        from tokendyn.trainers.policy import load_policy
-
-        model, _ = load_policy()
-        return model, "embedded default policy"
-    except FileNotFoundError:
-        pass
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    return Qwen2ForCausalLM(cfg), "random model of the default's shape (embedded default not built)"
+    model, _ = load_policy()
+    return model, "embedded default policy"
 
 
 def main() -> None:

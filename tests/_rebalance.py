@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from _models import tiny_qwen2
+from transformers import Qwen2ForCausalLM
 
 from tokendyn.probe.tokenloss import ProbeBatch
 
@@ -14,24 +15,9 @@ TEMPERATURE = 0.7
 def tiny_model(
     seed: int = 0, attn: str = "eager", dtype: torch.dtype = torch.float32, sharpen: float = 20.0
 ) -> Qwen2ForCausalLM:
-    """A random Qwen2ForCausalLM (hidden 32, 2 layers, untied head); the LM head is scaled by ``sharpen`` so that
-    the sampled tokens' pi spreads over (0, 1)."""
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation=attn,
-    )
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(sharpen)
-    return model.to(dtype).train()
+    """A random Qwen2ForCausalLM (hidden 32, 2 layers, untied head, `tests._models.tiny_qwen2`); the LM head is
+    scaled by ``sharpen`` so that the sampled tokens' pi spreads over (0, 1)."""
+    return tiny_qwen2(seed, vocab=VOCAB, hidden=32, layers=2, attn=attn, sharpen=sharpen).to(dtype).train()
 
 
 def tiny_batch(
