@@ -175,6 +175,14 @@ def test_influence_rows(model, batch):
     assert df.height == 5 * 5
     row = df.filter((pl.col("source_bin") == 0) & (pl.col("target_bin") == 3))
     assert abs(row["mean_abs"][0] - float(m[1, 3])) < 1e-15
+    # the distribution of delta pi over the target bin (the isolation figure's boxes)
+    x = res.deltas[("all", 0)][res.bins == 3]
+    qs = torch.quantile(x, torch.tensor([0.01, 0.25, 0.5, 0.75, 0.99], dtype=x.dtype))
+    got = row.select("q01", "q25", "q50", "q75", "q99").row(0)
+    assert max(abs(a - float(b)) for a, b in zip(got, qs, strict=True)) < 1e-15
+    assert (
+        row["min"][0] == float(x.min()) and row["max"][0] == float(x.max()) and row["count"][0] == x.numel()
+    )
 
 
 def test_influence_per_lopti_stage(model, batch):

@@ -148,8 +148,22 @@ def test_readings_state_the_table_numbers(records):
     shares = tables.shares_table(records)
     text = readings.update_shares(records)
     for run in records.labels:
-        low = shares.filter((pl.col("run") == run) & (pl.col("interval") == "[0, 0.25)")).row(0, named=True)
+        low = shares.filter(
+            (pl.col("run") == run) & (pl.col("interval") == "[0, 0.25)") & (pl.col("stage") == "train")
+        ).row(0, named=True)
         assert f"carry {100 * low['share_b']:.0f}% of the update" in text
+    # Lopti's stages, each decomposed on its own, in the table and the reading
+    lopti = shares.filter(pl.col("run") == "GRPO + Lopti(eta=0.5)")
+    assert set(lopti["stage"].unique()) == {"train", "low", "high"}
+    assert "GRPO + Lopti(eta=0.5), stage low:" in text and "GRPO + Lopti(eta=0.5), stage high:" in text
+
+
+def test_update_shares_draw_lopti_stages_apart(records):
+    fig = F.update_shares(records.get("shares"))
+    texts = _texts(fig)
+    assert any("Lopti stage 1: low-probability tokens" in t for t in texts)
+    assert any("Lopti stage 2: high-probability tokens" in t for t in texts)
+    matplotlib.pyplot.close(fig)
     acc = tables.accuracy(records)
     assert acc["evaluations"].min() >= 1 and set(acc.columns) >= {"run", "3 people", "4 people", "mean"}
 

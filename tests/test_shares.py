@@ -171,6 +171,31 @@ def test_jvp_shares_match_per_bin_shares_and_finite_differences(model64):
     assert abs(float(fd.sum()) - 1.0) < 1e-4
 
 
+def test_shares_of_a_token_subset_decompose_that_subsets_loss(model64):
+    """A Lopti stage: with token_mask, g = grad sum_{t in mask} l_t (ParamCopy's masked loss), bins outside the
+    mask get g_b = 0 and no tokens, the shares sum to 1 and the per-token JVP shares agree with them."""
+    from tokendyn.probe.influence import lopti_stage_masks
+
+    b = tiny_batch(model64, old_logp=True)
+    obj = Objective(eps_low=0.2, eps_high=0.24, beta=0.0)
+    low, high = lopti_stage_masks(b, eta=0.5)
+    params = trainable_parameters(model64)
+    for mask, inside in ((low, (0, 1)), (high, (2, 3))):
+        res = gradient_shares(model64, b, objective=obj, token_mask=mask)
+        terms = token_loss(model64, b, obj).terms
+        want = torch.autograd.grad((terms * mask.to(terms.dtype)).sum(), list(params.values()))
+        g = torch.cat([x.double().flatten() for x in want])
+        assert (_flat(res.grads.total()) - g).norm() < 1e-6 * g.norm()  # (unmasked: 2e-8 here)
+        assert res.grads.counts() == [int(((res.grads.bins == k) & mask).sum()) for k in range(4)]
+        for k in range(4):
+            if k not in inside:
+                assert res.grads.counts()[k] == 0 and float(_flat(res.grads.per_bin[k]).norm()) == 0.0
+                assert float(res.bins.share[k, 0]) == 0.0
+        assert abs(float(res.bins.share[:, 0].sum()) - 1.0) < 1e-10
+        assert float(res.tokens[~mask].abs().max()) == 0.0
+        assert torch.allclose(res.bins.jvp_share, res.bins.share[:, 0], atol=1e-6, rtol=0)
+
+
 def test_token_shares_with_eager_fp32_match_bins(model32, batch32):
     res = gradient_shares(model32, batch32)
     assert torch.allclose(res.bins.jvp_share, res.bins.share[:, 0], atol=1e-4, rtol=0)

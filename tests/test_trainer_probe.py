@@ -7,6 +7,7 @@ import polars as pl
 import pytest
 import torch
 from test_trainer import _config, _trainer
+from transformers import TrainerCallback
 
 from tokendyn.analysis import analyze_run
 from tokendyn.hooks.rollouts import read_rollouts
@@ -48,10 +49,24 @@ def test_probe_records_without_changing_training(tiny_model_dir, tmp_path, lopti
     shares = pl.read_parquet(sorted((run_dir / "records").glob("shares-*.parquet")))
     per_step = (
         shares.filter((pl.col("layer") == "all") & (pl.col("bin") >= 0))
-        .group_by("step")
+        .group_by("step", "stage")
         .agg(pl.col("share").sum())
     )
     assert per_step.height >= 1 and (per_step["share"] - 1).abs().max() < 1e-6
+    # the whole loss at each rollout start; with Lopti also each stage's own update (eta = 0.5: quarter bins 0, 1
+    # are stage 1's tokens, 2, 3 stage 2's), stage 2 one optimizer step later, after the real stage-1 update
+    staged = shares.filter(pl.col("layer") == "all").group_by("stage").agg(pl.col("step").unique().sort())
+    steps_of = dict(zip(staged["stage"].to_list(), staged["step"].to_list(), strict=True))
+    assert set(steps_of) == ({"train", "low", "high"} if lopti else {"train"})
+    if lopti:
+        assert steps_of["train"] == steps_of["low"] == [0, 2]
+        assert steps_of["high"] == [1, 3]
+        rows = shares.filter((pl.col("layer") == "all") & (pl.col("bin") >= 0))
+        outside = rows.filter(
+            ((pl.col("stage") == "low") & (pl.col("bin") >= 2))
+            | ((pl.col("stage") == "high") & (pl.col("bin") < 2))
+        )
+        assert outside.height == 8 and outside["share"].abs().max() == 0 and outside["count"].max() == 0
     change = pl.read_parquet(sorted((run_dir / "records").glob("prob_change-*.parquet")))
     assert set(change["update"].unique()) == {"counterfactual", "real"}
     influence = pl.read_parquet(sorted((run_dir / "records").glob("influence-*.parquet")))
@@ -61,6 +76,35 @@ def test_probe_records_without_changing_training(tiny_model_dir, tmp_path, lopti
     # each probed rollout's first micro-batch is a rollouts file that `tokendyn probe` reads
     dumps = sorted((run_dir / "rollouts").glob("step-*.parquet"))
     assert dumps and read_rollouts(dumps[0]).n == 8
+
+
+def test_lopti_stage_two_shares_are_taken_after_the_real_stage_one_update(tiny_model_dir, tmp_path):
+    """The stage-2 decomposition sees the parameters the trainer's stage 2 starts from: those after the last
+    optimizer step of stage 1 (a callback snapshots them), not the rollout-start ones."""
+    trainer = _trainer(
+        tiny_model_dir,
+        _config(tmp_path / "run", max_steps=2, probe_every=1, lopti_eta=0.5, probe_analyses="shares"),
+    )
+    after_step: dict[int, list[torch.Tensor]] = {0: _params(trainer)}
+    seen: list[tuple[int, int, list[torch.Tensor]]] = []
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            after_step[state.global_step] = _params(trainer)
+
+    trainer.add_callback(Snapshot())
+    original = trainer.probe._stage_shares
+
+    def spy(batch, mask, stage):
+        seen.append((stage, trainer.state.global_step, _params(trainer)))
+        return original(batch, mask, stage)
+
+    trainer.probe._stage_shares = spy
+    trainer.train()
+    assert [(stage, step) for stage, step, _ in seen] == [(1, 0), (2, 1)]
+    for _stage, step, params in seen:
+        assert all(torch.equal(a, b) for a, b in zip(params, after_step[step], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(seen[0][2], seen[1][2], strict=True))
 
 
 def test_stage_names_follow_the_lopti_order():

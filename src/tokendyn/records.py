@@ -26,6 +26,17 @@ _CORRECT = {
     "correct_neg": pl.Float64,
     "correct_pooled": pl.Float64,
 }
+# the distribution of delta pi over a set of tokens (tokendyn.probe.change.delta_summary), then the correct ratios
+_DELTA = {
+    "count": pl.Int64,
+    "mean": pl.Float64,
+    "std": pl.Float64,
+    "mean_abs": pl.Float64,
+    "min": pl.Float64,
+    **{f"q{q:02d}": pl.Float64 for q in (1, 5, 25, 50, 75, 95, 99)},
+    "max": pl.Float64,
+    **_CORRECT,
+}
 
 SCHEMAS: dict[str, dict[str, pl.DataType]] = {
     # per (step, stage, rank, micro, point, bin, quantity); quantity in norm | norm_per_w | ratio
@@ -156,22 +167,9 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "bin_lo": pl.Float64,
         "bin_hi": pl.Float64,
         "lr": pl.Float64,
-        "count": pl.Int64,
-        "mean": pl.Float64,
-        "std": pl.Float64,
-        "mean_abs": pl.Float64,
-        "min": pl.Float64,
-        "q01": pl.Float64,
-        "q05": pl.Float64,
-        "q25": pl.Float64,
-        "q50": pl.Float64,
-        "q75": pl.Float64,
-        "q95": pl.Float64,
-        "q99": pl.Float64,
-        "max": pl.Float64,
-        **_CORRECT,
+        **_DELTA,
     },
-    # M[source, target]: mean |delta pi| (and mean, correct ratios) over target-bin tokens after an update with only
+    # M[source, target]: mean |delta pi| (and the distribution of delta pi, correct ratios) over target-bin tokens after an update with only
     # the source bin's tokens; update_stage all | stage1 | stage2 (Lopti)
     "influence": {
         **_REBALANCE_KEY,
@@ -184,10 +182,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "target_lo": pl.Float64,
         "target_hi": pl.Float64,
         "lr": pl.Float64,
-        "count": pl.Int64,
-        "mean": pl.Float64,
-        "mean_abs": pl.Float64,
-        **_CORRECT,
+        **_DELTA,
     },
 }
 KINDS = tuple(SCHEMAS)

@@ -57,11 +57,16 @@ def _pivot(frames: list[pl.DataFrame], value: str, index: str = "pi_old") -> pl.
 
 
 def shares(run_dirs) -> dict[str, pl.DataFrame]:
-    """{"share": s_b per bin and run, "norm_ratio": ||g_b||/||g||} (layer "all", bins >= 0)."""
+    """{"share": s_b per bin and run, "norm_ratio": ||g_b||/||g||} (layer "all", bins >= 0) of the whole loss
+    (stage "train"; a Lopti run's per-stage rows are left out so that the runs compare)."""
     label = short_labels(run_dirs)
     per_run = []
     for d in run_dirs:
-        df = load(d, "shares").filter((pl.col("layer") == "all") & (pl.col("bin") >= 0)).collect()
+        df = (
+            load(d, "shares")
+            .filter((pl.col("layer") == "all") & (pl.col("bin") >= 0) & (pl.col("stage") == "train"))
+            .collect()
+        )
         if df.height == 0:
             continue
         df = (

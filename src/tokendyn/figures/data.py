@@ -229,6 +229,14 @@ def run_order(df: pl.DataFrame) -> list[str]:
     return sorted(seen, key=lambda r: (_KIND_RANK.get(method_kind(r), 4), seen.index(r)))
 
 
+def full_loss(shares: pl.DataFrame) -> pl.DataFrame:
+    """The `shares` rows that decompose the whole loss (stage "train"), without a Lopti run's per-stage rows
+    (stage "low" / "high": each stage's own update); all rows if none is "train"."""
+    if "train" in shares.get_column("stage").unique().to_list():
+        return shares.filter(pl.col("stage") == "train")
+    return shares
+
+
 def first_stage(df: pl.DataFrame) -> pl.DataFrame:
     """Per run, the rows of the stage recorded first (Lopti's two stages see the same rollout: counting tokens in
     one of them counts each sampled token once)."""

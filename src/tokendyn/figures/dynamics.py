@@ -46,7 +46,11 @@ def full_update(prob_change: pl.DataFrame, update: str | None = "counterfactual"
 def pooled_change(prob_change: pl.DataFrame, update: str | None = "counterfactual") -> pl.DataFrame:
     """Per (run, bin; bin -1 = all tokens) over the steps of the full update: tokens, count-weighted mean of the
     mean, mean |delta pi| and the quantiles, and the correct ratios pooled (correct counts summed)."""
-    full = full_update(prob_change, update).filter(pl.col("count") > 0)
+    full = (
+        full_update(prob_change, update)
+        .filter(pl.col("count") > 0)
+        .with_columns((pl.col("n_pos") + pl.col("n_neg")).alias("n_signed"))
+    )
     wmean = lambda c: ((pl.col(c) * pl.col("count")).sum() / pl.col("count").sum()).alias(c)  # noqa: E731
 
     def ratio(c: str, n: str) -> pl.Expr:
@@ -72,10 +76,7 @@ def pooled_change(prob_change: pl.DataFrame, update: str | None = "counterfactua
             pl.col("n_neg").sum(),
             ratio("correct_pos", "n_pos"),
             ratio("correct_neg", "n_neg"),
-            (
-                (pl.col("correct_pooled") * (pl.col("n_pos") + pl.col("n_neg"))).sum()
-                / (pl.col("n_pos") + pl.col("n_neg")).sum()
-            ).alias("correct_pooled"),
+            ratio("correct_pooled", "n_signed"),  # a step without signed tokens in the bin (NaN) adds nothing
         )
         .sort("run", "bin")
     )
@@ -125,14 +126,7 @@ def prob_change_by_bin(prob_change: pl.DataFrame | None, token_shares: pl.DataFr
                                               showextrema=False)  # fmt: skip
                         for body in parts["bodies"]:
                             body.set(facecolor=colors[run], alpha=0.25, edgecolor=colors[run])
-            stats = [
-                dict(med=q50, q1=q25, q3=q75, whislo=q01, whishi=q99, fliers=[], label="")
-                for q01, q25, q50, q75, q99 in r.select("q01", "q25", "q50", "q75", "q99").iter_rows()
-            ]
-            ax.bxp(stats, positions=pos, widths=width * 0.55, patch_artist=True, manage_ticks=False,
-                   boxprops=dict(facecolor=colors[run], alpha=0.75, edgecolor="0.2"),
-                   medianprops=dict(color="black", lw=1.5), whiskerprops=dict(color="0.25"),
-                   capprops=dict(color="0.25"))  # fmt: skip
+            _boxes(ax, r, pos, width * 0.55, colors[run])
         ax.axhline(0, color="0.4", lw=0.8)
         ax.set_xlim(0, 1)
         shade_bins(ax, edges)
@@ -149,8 +143,10 @@ def prob_change_by_bin(prob_change: pl.DataFrame | None, token_shares: pl.DataFr
 
 
 def _pooled_influence(influence: pl.DataFrame) -> pl.DataFrame:
-    """Per (run, update_stage, source, target) over the steps: count-weighted mean |delta pi| and mean."""
+    """Per (run, update_stage, source, target) over the steps: tokens, and the count-weighted means of mean |delta pi|,
+    mean and the quantiles of delta pi."""
     inf = influence.filter(pl.col("count") > 0)
+    wmean = lambda c: ((pl.col(c) * pl.col("count")).sum() / pl.col("count").sum()).alias(c)  # noqa: E731
     return (
         inf.group_by("run", "update_stage", "source_bin", "target_bin")
         .agg(
@@ -161,18 +157,39 @@ def _pooled_influence(influence: pl.DataFrame) -> pl.DataFrame:
             pl.col("lr").first(),
             pl.col("count").sum().alias("tokens"),
             pl.col("source_count").sum(),
-            ((pl.col("mean_abs") * pl.col("count")).sum() / pl.col("count").sum()).alias("mean_abs"),
-            ((pl.col("mean") * pl.col("count")).sum() / pl.col("count").sum()).alias("mean"),
+            *[wmean(c) for c in ("mean_abs", "mean", *QS)],
         )
         .sort("run", "update_stage", "source_bin", "target_bin")
     )
 
 
+def _boxes(ax, rows: pl.DataFrame, pos, width, face: str | Sequence[str], *, alpha: float = 0.75,
+           edge: str = "0.2") -> None:  # fmt: skip
+    """One box per row of quantile columns: q25..q75, median, whiskers q01..q99 (the top and bottom 1 % left out,
+    as the paper's violins)."""
+    faces = [face] * rows.height if isinstance(face, str) else list(face)
+    stats = [
+        dict(med=q50, q1=q25, q3=q75, whislo=q01, whishi=q99, fliers=[], label="")
+        for q01, q25, q50, q75, q99 in rows.select("q01", "q25", "q50", "q75", "q99").iter_rows()
+    ]
+    parts = ax.bxp(stats, positions=list(pos), widths=width, patch_artist=True, manage_ticks=False,
+                   boxprops=dict(alpha=alpha, edgecolor=edge), medianprops=dict(color="black", lw=1.4),
+                   whiskerprops=dict(color=edge), capprops=dict(color=edge))  # fmt: skip
+    for box, fc in zip(parts["boxes"], faces, strict=True):
+        box.set_facecolor(fc)
+
+
+HOT, COLD = "#d6604d", "#4393c3"  # the paper's updated (red) and frozen (blue) intervals
+
+
 def isolation(influence: pl.DataFrame | None, *, sources: Sequence[int] | None = None) -> Figure:
-    """Mean |delta pi| per target bin after an update restricted to one source bin (Fig. 1e: the lowest bin,
-    Fig. 1f: the highest; ``sources`` to choose), the updated bin shaded red and the frozen ones blue, against the
-    update with all tokens of the same stage (black markers). One row per run."""
+    """Delta pi per target bin after an update restricted to one source bin (Fig. 1e: the lowest bin, Fig. 1f: the
+    highest; ``sources`` to choose): boxes q25..q75 with the median, whiskers q01..q99, red in the updated interval
+    and blue in the frozen ones (which ideally do not move); grey boxes beside them: the update with all tokens of
+    the same stage (Fig. 1c). One row per run, one y scale for the whole figure."""
     inf = need(influence, "isolation panels", ["influence"])
+    if "q50" not in inf.columns:
+        raise MissingRecords("isolation panels", ["influence"], reason="influence records without quantiles")
     pooled = _pooled_influence(inf)
     runs = run_order(pooled)
     bins = sorted(b for b in pooled.get_column("source_bin").unique().to_list() if b >= 0)
@@ -181,14 +198,14 @@ def isolation(influence: pl.DataFrame | None, *, sources: Sequence[int] | None =
             "isolation panels", ["influence"], reason="no update restricted to one bin recorded"
         )
     srcs = list(sources) if sources is not None else sorted({bins[0], bins[-1]})
-    colors = run_colors(runs)
     from tokendyn.figures.style import run_rows
 
+    targets = pooled.filter(pl.col("target_bin") >= 0)
+    ylim = float(max(targets["q99"].abs().max() or 0, targets["q01"].abs().max() or 0)) * 1.15 or 1.0
     with themed():
         fig, axes = run_rows(runs, len(srcs), w=4.4, h=3.4)
         for i, run in enumerate(runs):
-            r = pooled.filter((pl.col("run") == run) & (pl.col("target_bin") >= 0))
-            ymax = float(r["mean_abs"].max() or 0) * 1.25 or 1.0
+            r = targets.filter(pl.col("run") == run)
             for j, src in enumerate(srcs):
                 ax = axes[i, j]
                 rows = r.filter(pl.col("source_bin") == src)
@@ -200,30 +217,41 @@ def isolation(influence: pl.DataFrame | None, *, sources: Sequence[int] | None =
                     continue
                 stage = "all" if "all" in stages else sorted(stages)[0]
                 rows = rows.filter(pl.col("update_stage") == stage).sort("target_bin")
-                ref = r.filter((pl.col("source_bin") == -1) & (pl.col("update_stage") == stage)).sort(
-                    "target_bin"
-                )
+                ref = r.filter((pl.col("source_bin") == -1) & (pl.col("update_stage") == stage))
+                ref = ref.join(rows.select("target_bin"), on="target_bin", how="semi").sort("target_bin")
                 lo, hi = rows["target_lo"].to_numpy(), rows["target_hi"].to_numpy()
                 s_lo, s_hi = float(rows["source_lo"][0]), float(rows["source_hi"][0])
-                for a, b in zip(lo, hi, strict=True):
-                    hot = math.isclose(a, s_lo) and math.isclose(b, s_hi)
-                    ax.axvspan(a, b, color="#d6604d" if hot else "#4393c3", alpha=0.12, lw=0)
-                ax.bar((lo + hi) / 2, rows["mean_abs"].to_numpy(), width=(hi - lo) * 0.6, color=colors[run],
-                       edgecolor="0.2", label=f"only {bin_label(s_lo, s_hi, s_hi >= 1)} updated")  # fmt: skip
-                if ref.height:
-                    ax.plot((ref["target_lo"] + ref["target_hi"]).to_numpy() / 2, ref["mean_abs"].to_numpy(), "o",
-                            color="black", ms=6, label="all tokens updated")  # fmt: skip
+                hot = [math.isclose(a, s_lo) and math.isclose(b, s_hi) for a, b in zip(lo, hi, strict=True)]
+                for a, b, h in zip(lo, hi, hot, strict=True):
+                    ax.axvspan(a, b, color=HOT if h else COLD, alpha=0.08, lw=0)
+                w = hi - lo
+                _boxes(ax, rows, (lo + hi) / 2 - 0.14 * w, 0.3 * w, [HOT if h else COLD for h in hot])
+                if ref.height == rows.height:
+                    _boxes(ax, ref, (lo + hi) / 2 + 0.2 * w, 0.2 * w, "0.75", alpha=0.9, edge="0.45")
+                ax.axhline(0, color="0.4", lw=0.8)
                 ax.set_xlim(0, 1)
-                ax.set_ylim(0, ymax)
-                where = "" if stage == "all" else f", {stage}"
+                ax.set_ylim(-ylim, ylim)
+                where = "" if stage == "all" else f", {_stage_title(stage)}"
                 ax.set_title(f"update only π_old in {bin_label(s_lo, s_hi, s_hi >= 1)}{where}", fontsize=10)
                 ax.set_xlabel("probability interval of the measured tokens, π_old")
-                ax.set_ylabel("mean |Δπ|" if j == 0 else "")
-                ax.legend(fontsize=7.5, loc="upper right")
-        fig.suptitle(
-            "Isolation: red = updated interval, blue = frozen (ideally unchanged)", fontweight="bold"
-        )
+                ax.set_ylabel("probability change Δπ" if j == 0 else "")
+        handles = [Patch(color=HOT, alpha=0.75, label="updated interval"),
+                   Patch(color=COLD, alpha=0.75, label="frozen intervals (ideally Δπ = 0)"),
+                   Patch(facecolor="0.75", edgecolor="0.45", label="all tokens updated (reference)")]  # fmt: skip
+        fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8.5, frameon=False)
+        fig.suptitle(f"Isolation: Δπ after updating one interval only ({_lr_note(pooled)}; box q25–q75, "
+                     "whiskers q01–q99)", fontweight="bold")  # fmt: skip
     return fig
+
+
+def _stage_title(update_stage: str) -> str:
+    """ "stage1" -> "Lopti stage 1" (a counterfactual update restricted to one Lopti stage's tokens)."""
+    return f"Lopti stage {update_stage[5:]}" if update_stage.startswith("stage") else update_stage
+
+
+def _lr_note(pooled: pl.DataFrame) -> str:
+    lrs = [x for x in pooled.get_column("lr").unique().to_list() if x is not None]
+    return f"counterfactual SGD step, lr = {lrs[0]:g}" if len(lrs) == 1 else "counterfactual update"
 
 
 def influence_matrix(influence: pl.DataFrame | None) -> Figure:
@@ -248,7 +276,8 @@ def influence_matrix(influence: pl.DataFrame | None) -> Figure:
             sl = r.select("source_bin", "source_lo", "source_hi").unique().sort("source_bin")
             nt = tl.height
             tlab = [bin_label(a, b, i == nt - 1) for i, (_, a, b) in enumerate(tl.iter_rows())]
-            slab = ["all" if s < 0 else bin_label(a, b, b >= 1) for s, a, b in sl.iter_rows()]
+            every = "all" if stage == "all" else "all of the stage"
+            slab = [every if s < 0 else bin_label(a, b, b >= 1) for s, a, b in sl.iter_rows()]
             m = np.full((sl.height, nt), np.nan)
             si = {s: i for i, s in enumerate(sl["source_bin"].to_list())}
             ti = {t: i for i, t in enumerate(tl["target_bin"].to_list())}
@@ -260,7 +289,7 @@ def influence_matrix(influence: pl.DataFrame | None) -> Figure:
                         cbar_kws={"label": "mean |Δπ|" + (f" (×$10^{{{exp}}}$)" if exp else "")})  # fmt: skip
             ax.set_xlabel("measured tokens (target), π_old")
             ax.set_ylabel("updated tokens (source)")
-            ax.set_title(run if stage == "all" else f"{run}: {stage}", fontsize=10)
+            ax.set_title(run if stage == "all" else f"{run}: {_stage_title(stage)}", fontsize=10)
             ax.tick_params(axis="x", rotation=0, labelsize=8)
             ax.tick_params(axis="y", rotation=0, labelsize=8)
         for k in range(len(panels), nrows * ncols):

@@ -16,7 +16,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from tokendyn.figures.data import MissingRecords, bin_label, first_stage, need, optional, run_order
+from tokendyn.figures.data import MissingRecords, bin_label, first_stage, full_loss, need, optional, run_order
 from tokendyn.figures.style import (
     bin_colors,
     new_figure,
@@ -56,74 +56,72 @@ def gradient_norm_by_bin(shares: pl.DataFrame | None = None, binstats: pl.DataFr
 
 
 def _norm_from_shares(shares: pl.DataFrame) -> Figure:
-    sh = shares.filter(pl.col("layer") == ALL)
+    """Left: ||g_b|| per bin with ||g|| of all tokens (dashed); right: ||g_b|| / ||g|| of the same step, which
+    takes out how large each step's gradient happens to be. Means over the recorded steps ± standard error."""
+    sh = (
+        full_loss(shares)
+        .filter(pl.col("layer") == ALL)
+        .with_columns((pl.col("grad_norm") / pl.col("total_norm")).alias("rel"))
+    )
+    se = lambda c: (pl.col(c).std().fill_null(0) / pl.col(c).count().sqrt()).alias(f"{c}_se")  # noqa: E731
     per = (
         sh.group_by("run", "stage", "bin")
         .agg(
-            pl.col("grad_norm").mean().alias("m"),
-            pl.col("grad_norm").std().fill_null(0).alias("s"),
+            pl.col("grad_norm").mean(),
+            se("grad_norm"),
+            pl.col("rel").mean(),
+            se("rel"),
             pl.col("bin_lo").mean(),
             pl.col("bin_hi").mean(),
             pl.col("step").n_unique().alias("steps"),
         )
         .sort("bin")
     )
-    series = _series(sh)
-    nstages = {r: sum(1 for x, _ in series if x == r) for r, _ in series}
-    colors = run_colors(run_order(sh))
-    palette = _series_colors(series, colors)
+    runs = run_order(sh)
+    colors = run_colors(runs)
     with themed():
-        fig, axes = new_figure(1, 1, w=6.4, h=4.2)
-        ax = axes[0, 0]
-        offs = offsets(len(series), 0.3)
+        fig, axes = new_figure(1, 2, w=5.2, h=4.0)
+        offs = offsets(len(runs), 0.3)
         edges: list[list[float]] = []
-        for k, (run, stage) in enumerate(series):
-            r = per.filter((pl.col("run") == run) & (pl.col("stage") == stage))
+        for k, run in enumerate(runs):
+            r = per.filter(pl.col("run") == run)
             b = r.filter(pl.col("bin") >= 0)
             ref = r.filter(pl.col("bin") < 0)
             lo, hi = b["bin_lo"].to_numpy(), b["bin_hi"].to_numpy()
             edges.append([*lo, *hi])
-            c = palette[(run, stage)]
             x = (lo + hi) / 2 + np.array(offs[k]) * (hi - lo)
-            ax.errorbar(x, b["m"].to_numpy(), yerr=b["s"].to_numpy(), fmt="-o", color=c, capsize=4, ms=6, lw=1.6,
-                        label=f"{_series_label(run, stage, nstages[run])}: loss of one interval")  # fmt: skip
+            c = colors[run]
+            for ax, col in ((axes[0, 0], "grad_norm"), (axes[0, 1], "rel")):
+                ax.errorbar(x, b[col].to_numpy(), yerr=b[f"{col}_se"].to_numpy(), fmt="-o", color=c, capsize=4,
+                            ms=6, lw=1.6, label=f"{run}: loss of one interval")  # fmt: skip
             if ref.height:
-                m, s = float(ref["m"][0]), float(ref["s"][0])
-                ax.axhline(
-                    m,
-                    color=c,
-                    lw=1.2,
-                    ls="--",
-                    label=f"{_series_label(run, stage, nstages[run])}: all tokens",
-                )
-                if s > 0:
-                    ax.axhspan(m - s, m + s, color=c, alpha=0.08, lw=0)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(bottom=0)
-        shade_bins(ax, edges)
-        ax.set_xlabel("probability interval, π_old")
-        ax.set_ylabel("gradient norm ‖g_b‖ (all parameters)")
+                m, s_ = float(ref["grad_norm"][0]), float(ref["grad_norm_se"][0])
+                axes[0, 0].axhline(m, color=c, lw=1.2, ls="--", label=f"{run}: all tokens")
+                if s_ > 0:
+                    axes[0, 0].axhspan(m - s_, m + s_, color=c, alpha=0.08, lw=0)
+        axes[0, 1].axhline(1.0, color="0.3", lw=1.2, ls="--")
+        axes[0, 1].text(0.98, 1.0, "all tokens", transform=axes[0, 1].get_yaxis_transform(), ha="right",
+                        va="bottom", fontsize=8, color="0.3")  # fmt: skip
+        for ax in axes[0]:
+            ax.set_xlim(0, 1)
+            ax.set_ylim(bottom=0)
+            shade_bins(ax, edges)
+            ax.set_xlabel("probability interval, π_old")
+        axes[0, 1].set_ylim(0, max(1.1, float(np.nanmax(per["rel"].to_numpy())) * 1.15))
+        axes[0, 0].set_ylabel("gradient norm ‖g_b‖ (all parameters)")
+        axes[0, 1].set_ylabel("‖g_b‖ / ‖g‖ (same step)")
+        axes[0, 0].set_title("norm of each interval's gradient", fontsize=10)
+        axes[0, 1].set_title("relative to the all-token gradient", fontsize=10)
         steps = int(per["steps"].max())
-        ax.set_title(f"Gradient norm of each interval's loss (mean ± std over {steps} step{'s' * (steps > 1)})",
-                     fontsize=11)  # fmt: skip
-        _legend_below(fig, ax)
+        fig.suptitle(f"Gradient norm of each interval's loss (mean ± s.e. over {steps} step{'s' * (steps > 1)})",
+                     fontweight="bold")  # fmt: skip
+        _legend_below(fig, axes[0, 0])
     return fig
 
 
 def _legend_below(fig, ax) -> None:
     handles, labels = ax.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8, frameon=False)
-
-
-def _series_colors(series, colors) -> dict[tuple[str, str], str]:
-    """A run's first stage in its colour, a second stage (Lopti) darker."""
-    out, seen = {}, {}
-    for run, stage in series:
-        n = seen.get(run, 0)
-        seen[run] = n + 1
-        base = colors[run]
-        out[(run, stage)] = base if n == 0 else sns.set_hls_values(base, l=max(0.15, 0.45 - 0.2 * n))
-    return out
 
 
 def per_token_norms(
@@ -179,7 +177,7 @@ def layer_bin_heatmap(shares: pl.DataFrame | None = None, binstats: pl.DataFrame
     One panel per run (and Lopti stage)."""
     shares, binstats = optional(shares), optional(binstats)
     if shares is not None:
-        sh = shares.filter(pl.col("layer") != ALL)
+        sh = full_loss(shares).filter(pl.col("layer") != ALL)
         rel = sh.group_by("run", "stage", "layer", "bin").agg(
             (pl.col("grad_norm") / pl.col("total_norm")).mean().alias("v"), pl.col("bin_lo").mean(),
             pl.col("bin_hi").mean(),
@@ -264,11 +262,18 @@ def _stack(ax, x, values: np.ndarray, colors, width: float, labels=None) -> None
 def update_shares(shares: pl.DataFrame | None) -> Figure:
     """Projection shares s_b = <g_b, g> / ||g||^2 (they sum to 1 over the bins; a negative share pulls against the
     update, drawn hatched below 0): per parameter group (mean over steps) and over the training steps (all
-    parameters), one row per run, Lopti's stages in separate columns."""
+    parameters), one row per run. A Lopti run with per-stage rows shows its two stages apart, each the
+    decomposition of that stage's own update (the stage's tokens only, so its shares sum to 1 within the stage)."""
     sh = need(shares, "update shares", ["shares"]).filter(pl.col("bin") >= 0)
     series = _series(sh)
     runs = run_order(sh)
     stages_of = {r: [s for x, s in series if x == r] for r in runs}
+    for (
+        r,
+        st,
+    ) in stages_of.items():  # a Lopti run: its two stages' own updates, not the (unmade) full-loss one
+        if any(s != "train" for s in st):
+            stages_of[r] = [s for s in st if s != "train"]
     ncols = 2 * max(len(v) for v in stages_of.values())
     edges = sh.group_by("bin").agg(pl.col("bin_lo").mean(), pl.col("bin_hi").mean()).sort("bin")
     nb = edges.height
@@ -279,7 +284,7 @@ def update_shares(shares: pl.DataFrame | None) -> Figure:
         for i, run in enumerate(runs):
             for k, stage in enumerate(stages_of[run]):
                 r = sh.filter((pl.col("run") == run) & (pl.col("stage") == stage))
-                suffix = "" if stage == "train" else f" (stage {stage})"
+                suffix = "" if stage == "train" else f"\nLopti stage {k + 1}: {stage}-probability tokens"
                 per_layer = r.group_by("layer", "bin").agg(pl.col("share").mean())
                 layers = _layer_order(per_layer, "layer")
                 m = np.zeros((len(layers), nb))

@@ -10,7 +10,7 @@ import math
 
 import polars as pl
 
-from tokendyn.figures.data import MissingRecords, Records, one_point, run_order
+from tokendyn.figures.data import MissingRecords, Records, full_loss, one_point, run_order
 from tokendyn.figures.dynamics import _pooled_influence, pooled_change
 from tokendyn.figures.gradients import per_token_norms
 from tokendyn.figures.tokens import envelope, token_counts
@@ -95,7 +95,7 @@ def prob_change(records: Records) -> str:
 def gradient_norm(records: Records) -> str:
     sh = records.get("shares")
     if sh is not None:
-        sh = sh.filter(pl.col("layer") == "all")
+        sh = full_loss(sh).filter(pl.col("layer") == "all")
         m = sh.group_by("run", "stage", "bin").agg(pl.col("grad_norm").mean(), pl.col("bin_lo").mean(),
                                                    pl.col("bin_hi").mean())  # fmt: skip
         lo, hi, e_lo, e_hi = _lowest_highest(m)
@@ -138,7 +138,7 @@ def gradient_norm(records: Records) -> str:
 def layer_heatmap(records: Records) -> str:
     sh = records.get("shares")
     if sh is not None:
-        r = sh.filter((pl.col("layer") != "all") & (pl.col("bin") >= 0))
+        r = full_loss(sh).filter((pl.col("layer") != "all") & (pl.col("bin") >= 0))
         rel = r.group_by("run", "layer", "bin").agg(
             (pl.col("grad_norm") / pl.col("total_norm")).mean().alias("v")
         )
@@ -155,9 +155,9 @@ def layer_heatmap(records: Records) -> str:
     return "Per probe point, the mean per-token gradient norm per interval relative to all tokens (from binstats)."
 
 
-def _moved(r: pl.DataFrame, src: int) -> float | None:
-    """Token-weighted mean |delta pi| of the tokens outside the source bin after updating only the source bin."""
-    x = r.filter((pl.col("source_bin") == src) & (pl.col("target_bin") != src))
+def _moved(r: pl.DataFrame, src: int, targets: list[int]) -> float | None:
+    """Token-weighted mean |delta pi| over the target bins after updating only the source bin."""
+    x = r.filter((pl.col("source_bin") == src) & pl.col("target_bin").is_in(targets))
     return float((x["mean_abs"] * x["tokens"]).sum() / x["tokens"].sum()) if x.height else None
 
 
@@ -165,18 +165,26 @@ def isolation(records: Records) -> str:
     pooled = _pooled_influence(_need(records, "influence", "isolation"))
     bins = sorted(b for b in pooled["source_bin"].unique().to_list() if b >= 0)
     lo, hi = bins[0], bins[-1]
+    middle = [b for b in range(lo + 1, hi)]
     parts = []
     for run in run_order(pooled):
         r = pooled.filter((pl.col("run") == run) & (pl.col("target_bin") >= 0))
-
-        a, b = _moved(r, lo), _moved(r, hi)
-        if a is not None and b is not None:
-            ratio = f" ({num(a / b)}× as much)" if b else ""
-            parts.append(f"{run}: updating only the lowest interval moves the other tokens by mean |Δπ| = {num(a)}, "
-                         f"updating only the highest by {num(b)}{ratio}")  # fmt: skip
+        a, b = _moved(r, lo, middle), _moved(r, hi, middle)
+        c, d = _moved(r, lo, [hi]), _moved(r, hi, [hi])
+        said = []
+        if a is not None and b is not None and middle:
+            said.append(f"the frozen middle intervals move by mean |Δπ| = {num(a)} when only the lowest interval is "
+                        f"updated and by {num(b)} when only the highest is ({num(a / b if b else None)}×)")  # fmt: skip
+        if c is not None and d is not None:
+            said.append(f"the highest interval's own tokens move by {num(d)} when they alone are updated, against "
+                        f"{num(c)} when only the lowest interval is")  # fmt: skip
+        if said:
+            parts.append(f"{run}: " + "; ".join(said))
     if not parts:
         return "Not enough source bins with tokens to compare the lowest and highest interval."
-    return "; ".join(parts) + ". Ideally a frozen interval does not move at all."
+    return (". ".join(parts) + ". Ideally a frozen interval does not move at all. The paper (Fig. 1e/f): updating "
+            "the low tokens alone reproduces most of the full update, and the high tokens move less when updated "
+            "themselves than when only the low ones are.")  # fmt: skip
 
 
 def influence_matrix(records: Records) -> str:
@@ -237,7 +245,8 @@ def correct_ratio(records: Records) -> str:
 
 
 def update_shares(records: Records) -> str:
-    sh = _need(records, "shares", "update shares").filter(pl.col("layer") == "all")
+    all_sh = _need(records, "shares", "update shares").filter(pl.col("layer") == "all")
+    sh = full_loss(all_sh)
     per = sh.group_by("run", "bin").agg(pl.col("share").mean(), pl.col("count").sum(), pl.col("bin_lo").mean(),
                                        pl.col("bin_hi").mean())  # fmt: skip
     per = per.filter(pl.col("bin") >= 0).with_columns(
@@ -250,14 +259,24 @@ def update_shares(records: Records) -> str:
         h = per.filter((pl.col("run") == run) & (pl.col("bin") == hi)).row(0, named=True)
         parts.append(f"{run}: tokens below π = {e_lo:g} are {pct(r['tok'])} of tokens and carry {pct(r['share'])} of "
                      f"the update; tokens above {e_hi:g} are {pct(h['tok'])} and carry {pct(h['share'])}")  # fmt: skip
-    stages = sh.filter(pl.col("stage") != "train")["stage"].unique().to_list()
-    lopti = [r for r in run_order(per) if "lopti" in r.lower()]
-    note = (
-        ""
-        if stages or not lopti
-        else " (Lopti: these are the shares of the full loss; the records hold no per-stage shares.)"
-    )
-    return "; ".join(parts) + "." + note
+    text = "; ".join(parts) + "."
+    staged = all_sh.filter((pl.col("stage") != "train") & (pl.col("bin") >= 0))
+    if staged.height:
+        st = staged.group_by("run", "stage", "bin").agg(pl.col("share").mean(), pl.col("bin_lo").mean(),
+                                                       pl.col("bin_hi").mean())  # fmt: skip
+        notes = []
+        for run, stage in st.select("run", "stage").unique().sort("run", "stage").rows():
+            r = st.filter(
+                (pl.col("run") == run) & (pl.col("stage") == stage) & (pl.col("share").abs() > 1e-12)
+            )
+            top = r.sort("share", descending=True).row(0, named=True) if r.height else None
+            if top is not None:
+                notes.append(f"{run}, stage {stage}: [{top['bin_lo']:g}, {top['bin_hi']:g}) carries "
+                             f"{pct(top['share'])} of that stage's update")  # fmt: skip
+        if notes:
+            text += (" Each Lopti stage decomposed on its own (at the start of the stage, stage 2 after the real "
+                     "stage-1 update): " + "; ".join(notes) + ".")  # fmt: skip
+    return text
 
 
 def training(records: Records) -> str:

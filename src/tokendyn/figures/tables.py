@@ -73,7 +73,8 @@ def checks_table(records: Records) -> pl.DataFrame:
 
 def shares_table(records: Records) -> pl.DataFrame:
     """Per run, stage and bin (all parameters): tokens, ||g_b|| and the projection share s_b (means over the
-    recorded steps), the per-token JVP share sum when recorded, and ||g|| of all tokens."""
+    recorded steps), the per-token JVP share sum when recorded, and ||g|| of all tokens. Stage "train" is the whole
+    loss; a Lopti run adds its stages "low" / "high", each the decomposition of that stage's own update."""
     sh = records.get("shares")
     if sh is None:
         raise MissingRecords("update shares", ["shares"])
@@ -99,10 +100,14 @@ def shares_table(records: Records) -> pl.DataFrame:
         .join(total, on=["run", "stage"], how="left")
     )
     order = {r: i for i, r in enumerate(run_order(per))}
-    per = per.with_columns(pl.col("run").replace_strict(order, return_dtype=pl.Int32).alias("_o"))
+    stage_rank = {"train": 0, "low": 1, "high": 2}  # the whole loss, then Lopti's stages
+    per = per.with_columns(
+        pl.col("run").replace_strict(order, return_dtype=pl.Int32).alias("_o"),
+        pl.col("stage").replace_strict(stage_rank, default=3, return_dtype=pl.Int32).alias("_s"),
+    )
     return (
         _interval(per)
-        .sort("_o", "stage", "bin")
+        .sort("_o", "_s", "stage", "bin")
         .select(
             "run",
             "stage",

@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import polars as pl
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from tokendyn.figures.data import MissingRecords, need, run_order
 from tokendyn.figures.style import new_figure, run_colors, run_markers, themed
@@ -94,8 +95,12 @@ def training_curves(metrics: pl.DataFrame | None) -> Figure:
                     )
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("rollout batch (RL step)" if x == "rollout" else "optimizer step")
-            if "accuracy" in col:
-                ax.set_ylim(-0.03, 1.03)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if (
+                "accuracy" in col
+            ):  # from 0, up to a little above the best value (not always to 1: small gaps show)
+                best = m.get_column(col).drop_nulls().drop_nans().max() or 0.0
+                ax.set_ylim(-0.02, min(1.03, max(0.25, 1.2 * float(best) + 0.03)))
             if (
                 k % ncols == 0
                 or col == "reward"

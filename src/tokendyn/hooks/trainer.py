@@ -9,7 +9,10 @@ forward or backward pass is made for these statistics: they are read from the tr
 The rebalancing analyses (`tokendyn.probe.rebalance`) are the one deliberate extra cost: on probed
 steps, at the first micro-step of each rollout batch, `analyze(inputs)` runs them on the first
 ``probe_sample_sequences`` sequences (before any update of that batch; the model is not modified),
-and after the batch's last optimizer step the same sequences are re-scored for the real change.
+and after the batch's last optimizer step the same sequences are re-scored for the real change. With Lopti, the
+`shares` record also holds each stage's own decomposition (stage "low" / "high", `stage_shares_frame`), taken at
+the start of that stage on the same sequences: stage 2's after the real stage-1 update, so both are the updates
+the trainer actually makes. The full-loss shares keep stage "train".
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class TrainerProbe(TrainerCallback):
         self.analyses = args.probe_analysis_set
         self.sample = int(args.probe_sample_sequences)
         self._pending_real = None
+        self._pending_stage2 = None  # (batch, stage-2 mask) of a Lopti rollout, for the stage-2 shares
         if self.analyses:
             from ..probe.rebalance import RebalanceOptions
             from ..probe.tokenloss import Objective
@@ -79,9 +83,14 @@ class TrainerProbe(TrainerCallback):
         return self.trainer.args.steps_per_generation * self.trainer.num_iterations
 
     def analyze(self, inputs: dict) -> None:
-        """The rebalancing analyses of a rollout batch (first micro-step of a probed rollout only)."""
+        """The rebalancing analyses of a rollout batch (first micro-step of a probed rollout only); with Lopti also
+        the update shares of each stage, at the start of that stage (stage 2 after the real stage-1 update)."""
         t = self.trainer
-        if not self.due() or not t.model.training or t._step % self._generate_every():
+        if not t.model.training:
+            return
+        if self._pending_stage2 is not None and t._step % self._generate_every() == self._stage2_start():
+            self._stage2_shares()
+        if not self.due() or t._step % self._generate_every():
             return
         if t.args.probe_dump_rollouts and t.accelerator.is_main_process:
             from .rollouts import dump_rollouts
@@ -91,6 +100,7 @@ class TrainerProbe(TrainerCallback):
             )
         if not self.analyses:
             return
+        import polars as pl
         import torch
 
         from ..probe.rebalance import analyze_batch
@@ -134,9 +144,46 @@ class TrainerProbe(TrainerCallback):
                 from ..probe.change import completion_probs
 
                 self._pending_real = (completion_probs(model, batch), batch, step)
+            if stage_masks is not None and self.options.shares:
+                from ..probe.change import fix_pi_old
+
+                batch, _ = fix_pi_old(model, batch)  # pi_old stays the rollout's for stage 2, as in training
+                frames["shares"] = pl.concat([frames["shares"], self._stage_shares(batch, stage_masks[0], 1)])
+                self._pending_stage2 = (batch, stage_masks[1])
         finally:
             self.probe.enabled = True
         write_frames(self.run_dir, frames, rank=t.accelerator.process_index)
+
+    def _stage2_start(self) -> int:
+        """Micro-step (modulo the rollout period) at which Lopti's stage 2 begins."""
+        return self.trainer.args.steps_per_generation * self.trainer.passes_per_stage
+
+    def _stage_shares(self, batch, mask, stage: int):
+        """`shares` rows of one Lopti stage (stage "low"/"high") at the current parameters."""
+        from ..probe.rebalance import stage_shares_frame
+
+        t = self.trainer
+        return stage_shares_frame(
+            t.accelerator.unwrap_model(t.model),
+            batch,
+            mask,
+            step=t.state.global_step,
+            stage=stage_name(stage, self.order),
+            edges=self.edges,
+            objective=self.objective,
+        )
+
+    def _stage2_shares(self) -> None:
+        from ..records import write_frames
+
+        batch, mask = self._pending_stage2
+        self._pending_stage2 = None
+        self.probe.enabled = False
+        try:
+            frame = self._stage_shares(batch, mask, 2)
+        finally:
+            self.probe.enabled = True
+        write_frames(self.run_dir, {"shares": frame}, rank=self.trainer.accelerator.process_index)
 
     def on_step_end(self, args, state, control, **kwargs):
         """After the rollout batch's last optimizer step: the real probability change of the sample."""

@@ -4,7 +4,8 @@ For each source bin b (and for all tokens, source -1): a counterfactual update o
 only the tokens of bin b in the loss (L_b = sum_{t in b} l_t: advantages and KL zeroed elsewhere, normalizer
 unchanged), then delta_pi_t = pi_after(o_t) - pi_before(o_t) for every token t. The matrix
 
-    M[source b, target b'] = mean over tokens t of bin b' of |delta_pi_t|     (and mean delta_pi, correct ratios)
+    M[source b, target b'] = mean over tokens t of bin b' of |delta_pi_t|
+                             (and the distribution of delta_pi there: mean, std, quantiles; correct ratios)
 
 has the paper's Fig. 1e (source = the lowest bin) and 1f (the highest) as two of its rows, and Fig. 1c as the
 source = all row. Bins are over pi_old.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokendyn.probe.change import OptimizerFactory, ParamCopy, correct_ratios, fix_pi_old, sgd
+from tokendyn.probe.change import OptimizerFactory, ParamCopy, delta_summary, fix_pi_old, sgd
 from tokendyn.probe.shares import as_edges
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index
 
@@ -100,15 +101,8 @@ class InfluenceResult:
 
 
 def _cell(delta: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float | int]:
-    x = delta[mask]
-    n = int(x.numel())
-    out: dict[str, float | int] = {
-        "count": n,
-        "mean": float(x.mean()) if n else float("nan"),
-        "mean_abs": float(x.abs().mean()) if n else float("nan"),
-    }
-    out.update(correct_ratios(delta, advantages, mask))
-    return out
+    """count, mean, std, mean |delta pi|, min, q01 .. q99, max and the correct ratios over the tokens of mask."""
+    return delta_summary(delta, advantages, mask)
 
 
 def influence(

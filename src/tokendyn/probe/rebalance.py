@@ -123,6 +123,27 @@ def analyze_batch(
     return frames
 
 
+def stage_shares_frame(
+    model: nn.Module,
+    batch: ProbeBatch,
+    token_mask: torch.Tensor,
+    *,
+    step: int,
+    stage: str,
+    edges: torch.Tensor | Sequence[float] | None = None,
+    objective: Objective | None = None,
+    method: str = "loop",
+) -> pl.DataFrame:
+    """The `shares` record of one Lopti stage at the model's current parameters: g_b = grad sum_{t in b and stage}
+    l_t, s_b = <g_b, g_stage> / ||g_stage||^2 (bins outside the stage have g_b = 0). Called at the start of each
+    stage (stage 2: after the real stage-1 update), it decomposes exactly the update that stage makes."""
+    edges_t = as_edges(edges)
+    res = gradient_shares(
+        model, batch, edges_t, objective=objective, method=method, per_token=False, token_mask=token_mask
+    )
+    return res.bins.to_frame(step, stage)
+
+
 def real_change_frame(
     pi_before: torch.Tensor | nn.Module,
     model_after: nn.Module,

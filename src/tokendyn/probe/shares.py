@@ -96,13 +96,21 @@ class BinGradients:
     pi_old: torch.Tensor  # (B, C) float64
     per_bin: list[dict[str, torch.Tensor]]
     loss: float
+    token_mask: torch.Tensor | None = (
+        None  # (B, C) bool: the tokens in the loss (None: every completion token)
+    )
 
     @property
     def n_bins(self) -> int:
         return len(self.per_bin)
 
+    def in_loss(self, k: int) -> torch.Tensor:
+        """The tokens of bin k that are in the loss."""
+        m = self.bins == k
+        return m if self.token_mask is None else m & self.token_mask
+
     def counts(self) -> list[int]:
-        return [int((self.bins == k).sum()) for k in range(self.n_bins)]
+        return [int(self.in_loss(k).sum()) for k in range(self.n_bins)]
 
     def total(self) -> dict[str, torch.Tensor]:
         """g = sum_b g_b."""
@@ -116,11 +124,14 @@ def bin_gradients(
     *,
     objective: Objective | None = None,
     method: str = "loop",
+    token_mask: torch.Tensor | None = None,
 ) -> BinGradients:
     """g_b = grad_theta sum_{t in b} l_t for every bin b of pi_old (module docstring), from one forward and either
     K backward passes (``method="loop"``, the default) or one batched backward (``"batched"``: vmap over the K
     bins, more memory; slower than the loop on CPU at 64 x 250 tokens, bench/share_cost.py).
-    pi_old = exp(batch.old_logp), or the current pi when the batch is on-policy."""
+    pi_old = exp(batch.old_logp), or the current pi when the batch is on-policy. ``token_mask`` (B, C): the loss
+    restricted to these tokens, L = sum_{t in mask} l_t (a Lopti stage), so g_b = grad sum_{t in b and mask} l_t and
+    g = sum_b g_b is the stage's gradient."""
     if method not in METHODS:
         raise ValueError(f"shares: method must be one of {METHODS}, got {method!r}")
     edges_t = as_edges(edges)
@@ -132,7 +143,12 @@ def bin_gradients(
         logp_old = tl.logp.detach() if batch.old_logp is None else batch.old_logp
         pi = torch.exp(logp_old.to(torch.float64))
         bins = bin_index(pi, batch.completion_mask, edges_t)
-        masks = torch.stack([(bins == b).to(tl.terms.dtype) for b in range(k)])
+        keep = (
+            torch.ones_like(bins, dtype=torch.bool)
+            if token_mask is None
+            else token_mask.bool().to(bins.device)
+        )
+        masks = torch.stack([((bins == b) & keep).to(tl.terms.dtype) for b in range(k)])
         if method == "batched":
             grads = torch.autograd.grad(
                 tl.terms, tensors, grad_outputs=masks, is_grads_batched=True, allow_unused=True
@@ -154,8 +170,16 @@ def bin_gradients(
                         for n, g, p in zip(names, grads, tensors, strict=True)
                     }
                 )
+    loss = tl.loss if token_mask is None else (tl.terms * masks.sum(0)).sum()
     return BinGradients(
-        names, [parameter_group(n) for n in names], edges_t, bins, pi, per_bin, float(tl.loss.detach())
+        names,
+        [parameter_group(n) for n in names],
+        edges_t,
+        bins,
+        pi,
+        per_bin,
+        float(loss.detach()),
+        None if token_mask is None else keep,
     )
 
 
@@ -326,15 +350,19 @@ def gradient_shares(
     objective: Objective | None = None,
     method: str = "loop",
     per_token: bool = True,
+    token_mask: torch.Tensor | None = None,
 ) -> ShareResult:
     """`bin_gradients` + `bin_shares`, and with ``per_token`` the JVP shares s_t along g (their per-bin sums go
-    into ``BinShares.jvp_share``)."""
-    grads = bin_gradients(model, batch, edges, objective=objective, method=method)
+    into ``BinShares.jvp_share``). ``token_mask``: the loss restricted to these tokens (a Lopti stage); counts,
+    shares and s_t are then over those tokens only (s_t = 0 outside)."""
+    grads = bin_gradients(model, batch, edges, objective=objective, method=method, token_mask=token_mask)
     shares = bin_shares(grads)
     tokens = None
     if per_token:
         tokens = token_shares(model, batch, grads.total(), objective=objective)
-        shares.jvp_share = torch.stack([tokens[grads.bins == b].sum() for b in range(grads.n_bins)]).to(
+        if grads.token_mask is not None:
+            tokens = torch.where(grads.token_mask, tokens, torch.zeros_like(tokens))
+        shares.jvp_share = torch.stack([tokens[grads.in_loss(b)].sum() for b in range(grads.n_bins)]).to(
             torch.float64
         )
     return ShareResult(grads, shares, tokens)
