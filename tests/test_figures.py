@@ -168,6 +168,25 @@ def test_update_shares_draw_lopti_stages_apart(records):
     assert acc["evaluations"].min() >= 1 and set(acc.columns) >= {"run", "3 people", "4 people", "mean"}
 
 
+def test_pooled_correct_ratio_skips_steps_without_signed_tokens(records):
+    """A (step, bin) with no token of non-zero advantage records NaN ratios; pooling over steps must weigh it 0,
+    not turn the run's pooled ratio into NaN (which once dropped GRPO from the pooled panel of (g))."""
+    from tokendyn.figures.dynamics import pooled_change
+
+    pc = records.get("prob_change").filter(pl.col("update") == "counterfactual")
+    row = pc.filter((pl.col("run") == "GRPO") & (pl.col("bin") == 0)).head(1)
+    silent = row.with_columns(
+        pl.lit(10_000).cast(pl.Int64).alias("step"), pl.lit(0).cast(pl.Int64).alias("n_pos"), pl.lit(0).cast(pl.Int64).alias("n_neg"),
+        *[pl.lit(float("nan")).alias(c) for c in ("correct_pos", "correct_neg", "correct_pooled")],
+    )  # fmt: skip
+    pooled = pooled_change(pl.concat([pc, silent])).filter((pl.col("run") == "GRPO") & (pl.col("bin") == 0))
+    want = pc.filter((pl.col("run") == "GRPO") & (pl.col("bin") == 0) & (pl.col("update_stage") == "all"))
+    n = want["n_pos"] + want["n_neg"]
+    ok = n > 0
+    expected = float((want["correct_pooled"].filter(ok) * n.filter(ok)).sum() / n.filter(ok).sum())
+    assert pooled["correct_pooled"][0] == pytest.approx(expected, rel=1e-12)
+
+
 def test_report_has_every_figure_and_table(records, tmp_path):
     result = build_report(records, tmp_path / "out", strict=True)
     html = result.path.read_text()

@@ -186,7 +186,8 @@ def isolation(influence: pl.DataFrame | None, *, sources: Sequence[int] | None =
     """Delta pi per target bin after an update restricted to one source bin (Fig. 1e: the lowest bin, Fig. 1f: the
     highest; ``sources`` to choose): boxes q25..q75 with the median, whiskers q01..q99, red in the updated interval
     and blue in the frozen ones (which ideally do not move); grey boxes beside them: the update with all tokens of
-    the same stage (Fig. 1c). One row per run, one y scale for the whole figure."""
+    the same stage (Fig. 1c). Quantiles are pooled over the steps as token-weighted means of the per-step
+    quantiles. One row per run, one y scale for the whole figure."""
     inf = need(influence, "isolation panels", ["influence"])
     if "q50" not in inf.columns:
         raise MissingRecords("isolation panels", ["influence"], reason="influence records without quantiles")
@@ -233,25 +234,25 @@ def isolation(influence: pl.DataFrame | None, *, sources: Sequence[int] | None =
                 ax.set_ylim(-ylim, ylim)
                 where = "" if stage == "all" else f", {_stage_title(stage)}"
                 ax.set_title(f"update only π_old in {bin_label(s_lo, s_hi, s_hi >= 1)}{where}", fontsize=10)
-                ax.set_xlabel("probability interval of the measured tokens, π_old")
+                ax.set_xlabel("π_old of the measured tokens")
                 ax.set_ylabel("probability change Δπ" if j == 0 else "")
         handles = [Patch(color=HOT, alpha=0.75, label="updated interval"),
                    Patch(color=COLD, alpha=0.75, label="frozen intervals (ideally Δπ = 0)"),
-                   Patch(facecolor="0.75", edgecolor="0.45", label="all tokens updated (reference)")]  # fmt: skip
+                   Patch(facecolor="0.75", edgecolor="0.45", label="all tokens updated (Lopti: all of the stage's)")]  # fmt: skip
         fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8.5, frameon=False)
-        fig.suptitle(f"Isolation: Δπ after updating one interval only ({_lr_note(pooled)}; box q25–q75, "
-                     "whiskers q01–q99)", fontweight="bold")  # fmt: skip
+        fig.suptitle(f"Isolation: Δπ after updating one interval only\n{_lr_note(pooled)}; boxes q25–q75, "
+                     "whiskers q01–q99", fontweight="bold")  # fmt: skip
     return fig
 
 
 def _stage_title(update_stage: str) -> str:
-    """ "stage1" -> "Lopti stage 1" (a counterfactual update restricted to one Lopti stage's tokens)."""
-    return f"Lopti stage {update_stage[5:]}" if update_stage.startswith("stage") else update_stage
+    """ "stage1" -> "stage 1" (a counterfactual update restricted to one Lopti stage's tokens)."""
+    return f"stage {update_stage[5:]}" if update_stage.startswith("stage") else update_stage
 
 
 def _lr_note(pooled: pl.DataFrame) -> str:
     lrs = [x for x in pooled.get_column("lr").unique().to_list() if x is not None]
-    return f"counterfactual SGD step, lr = {lrs[0]:g}" if len(lrs) == 1 else "counterfactual update"
+    return f"SGD step, lr = {lrs[0]:g}" if len(lrs) == 1 else "counterfactual update"
 
 
 def influence_matrix(influence: pl.DataFrame | None) -> Figure:

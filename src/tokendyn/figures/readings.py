@@ -262,17 +262,18 @@ def update_shares(records: Records) -> str:
     text = "; ".join(parts) + "."
     staged = all_sh.filter((pl.col("stage") != "train") & (pl.col("bin") >= 0))
     if staged.height:
-        st = staged.group_by("run", "stage", "bin").agg(pl.col("share").mean(), pl.col("bin_lo").mean(),
-                                                       pl.col("bin_hi").mean())  # fmt: skip
+        st = staged.group_by("run", "stage", "bin").agg(
+            pl.col("share").mean(), pl.col("count").sum(), pl.col("bin_lo").mean(), pl.col("bin_hi").mean()
+        )
+        st = st.with_columns((pl.col("count") / pl.col("count").sum().over("run", "stage")).alias("tok"))
         notes = []
-        for run, stage in st.select("run", "stage").unique().sort("run", "stage").rows():
-            r = st.filter(
-                (pl.col("run") == run) & (pl.col("stage") == stage) & (pl.col("share").abs() > 1e-12)
-            )
+        pairs = sorted(st.select("run", "stage").unique().rows(), key=lambda p: (p[0], p[1] != "low", p[1]))
+        for run, stage in pairs:
+            r = st.filter((pl.col("run") == run) & (pl.col("stage") == stage) & (pl.col("count") > 0))
             top = r.sort("share", descending=True).row(0, named=True) if r.height else None
             if top is not None:
-                notes.append(f"{run}, stage {stage}: [{top['bin_lo']:g}, {top['bin_hi']:g}) carries "
-                             f"{pct(top['share'])} of that stage's update")  # fmt: skip
+                notes.append(f"{run}, stage {stage}: [{top['bin_lo']:g}, {top['bin_hi']:g}) holds {pct(top['tok'])} of "
+                             f"the stage's tokens and carries {pct(top['share'])} of its update")  # fmt: skip
         if notes:
             text += (" Each Lopti stage decomposed on its own (at the start of the stage, stage 2 after the real "
                      "stage-1 update): " + "; ".join(notes) + ".")  # fmt: skip

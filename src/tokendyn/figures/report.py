@@ -64,7 +64,8 @@ FIGURES: tuple[FigureSpec, ...] = (
                "Each layer's gradient per interval relative to the layer's all-token gradient.",
                lambda r: gradients.layer_bin_heatmap(_g(r, "shares"), _g(r, "binstats")), readings.layer_heatmap),
     FigureSpec("e_isolation", "Isolation: updating one interval only", "Fig. 1e/f", ("influence",),
-               "Mean |Δπ| per interval when only the lowest (left) or highest (right) interval is updated.",
+               "Δπ per interval when only the lowest (left) or highest (right) interval is updated; grey: all tokens "
+               "updated. Quantiles are averaged over the probed steps, weighted by tokens.",
                lambda r: dynamics.isolation(_g(r, "influence")), readings.isolation),
     FigureSpec("e_influence_matrix", "Influence matrix", "Fig. 1e/f, all rows", ("influence",),
                "Mean |Δπ| of each measured interval (columns) after updating one interval (rows).",
@@ -76,7 +77,8 @@ FIGURES: tuple[FigureSpec, ...] = (
                "Share of tokens moved in the direction of their advantage after the full update, per run.",
                lambda r: dynamics.correct_ratio(_g(r, "prob_change")), readings.correct_ratio),
     FigureSpec("h_update_shares", "Update shares per interval", "new", ("shares",),
-               "Projection shares s_b of the update, per parameter group and over training steps.",
+               "Projection shares s_b of the update, per parameter group and over training steps; a Lopti run shows "
+               "its two stages apart, each the decomposition of that stage's own update.",
                lambda r: gradients.update_shares(_g(r, "shares")), readings.update_shares),
     FigureSpec("i_training", "Training curves", "Fig. 3", ("metrics",),
                "Training reward and held-out accuracy per puzzle size, per run.",

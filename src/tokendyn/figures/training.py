@@ -41,6 +41,14 @@ def _smoothing(n: int) -> float:
     return 0.95 if n >= 100 else 0.8 if n >= 20 else 0.0
 
 
+def _accuracy_top(m: pl.DataFrame, col: str, columns: list[str]) -> float:
+    """The top of an accuracy axis: a little above the best value, not always 1, so that small gaps show; every
+    held-out panel on one scale, so that puzzle sizes compare."""
+    same = [c for c in columns if c.startswith("heldout/")] if col.startswith("heldout/") else [col]
+    best = max(float(m.get_column(c).drop_nulls().drop_nans().max() or 0.0) for c in same)
+    return min(1.03, max(0.25, 1.2 * best + 0.03))
+
+
 def training_curves(metrics: pl.DataFrame | None) -> Figure:
     """Training reward (raw, and EMA-smoothed when there are enough steps, as the paper), training accuracy when
     logged, and held-out accuracy per puzzle size and on average, against rollout batches (the paper's RL steps:
@@ -96,11 +104,8 @@ def training_curves(metrics: pl.DataFrame | None) -> Figure:
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("rollout batch (RL step)" if x == "rollout" else "optimizer step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if (
-                "accuracy" in col
-            ):  # from 0, up to a little above the best value (not always to 1: small gaps show)
-                best = m.get_column(col).drop_nulls().drop_nans().max() or 0.0
-                ax.set_ylim(-0.02, min(1.03, max(0.25, 1.2 * float(best) + 0.03)))
+            if "accuracy" in col:
+                ax.set_ylim(-0.02, _accuracy_top(m, col, [c for c, _ in panels]))
             if (
                 k % ncols == 0
                 or col == "reward"
