@@ -268,3 +268,13 @@ def test_analyze_prints_the_rebalancing_tables_side_by_side(run_dirs, capsys):
     assert shares.columns[0] == "pi_old" and shares.width == 1 + len(dirs)
     for col in shares.columns[1:]:  # the projection shares of each run sum to 1 over the bins
         assert abs(shares[col].sum() - 1.0) < 1e-6
+    # isolation: a Lopti run's lowest bin is updated in stage 1 and its highest in stage 2, each column says which
+    iso = compare(dirs)["isolation: mean |delta pi| (update source: all / low bin / high bin)"]
+    lopti = [c.split(": ", 1)[1] for c in iso.columns if c.startswith("lopti")]
+    assert lopti == ["all (stage 1)", "low (stage 1)", "all (stage 2)", "high (stage 2)"]
+    inf = load(run_dirs["lopti"], "influence").collect()
+    top = inf.filter((pl.col("update_stage") == "stage2") & (pl.col("target_bin") == 1) & (pl.col("count") > 0))
+    top = top.filter(pl.col("source_bin") == 3)
+    want = float((top["mean_abs"] * top["count"]).sum() / top["count"].sum())
+    col = next(c for c in iso.columns if c.startswith("lopti") and c.endswith("high (stage 2)"))
+    assert iso[col][1] == pytest.approx(want)

@@ -4,7 +4,7 @@
 - ||g_b|| / ||g||, mean over probed steps;
 - correct ratio of A>0 tokens (pi rose) per bin, pooled over steps by token counts, after the
   counterfactual full update (Lopti: both stages) and after the real training update;
-- isolation: mean |delta pi| per target bin when only the lowest / the highest bin is updated.
+- isolation: mean |delta pi| per target bin when only the lowest / the highest bin is updated (Lopti: per stage).
 """
 
 from __future__ import annotations
@@ -104,32 +104,33 @@ def correct_ratios(run_dirs, update: str = "counterfactual") -> pl.DataFrame:
 
 
 def isolation(run_dirs) -> pl.DataFrame:
-    """Mean |delta pi| per target bin under an update with only the lowest (low) or highest (high) source bin."""
+    """Mean |delta pi| per target bin (token-weighted over steps) under an update with all tokens (all), only the
+    lowest (low) or only the highest (high) source bin. A Lopti run's lowest bin is updated in stage 1 and its
+    highest in stage 2: its columns say so, and "all" is given per stage (all of that stage's tokens)."""
     label = short_labels(run_dirs)
     per_run = []
     for d in run_dirs:
-        df = (
-            load(d, "influence")
-            .filter((pl.col("update_stage").is_in(["all", "stage1"])) & (pl.col("target_bin") >= 0))
-            .collect()
-        )
+        df = load(d, "influence").filter((pl.col("target_bin") >= 0) & (pl.col("count") > 0)).collect()
         if df.height == 0:
             continue
         sources = sorted(s for s in df["source_bin"].unique().to_list() if s >= 0)
         if not sources:
             continue
-        pick = {-1: "all", sources[0]: "low", sources[-1]: "high"}
-        df = (
-            df.filter(pl.col("source_bin").is_in(list(pick)))
-            .group_by("source_bin", "target_bin", "target_lo", "target_hi")
-            .agg(pl.col("mean_abs").mean())
-            .with_columns(pl.col("source_bin").replace_strict(pick, return_dtype=pl.Utf8).alias("source"))
-            .rename({"target_bin": "bin"})
+        df = df.group_by("update_stage", "source_bin", "target_bin", "target_lo", "target_hi").agg(
+            ((pl.col("mean_abs") * pl.col("count")).sum() / pl.col("count").sum()).alias("mean_abs")
         )
-        df = _interval(df, "target_lo", "target_hi")
-        for source in ("all", "low", "high"):
-            part = df.filter(pl.col("source") == source)
-            per_run.append(part.with_columns(pl.lit(f"{label[str(d)]}: {source}").alias("run")))
+        staged = "all" not in df["update_stage"].unique().to_list()
+        columns = []  # (column name, update stage, source bin)
+        for stage in sorted(df["update_stage"].unique().to_list()):
+            have = df.filter(pl.col("update_stage") == stage)["source_bin"].unique().to_list()
+            where = f" ({stage[:5]} {stage[5:]})" if staged else ""
+            columns.append((f"all{where}", stage, -1))
+            columns += [(f"{name}{where}", stage, src) for name, src in (("low", sources[0]), ("high", sources[-1]))
+                        if src in have]  # fmt: skip
+        for name, stage, src in columns:
+            part = df.filter((pl.col("update_stage") == stage) & (pl.col("source_bin") == src))
+            part = _interval(part.rename({"target_bin": "bin"}), "target_lo", "target_hi")
+            per_run.append(part.with_columns(pl.lit(f"{label[str(d)]}: {name}").alias("run")))
     return _pivot(per_run, "mean_abs")
 
 
