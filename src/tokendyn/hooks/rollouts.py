@@ -36,6 +36,7 @@ import numpy as np
 import polars as pl
 import torch
 
+from tokendyn.hooks.rollouts_check import validate_table  # noqa: F401  (re-exported)
 from tokendyn.hooks.rollouts_read import (  # noqa: F401  (re-exported)
     ACCEPTS,
     COLUMNS,
@@ -46,7 +47,6 @@ from tokendyn.hooks.rollouts_read import (  # noqa: F401  (re-exported)
     error,
     read_table,
     rows_table,
-    validate_table,
 )
 
 
