@@ -236,6 +236,19 @@ def test_analyze_batch_switches(model, batch):
     assert frames["token_shares"]["delta_pi"].null_count() == frames["token_shares"].height
 
 
+def test_a_batch_without_gradient_has_null_shares_not_an_error(model, batch):
+    """Every advantage 0 and no KL term (e.g. a sample of zero-variance groups at the first step): g = 0, so the
+    shares are undefined (null rows, no per-token shares) and nothing moves; the analyses must not stop training."""
+    from dataclasses import replace
+
+    flat = replace(batch, advantages=torch.zeros_like(batch.advantages))
+    frames = analyze_batch(model, flat, step=0)
+    assert set(frames) == {"shares", "prob_change", "influence"}
+    sh = frames["shares"]
+    assert sh["share"].null_count() == sh.height and float(sh["grad_norm"].abs().max()) == 0.0
+    assert float(frames["prob_change"]["mean_abs"].drop_nans().abs().max()) == 0.0
+
+
 def test_change_frame_bins(model, batch):
     res = counterfactual_change(model, batch)
     edges = as_edges((0.0, 0.5, 1.0))

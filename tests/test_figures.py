@@ -147,15 +147,24 @@ def test_lopti_tokens_keep_their_own_stage(records):
 def test_readings_state_the_table_numbers(records):
     shares = tables.shares_table(records)
     text = readings.update_shares(records)
+    lopti = "GRPO + Lopti(eta=0.5)"
     for run in records.labels:
         low = shares.filter(
             (pl.col("run") == run) & (pl.col("interval") == "[0, 0.25)") & (pl.col("stage") == "train")
         ).row(0, named=True)
-        assert f"carry {100 * low['share_b']:.0f}% of the update" in text
-    # Lopti's stages, each decomposed on its own, in the table and the reading
-    lopti = shares.filter(pl.col("run") == "GRPO + Lopti(eta=0.5)")
-    assert set(lopti["stage"].unique()) == {"train", "low", "high"}
-    assert "GRPO + Lopti(eta=0.5), stage low:" in text and "GRPO + Lopti(eta=0.5), stage high:" in text
+        of = "the full loss's gradient" if run == lopti else "the update"
+        assert f"{run}: tokens below π = 0.25 are {100 * low['token_share']:.0f}% of tokens and carry " \
+               f"{100 * low['share_b']:.0f}% of {of}" in text  # fmt: skip
+    # Lopti's stages, each decomposed on its own, in the table and the reading (the bin carrying most of the stage)
+    staged = shares.filter((pl.col("run") == lopti) & (pl.col("stage") != "train"))
+    assert set(staged["stage"].unique()) == {"low", "high"}
+    for stage in ("low", "high"):
+        top = staged.filter(pl.col("stage") == stage).sort("share_b", descending=True).row(0, named=True)
+        assert f"{lopti}, stage {stage}: {top['interval']} holds {100 * top['token_share']:.0f}% of the stage's " \
+               f"tokens and carries {100 * top['share_b']:.0f}% of its update" in text  # fmt: skip
+    assert text.index(f"{lopti}, stage low:") < text.index(f"{lopti}, stage high:")  # stage 1 first
+    acc = tables.accuracy(records)
+    assert acc["evaluations"].min() >= 1 and set(acc.columns) >= {"run", "3 people", "4 people", "mean"}
 
 
 def test_update_shares_draw_lopti_stages_apart(records):
@@ -164,8 +173,6 @@ def test_update_shares_draw_lopti_stages_apart(records):
     assert any("Lopti stage 1: low-probability tokens" in t for t in texts)
     assert any("Lopti stage 2: high-probability tokens" in t for t in texts)
     matplotlib.pyplot.close(fig)
-    acc = tables.accuracy(records)
-    assert acc["evaluations"].min() >= 1 and set(acc.columns) >= {"run", "3 people", "4 people", "mean"}
 
 
 def test_pooled_correct_ratio_skips_steps_without_signed_tokens(records):
@@ -225,6 +232,23 @@ def test_missing_kinds_give_notes_not_a_crash(run_dirs, tmp_path):
     assert "table:shares" in result.notes and "table:accuracy" not in result.notes
 
 
+def test_runs_recorded_before_a_schema_grew_still_load(run_dirs, tmp_path):
+    """Influence shards written before the records kept the delta-pi quantiles: the run loads (new columns read as
+    null), the influence matrix is drawn from what is there, and the isolation boxes become a note, not zeros."""
+    run = tmp_path / "old"
+    shutil.copytree(run_dirs["grpo"], run)
+    dropped = ("std", "min", "q01", "q05", "q25", "q50", "q75", "q95", "q99", "max")
+    shards = list((run / "records").glob("influence-*.parquet"))
+    assert shards
+    for f in shards:
+        pl.read_parquet(f).drop(dropped).write_parquet(f)
+    records = load_runs([run])
+    assert records.get("influence")["q50"].null_count() == records.get("influence").height
+    result = build_report(records, tmp_path / "out", strict=True)
+    assert "no Δπ quantiles" in result.notes["e_isolation"]
+    assert "e_influence_matrix" in result.figures and "e_influence_matrix" not in result.notes
+
+
 def _args(*argv):
     parser = argparse.ArgumentParser(prog="tokendyn")
     cli.register(parser.add_subparsers(dest="command"))
@@ -273,7 +297,9 @@ def test_analyze_prints_the_rebalancing_tables_side_by_side(run_dirs, capsys):
     lopti = [c.split(": ", 1)[1] for c in iso.columns if c.startswith("lopti")]
     assert lopti == ["all (stage 1)", "low (stage 1)", "all (stage 2)", "high (stage 2)"]
     inf = load(run_dirs["lopti"], "influence").collect()
-    top = inf.filter((pl.col("update_stage") == "stage2") & (pl.col("target_bin") == 1) & (pl.col("count") > 0))
+    top = inf.filter(
+        (pl.col("update_stage") == "stage2") & (pl.col("target_bin") == 1) & (pl.col("count") > 0)
+    )
     top = top.filter(pl.col("source_bin") == 3)
     want = float((top["mean_abs"] * top["count"]).sum() / top["count"].sum())
     col = next(c for c in iso.columns if c.startswith("lopti") and c.endswith("high (stage 2)"))

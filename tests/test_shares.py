@@ -192,7 +192,6 @@ def test_shares_of_a_token_subset_decompose_that_subsets_loss(model64):
                 assert res.grads.counts()[k] == 0 and float(_flat(res.grads.per_bin[k]).norm()) == 0.0
                 assert float(res.bins.share[k, 0]) == 0.0
         assert abs(float(res.bins.share[:, 0].sum()) - 1.0) < 1e-10
-        assert float(res.tokens[~mask].abs().max()) == 0.0
         assert torch.allclose(res.bins.jvp_share, res.bins.share[:, 0], atol=1e-6, rtol=0)
 
 

@@ -78,13 +78,23 @@ def test_probe_records_without_changing_training(tiny_model_dir, tmp_path, lopti
     assert dumps and read_rollouts(dumps[0]).n == 8
 
 
-def test_lopti_stage_two_shares_are_taken_after_the_real_stage_one_update(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "accumulation, max_steps, expected",
+    [
+        (2, 2, [(1, 0), (2, 1)]),
+        (1, 4, [(1, 0), (2, 2)]),
+    ],  # one / two optimizer steps per stage (the demo: two)
+)
+def test_lopti_stage_two_shares_are_taken_after_the_real_stage_one_update(
+    tiny_model_dir, tmp_path, accumulation, max_steps, expected
+):
     """The stage-2 decomposition sees the parameters the trainer's stage 2 starts from: those after the last
     optimizer step of stage 1 (a callback snapshots them), not the rollout-start ones."""
-    trainer = _trainer(
-        tiny_model_dir,
-        _config(tmp_path / "run", max_steps=2, probe_every=1, lopti_eta=0.5, probe_analyses="shares"),
-    )
+    cfg = _config(
+        tmp_path / "run", max_steps=max_steps, probe_every=1, lopti_eta=0.5, probe_analyses="shares",
+        gradient_accumulation_steps=accumulation, steps_per_generation=2,
+    )  # fmt: skip
+    trainer = _trainer(tiny_model_dir, cfg)
     after_step: dict[int, list[torch.Tensor]] = {0: _params(trainer)}
     seen: list[tuple[int, int, list[torch.Tensor]]] = []
 
@@ -101,7 +111,7 @@ def test_lopti_stage_two_shares_are_taken_after_the_real_stage_one_update(tiny_m
 
     trainer.probe._stage_shares = spy
     trainer.train()
-    assert [(stage, step) for stage, step, _ in seen] == [(1, 0), (2, 1)]
+    assert [(stage, step) for stage, step, _ in seen] == expected
     for _stage, step, params in seen:
         assert all(torch.equal(a, b) for a, b in zip(params, after_step[step], strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(seen[0][2], seen[1][2], strict=True))

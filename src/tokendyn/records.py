@@ -126,7 +126,9 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
     },
     # ---- rebalancing analyses (tokendyn.probe.shares / change / influence); bin -1 = all tokens
     # per (bin, parameter group): ||g_b||, <g_b, g>, ||g||, s_b = <g_b, g>/||g||^2; layer "all" = every parameter;
-    # jvp_share = sum of the per-token JVP shares of the bin (layer "all" only); loss = L of the batch
+    # jvp_share = sum of the per-token JVP shares of the bin (layer "all" only); loss = L of the batch; share null
+    # where g = 0. stage "train": the whole loss; a Lopti run's stages "low" / "high": the stage's loss at the stage
+    # start (step = the global step then: stage 2 later than the rollout's other records)
     "shares": {
         **_REBALANCE_KEY,
         "bin": pl.Int32,

@@ -105,8 +105,9 @@ def correct_ratios(run_dirs, update: str = "counterfactual") -> pl.DataFrame:
 
 def isolation(run_dirs) -> pl.DataFrame:
     """Mean |delta pi| per target bin (token-weighted over steps) under an update with all tokens (all), only the
-    lowest (low) or only the highest (high) source bin. A Lopti run's lowest bin is updated in stage 1 and its
-    highest in stage 2: its columns say so, and "all" is given per stage (all of that stage's tokens)."""
+    lowest (low) or only the highest (high) source bin. A Lopti run updates each source bin in the stage that holds
+    it (low_first: the lowest in stage 1, the highest in stage 2): its columns name the stage, and "all" is given
+    per stage (all of that stage's tokens)."""
     label = short_labels(run_dirs)
     per_run = []
     for d in run_dirs:

@@ -28,14 +28,17 @@ def check_run_dir(run_dir: str | os.PathLike, kind: str = "binstats") -> Path:
 
 
 def load(run_dir: str | os.PathLike, kind: str) -> pl.LazyFrame:
-    """Every shard of `kind` (all ranks, all flushes) concatenated lazily; an empty frame with the schema if none."""
+    """Every shard of `kind` (all ranks, all flushes) concatenated lazily; an empty frame with the schema if none.
+    A column the schema gained after a shard was written reads as nulls (runs recorded by an older version load)."""
     if kind not in SCHEMAS:
         raise ValueError(f"unknown record kind {kind!r}; known: {', '.join(KINDS)}")
     files = shard_files(run_dir, kind)
     if not files:
         return pl.LazyFrame(schema=SCHEMAS[kind])
     # glob=False: a run directory may contain [ ] * ? in its name
-    return pl.scan_parquet([str(f) for f in files], schema=SCHEMAS[kind], glob=False)
+    return pl.scan_parquet(
+        [str(f) for f in files], schema=SCHEMAS[kind], glob=False, missing_columns="insert"
+    )
 
 
 def select_steps(

@@ -231,7 +231,7 @@ def run_order(df: pl.DataFrame) -> list[str]:
 
 def full_loss(shares: pl.DataFrame) -> pl.DataFrame:
     """The `shares` rows that decompose the whole loss (stage "train"), without a Lopti run's per-stage rows
-    (stage "low" / "high": each stage's own update); all rows if none is "train"."""
+    (stage "low" / "high": each stage loss's gradient at the stage start); all rows if none is "train"."""
     if "train" in shares.get_column("stage").unique().to_list():
         return shares.filter(pl.col("stage") == "train")
     return shares

@@ -146,7 +146,11 @@ def _pooled_influence(influence: pl.DataFrame) -> pl.DataFrame:
     """Per (run, update_stage, source, target) over the steps: tokens, and the count-weighted means of mean |delta pi|,
     mean and the quantiles of delta pi."""
     inf = influence.filter(pl.col("count") > 0)
-    wmean = lambda c: ((pl.col(c) * pl.col("count")).sum() / pl.col("count").sum()).alias(c)  # noqa: E731
+
+    def wmean(c: str) -> pl.Expr:  # rows without the value (records of an older version) weigh nothing
+        ok = pl.col(c).is_not_null()
+        return ((pl.col(c) * pl.col("count")).filter(ok).sum() / pl.col("count").filter(ok).sum()).alias(c)
+
     return (
         inf.group_by("run", "update_stage", "source_bin", "target_bin")
         .agg(
@@ -189,8 +193,12 @@ def isolation(influence: pl.DataFrame | None, *, sources: Sequence[int] | None =
     the same stage (Fig. 1c). Quantiles are pooled over the steps as token-weighted means of the per-step
     quantiles. One row per run, one y scale for the whole figure."""
     inf = need(influence, "isolation panels", ["influence"])
-    if "q50" not in inf.columns:
-        raise MissingRecords("isolation panels", ["influence"], reason="influence records without quantiles")
+    if "q50" not in inf.columns or inf["q50"].null_count() == inf.height:
+        raise MissingRecords(
+            "isolation panels",
+            ["influence"],
+            reason="the influence records hold no Δπ quantiles (written by an older tokendyn; rerun the analyses)",
+        )
     pooled = _pooled_influence(inf)
     runs = run_order(pooled)
     bins = sorted(b for b in pooled.get_column("source_bin").unique().to_list() if b >= 0)
@@ -202,7 +210,8 @@ def isolation(influence: pl.DataFrame | None, *, sources: Sequence[int] | None =
     from tokendyn.figures.style import run_rows
 
     targets = pooled.filter(pl.col("target_bin") >= 0)
-    ylim = float(max(targets["q99"].abs().max() or 0, targets["q01"].abs().max() or 0)) * 1.15 or 1.0
+    drawn = targets.filter(pl.col("source_bin").is_in([-1, *srcs]))  # the scale of what is drawn
+    ylim = float(max(drawn["q99"].abs().max() or 0, drawn["q01"].abs().max() or 0)) * 1.15 or 1.0
     with themed():
         fig, axes = run_rows(runs, len(srcs), w=4.4, h=3.4)
         for i, run in enumerate(runs):

@@ -32,10 +32,10 @@ ALL = "all"
 
 
 def _series(df: pl.DataFrame) -> list[tuple[str, str]]:
-    """(run, stage) pairs in run order, stages in order of first step."""
+    """(run, stage) pairs in run order, stages in order of first step ("train", the whole loss, first on a tie)."""
     order = run_order(df)
     firsts = df.group_by("run", "stage").agg(pl.col("step").min().alias("s"))
-    pairs = sorted(firsts.rows(), key=lambda r: (order.index(r[0]), r[2], r[1]))
+    pairs = sorted(firsts.rows(), key=lambda r: (order.index(r[0]), r[2], r[1] != "train", r[1]))
     return [(r, s) for r, s, _ in pairs]
 
 
@@ -263,7 +263,8 @@ def update_shares(shares: pl.DataFrame | None) -> Figure:
     """Projection shares s_b = <g_b, g> / ||g||^2 (they sum to 1 over the bins; a negative share pulls against the
     update, drawn hatched below 0): per parameter group (mean over steps) and over the training steps (all
     parameters), one row per run. A Lopti run with per-stage rows shows its two stages apart, each the
-    decomposition of that stage's own update (the stage's tokens only, so its shares sum to 1 within the stage)."""
+    decomposition of that stage loss's gradient at the start of the stage (the stage's tokens only, so its shares
+    sum to 1 within the stage)."""
     sh = need(shares, "update shares", ["shares"]).filter(pl.col("bin") >= 0)
     series = _series(sh)
     runs = run_order(sh)
@@ -271,7 +272,7 @@ def update_shares(shares: pl.DataFrame | None) -> Figure:
     for (
         r,
         st,
-    ) in stages_of.items():  # a Lopti run: its two stages' own updates, not the (unmade) full-loss one
+    ) in stages_of.items():  # a Lopti run: its two stages, not the full loss it never steps along
         if any(s != "train" for s in st):
             stages_of[r] = [s for s in st if s != "train"]
     ncols = 2 * max(len(v) for v in stages_of.values())

@@ -10,7 +10,7 @@ import math
 
 import polars as pl
 
-from tokendyn.figures.data import MissingRecords, Records, full_loss, one_point, run_order
+from tokendyn.figures.data import MissingRecords, Records, bin_label, full_loss, one_point, run_order
 from tokendyn.figures.dynamics import _pooled_influence, pooled_change
 from tokendyn.figures.gradients import per_token_norms
 from tokendyn.figures.tokens import envelope, token_counts
@@ -253,30 +253,36 @@ def update_shares(records: Records) -> str:
         (pl.col("count") / pl.col("count").sum().over("run")).alias("tok")
     )
     lo, hi, e_lo, e_hi = _lowest_highest(per)
+    staged = all_sh.filter((pl.col("stage") != "train") & (pl.col("bin") >= 0))
+    staged_runs = set(staged["run"].unique().to_list())
     parts = []
     for run in run_order(per):
         r = per.filter((pl.col("run") == run) & (pl.col("bin") == lo)).row(0, named=True)
         h = per.filter((pl.col("run") == run) & (pl.col("bin") == hi)).row(0, named=True)
+        what = (
+            "the full loss's gradient (which Lopti never steps along)" if run in staged_runs else "the update"
+        )
         parts.append(f"{run}: tokens below π = {e_lo:g} are {pct(r['tok'])} of tokens and carry {pct(r['share'])} of "
-                     f"the update; tokens above {e_hi:g} are {pct(h['tok'])} and carry {pct(h['share'])}")  # fmt: skip
+                     f"{what}; tokens above {e_hi:g} are {pct(h['tok'])} and carry {pct(h['share'])}")  # fmt: skip
     text = "; ".join(parts) + "."
-    staged = all_sh.filter((pl.col("stage") != "train") & (pl.col("bin") >= 0))
     if staged.height:
         st = staged.group_by("run", "stage", "bin").agg(
             pl.col("share").mean(), pl.col("count").sum(), pl.col("bin_lo").mean(), pl.col("bin_hi").mean()
         )
         st = st.with_columns((pl.col("count") / pl.col("count").sum().over("run", "stage")).alias("tok"))
         notes = []
-        pairs = sorted(st.select("run", "stage").unique().rows(), key=lambda p: (p[0], p[1] != "low", p[1]))
+        first = staged.group_by("run", "stage").agg(pl.col("step").min())  # stage 1 is recorded first
+        pairs = [(r, s) for r, s, _ in sorted(first.rows(), key=lambda p: (p[0], p[2], p[1]))]
         for run, stage in pairs:
             r = st.filter((pl.col("run") == run) & (pl.col("stage") == stage) & (pl.col("count") > 0))
-            top = r.sort("share", descending=True).row(0, named=True) if r.height else None
+            top = r.sort("share", descending=True, nulls_last=True).row(0, named=True) if r.height else None
             if top is not None:
-                notes.append(f"{run}, stage {stage}: [{top['bin_lo']:g}, {top['bin_hi']:g}) holds {pct(top['tok'])} of "
+                where = bin_label(top["bin_lo"], top["bin_hi"], top["bin_hi"] >= 1)
+                notes.append(f"{run}, stage {stage}: {where} holds {pct(top['tok'])} of "
                              f"the stage's tokens and carries {pct(top['share'])} of its update")  # fmt: skip
         if notes:
-            text += (" Each Lopti stage decomposed on its own (at the start of the stage, stage 2 after the real "
-                     "stage-1 update): " + "; ".join(notes) + ".")  # fmt: skip
+            text += (" Each Lopti stage decomposed on its own (the stage loss's gradient at the start of the stage, "
+                     "stage 2 after the real stage-1 steps): " + "; ".join(notes) + ".")  # fmt: skip
     return text
 
 

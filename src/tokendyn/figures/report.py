@@ -78,7 +78,7 @@ FIGURES: tuple[FigureSpec, ...] = (
                lambda r: dynamics.correct_ratio(_g(r, "prob_change")), readings.correct_ratio),
     FigureSpec("h_update_shares", "Update shares per interval", "new", ("shares",),
                "Projection shares s_b of the update, per parameter group and over training steps; a Lopti run shows "
-               "its two stages apart, each the decomposition of that stage's own update.",
+               "its two stages apart: each stage loss's gradient at the start of the stage.",
                lambda r: gradients.update_shares(_g(r, "shares")), readings.update_shares),
     FigureSpec("i_training", "Training curves", "Fig. 3", ("metrics",),
                "Training reward and held-out accuracy per puzzle size, per run.",

@@ -74,7 +74,7 @@ def checks_table(records: Records) -> pl.DataFrame:
 def shares_table(records: Records) -> pl.DataFrame:
     """Per run, stage and bin (all parameters): tokens, ||g_b|| and the projection share s_b (means over the
     recorded steps), the per-token JVP share sum when recorded, and ||g|| of all tokens. Stage "train" is the whole
-    loss; a Lopti run adds its stages "low" / "high", each the decomposition of that stage's own update."""
+    loss; a Lopti run adds its stages "low" / "high": each stage loss's gradient at the start of the stage."""
     sh = records.get("shares")
     if sh is None:
         raise MissingRecords("update shares", ["shares"])

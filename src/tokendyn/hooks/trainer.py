@@ -10,9 +10,10 @@ The rebalancing analyses (`tokendyn.probe.rebalance`) are the one deliberate ext
 steps, at the first micro-step of each rollout batch, `analyze(inputs)` runs them on the first
 ``probe_sample_sequences`` sequences (before any update of that batch; the model is not modified),
 and after the batch's last optimizer step the same sequences are re-scored for the real change. With Lopti, the
-`shares` record also holds each stage's own decomposition (stage "low" / "high", `stage_shares_frame`), taken at
-the start of that stage on the same sequences: stage 2's after the real stage-1 update, so both are the updates
-the trainer actually makes. The full-loss shares keep stage "train".
+`shares` record also holds each stage's decomposition (stage "low" / "high", `stage_shares_frame`): the gradient of
+the stage's loss on the same sequences, at the parameters the stage starts from (stage 2: after the real stage-1
+optimizer steps), recorded at the global step where it is taken (stage 2: later than the rollout's other records).
+The full-loss shares keep stage "train".
 """
 
 from __future__ import annotations

@@ -136,7 +136,9 @@ def stage_shares_frame(
 ) -> pl.DataFrame:
     """The `shares` record of one Lopti stage at the model's current parameters: g_b = grad sum_{t in b and stage}
     l_t, s_b = <g_b, g_stage> / ||g_stage||^2 (bins outside the stage have g_b = 0). Called at the start of each
-    stage (stage 2: after the real stage-1 update), it decomposes exactly the update that stage makes."""
+    stage (stage 2: after the real stage-1 optimizer steps), it decomposes the stage loss's gradient on this batch at
+    the parameters the stage starts from: the direction of the stage's first step on that batch (the later steps of
+    the stage, on other micro-batches, with AdamW's scaling, are not decomposed)."""
     edges_t = as_edges(edges)
     res = gradient_shares(
         model, batch, edges_t, objective=objective, method=method, per_token=False, token_mask=token_mask

@@ -241,7 +241,9 @@ class BinShares:
                 cols["grad_norm"].append(total if b < 0 else float(self.grad_norm[b, j]))
                 cols["dot"].append(total**2 if b < 0 else float(self.dot[b, j]))
                 cols["total_norm"].append(total)
-                cols["share"].append(1.0 if b < 0 else float(share[b, j]))
+                cols["share"].append(
+                    None if total == 0 else 1.0 if b < 0 else float(share[b, j])
+                )  # g = 0: undefined
                 jvp = None
                 if self.jvp_share is not None and j == 0:
                     jvp = float(self.jvp_share.sum()) if b < 0 else float(self.jvp_share[b])
@@ -354,11 +356,13 @@ def gradient_shares(
 ) -> ShareResult:
     """`bin_gradients` + `bin_shares`, and with ``per_token`` the JVP shares s_t along g (their per-bin sums go
     into ``BinShares.jvp_share``). ``token_mask``: the loss restricted to these tokens (a Lopti stage); counts,
-    shares and s_t are then over those tokens only (s_t = 0 outside)."""
+    shares and s_t are then over those tokens only (s_t = 0 outside). A batch whose gradient is zero (every advantage
+    0 and no KL gradient, e.g. a sample of zero-variance groups at the first step) has no shares: the `shares` rows
+    carry null, and no per-token shares are computed."""
     grads = bin_gradients(model, batch, edges, objective=objective, method=method, token_mask=token_mask)
     shares = bin_shares(grads)
     tokens = None
-    if per_token:
+    if per_token and float(shares.total_norm[0]) > 0:  # g = 0 (no advantage, no KL gradient): s_t undefined
         tokens = token_shares(model, batch, grads.total(), objective=objective)
         if grads.token_mask is not None:
             tokens = torch.where(grads.token_mask, tokens, torch.zeros_like(tokens))
