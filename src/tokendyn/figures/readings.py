@@ -13,6 +13,7 @@ import polars as pl
 from tokendyn.figures.data import MissingRecords, Records, bin_label, full_loss, one_point, run_order
 from tokendyn.figures.dynamics import _pooled_influence, pooled_change
 from tokendyn.figures.gradients import per_token_norms
+from tokendyn.figures.style import method_kind
 from tokendyn.figures.tokens import envelope, token_counts
 from tokendyn.figures.training import accuracy_table
 
@@ -259,9 +260,11 @@ def update_shares(records: Records) -> str:
     for run in run_order(per):
         r = per.filter((pl.col("run") == run) & (pl.col("bin") == lo)).row(0, named=True)
         h = per.filter((pl.col("run") == run) & (pl.col("bin") == hi)).row(0, named=True)
-        what = (
-            "the full loss's gradient (which Lopti never steps along)" if run in staged_runs else "the update"
-        )
+        what = "the update"
+        if run in staged_runs:
+            what = "the full loss's gradient (which Lopti never steps along)"
+        elif method_kind(run) in ("lopti", "both"):  # recorded before the stages were decomposed
+            what = "the full loss's gradient (these records hold no per-stage shares)"
         parts.append(f"{run}: tokens below π = {e_lo:g} are {pct(r['tok'])} of tokens and carry {pct(r['share'])} of "
                      f"{what}; tokens above {e_hi:g} are {pct(h['tok'])} and carry {pct(h['share'])}")  # fmt: skip
     text = "; ".join(parts) + "."

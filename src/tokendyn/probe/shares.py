@@ -96,9 +96,8 @@ class BinGradients:
     pi_old: torch.Tensor  # (B, C) float64
     per_bin: list[dict[str, torch.Tensor]]
     loss: float
-    token_mask: torch.Tensor | None = (
-        None  # (B, C) bool: the tokens in the loss (None: every completion token)
-    )
+    # (B, C) bool: the tokens in the loss (None: every completion token)
+    token_mask: torch.Tensor | None = None
 
     @property
     def n_bins(self) -> int:
@@ -241,9 +240,8 @@ class BinShares:
                 cols["grad_norm"].append(total if b < 0 else float(self.grad_norm[b, j]))
                 cols["dot"].append(total**2 if b < 0 else float(self.dot[b, j]))
                 cols["total_norm"].append(total)
-                cols["share"].append(
-                    None if total == 0 else 1.0 if b < 0 else float(share[b, j])
-                )  # g = 0: undefined
+                # with g = 0 (no advantage, no KL gradient) the shares are undefined: null
+                cols["share"].append(None if total == 0 else 1.0 if b < 0 else float(share[b, j]))
                 jvp = None
                 if self.jvp_share is not None and j == 0:
                     jvp = float(self.jvp_share.sum()) if b < 0 else float(self.jvp_share[b])
