@@ -166,7 +166,7 @@ def isolation(records: Records) -> str:
     pooled = _pooled_influence(_need(records, "influence", "isolation"))
     bins = sorted(b for b in pooled["source_bin"].unique().to_list() if b >= 0)
     lo, hi = bins[0], bins[-1]
-    middle = [b for b in range(lo + 1, hi)]
+    middle = list(range(lo + 1, hi))
     parts = []
     for run in run_order(pooled):
         r = pooled.filter((pl.col("run") == run) & (pl.col("target_bin") >= 0))

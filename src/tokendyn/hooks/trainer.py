@@ -146,9 +146,10 @@ class TrainerProbe(TrainerCallback):
 
                 self._pending_real = (completion_probs(model, batch), batch, step)
             if stage_masks is not None and self.options.shares:
-                from ..probe.change import fix_pi_old
+                if batch.old_logp is None:  # on-policy: fix pi_old now, it stays the rollout's for stage 2
+                    from ..probe.change import fix_pi_old
 
-                batch, _ = fix_pi_old(model, batch)  # pi_old stays the rollout's for stage 2, as in training
+                    batch, _ = fix_pi_old(model, batch)
                 frames["shares"] = pl.concat([frames["shares"], self._stage_shares(batch, stage_masks[0], 1)])
                 self._pending_stage2 = (batch, stage_masks[1])
         finally:

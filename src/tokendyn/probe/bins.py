@@ -23,6 +23,11 @@ def interval_edges(n: int) -> tuple[float, ...]:
     return tuple(k / n for k in range(n + 1))
 
 
+def bin_bounds(edges: Sequence[float] | torch.Tensor, b: int) -> tuple[float, float]:
+    """(lo, hi) of bin b of ``edges``; b = -1 (all tokens) spans the whole range."""
+    return (float(edges[0]), float(edges[-1])) if b < 0 else (float(edges[b]), float(edges[b + 1]))
+
+
 def validate_edges(edges: Sequence[float]) -> tuple[float, ...]:
     """Check custom edges: at least two, strictly increasing, first 0 and last 1 (they must cover [0, 1])."""
     try:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tokendyn.probe.bins import bin_bounds
 from tokendyn.probe.tokenloss import (
     Objective,
     ProbeBatch,
@@ -236,6 +237,7 @@ def change_frame(
     k = edges.numel() - 1
     for b in [-1, *range(k)]:
         mask = batch.completion_mask if b < 0 else (bins == b)
+        lo, hi = bin_bounds(edges, b)
         row = {
             "step": step,
             "stage": stage,
@@ -243,8 +245,8 @@ def change_frame(
             "update_stage": update_stage,
             "source_bin": source_bin,
             "bin": b,
-            "bin_lo": float(edges[0 if b < 0 else b]),
-            "bin_hi": float(edges[-1 if b < 0 else b + 1]),
+            "bin_lo": lo,
+            "bin_hi": hi,
             "lr": lr,
         }
         row.update(delta_summary(delta, batch.advantages, mask))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokendyn.probe.bins import bin_bounds
 from tokendyn.probe.change import OptimizerFactory, ParamCopy, delta_summary, fix_pi_old, sgd
 from tokendyn.probe.shares import as_edges
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index
@@ -69,7 +70,7 @@ class InfluenceResult:
             if ustage != update_stage:
                 continue
             for tgt in range(k):
-                out[src + 1, tgt] = _cell(delta, self.batch.advantages, self.bins == tgt)[quantity]
+                out[src + 1, tgt] = delta_summary(delta, self.batch.advantages, self.bins == tgt)[quantity]
         return out
 
     def to_frame(self, step: int, stage: str = "train"):
@@ -80,29 +81,26 @@ class InfluenceResult:
         k = e.numel() - 1
         rows = []
         for (ustage, src), delta in self.deltas.items():
+            s_lo, s_hi = bin_bounds(e, src)
             for tgt in [-1, *range(k)]:
                 mask = self.batch.completion_mask if tgt < 0 else (self.bins == tgt)
+                t_lo, t_hi = bin_bounds(e, tgt)
                 row = {
                     "step": step,
                     "stage": stage,
                     "update_stage": ustage,
                     "source_bin": src,
-                    "source_lo": float(e[0 if src < 0 else src]),
-                    "source_hi": float(e[-1 if src < 0 else src + 1]),
+                    "source_lo": s_lo,
+                    "source_hi": s_hi,
                     "source_count": self.source_counts[(ustage, src)],
                     "target_bin": tgt,
-                    "target_lo": float(e[0 if tgt < 0 else tgt]),
-                    "target_hi": float(e[-1 if tgt < 0 else tgt + 1]),
+                    "target_lo": t_lo,
+                    "target_hi": t_hi,
                     "lr": self.lr,
                 }
-                row.update(_cell(delta, self.batch.advantages, mask))
+                row.update(delta_summary(delta, self.batch.advantages, mask))
                 rows.append(row)
         return to_frame("influence", {c: [r[c] for r in rows] for c in rows[0]})
-
-
-def _cell(delta: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float | int]:
-    """count, mean, std, mean |delta pi|, min, q01 .. q99, max and the correct ratios over the tokens of mask."""
-    return delta_summary(delta, advantages, mask)
 
 
 def influence(

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokendyn.probe.bins import DEFAULT_EDGES
+from tokendyn.probe.bins import DEFAULT_EDGES, bin_bounds
 from tokendyn.probe.tokenloss import (
     Objective,
     ProbeBatch,
@@ -233,8 +233,9 @@ class BinShares:
                 cols["step"].append(step)
                 cols["stage"].append(stage)
                 cols["bin"].append(b)
-                cols["bin_lo"].append(float(self.edges[0 if b < 0 else b]))
-                cols["bin_hi"].append(float(self.edges[-1 if b < 0 else b + 1]))
+                lo, hi = bin_bounds(self.edges, b)
+                cols["bin_lo"].append(lo)
+                cols["bin_hi"].append(hi)
                 cols["layer"].append(group)
                 cols["count"].append(sum(self.counts) if b < 0 else self.counts[b])
                 cols["grad_norm"].append(total if b < 0 else float(self.grad_norm[b, j]))
