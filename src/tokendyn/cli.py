@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from tokendyn.common import UsageError  # re-exported: the CLI's input error type
+
 # command name -> module exposing ``register(subparsers)`` (which sets ``func`` on its parser)
 COMMANDS = {
     "kk": "tokendyn.tasks.kk.cli",
@@ -25,10 +27,6 @@ COMMANDS = {
 
 # commands whose flags are parsed by the command itself (every GRPOConfig field is a flag)
 PASSTHROUGH = {"train"}
-
-
-class UsageError(ValueError):
-    """Bad user input: printed as one line naming the field and the allowed values."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError) as exc:
-        print(f"tokendyn {args.command}: error: {exc}", file=sys.stderr)
+    except (UsageError, ValueError, FileNotFoundError) as exc:  # UsageError: every input error
+        print(f"tokendyn {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
 
 

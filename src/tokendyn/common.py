@@ -10,6 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+class UsageError(ValueError):
+    """Bad user input: printed by the CLI as one line naming the file, the row or field, and what is allowed.
+    The input errors of every command derive from it (`RolloutsError`, `ResumeError`, `NoRecordsError`, ...)."""
+
+
 def check_writable(path: str | os.PathLike, field: str) -> Path:
     """Fail early, naming ``field``, when ``path`` cannot be created or written."""
     p = Path(path)

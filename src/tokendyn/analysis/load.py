@@ -7,10 +7,11 @@ from pathlib import Path
 
 import polars as pl
 
+from tokendyn.common import UsageError
 from tokendyn.records import KINDS, SCHEMAS, records_dir, shard_files
 
 
-class NoRecordsError(FileNotFoundError):
+class NoRecordsError(UsageError, FileNotFoundError):
     """The run directory is missing or holds no record files."""
 
 

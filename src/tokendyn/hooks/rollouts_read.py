@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from tokendyn.common import UsageError
+
 SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 
 # column -> kind; the kinds' accepted forms are in ACCEPTS
@@ -45,7 +47,7 @@ PER_TOKEN = ("loss_mask", "old_logp", "ref_logp")  # as long as the completion (
 LOGP_TOL = 1e-6
 
 
-class RolloutsError(ValueError):
+class RolloutsError(UsageError):
     """A rollouts file that cannot be used; the message names the column, the row and what is accepted."""
 
 

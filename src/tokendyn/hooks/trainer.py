@@ -42,7 +42,12 @@ class TrainerProbe(TrainerCallback):
         self.trainer = trainer
         self.every = int(args.probe_every)
         self.order = getattr(args, "lopti_order", "low_first")
-        self.writer = RecordWriter(run_dir, rank=trainer.accelerator.process_index, flush_every=8)
+        self.writer = RecordWriter(
+            run_dir,
+            rank=trainer.accelerator.process_index,
+            flush_every=8,
+            flush_seconds=getattr(args, "probe_flush_seconds", 30.0),
+        )
         self.probe = GradientProbe(
             trainer.accelerator.unwrap_model(trainer.model),
             points=args.probe_layers,

@@ -404,7 +404,15 @@ class GradientProbe:
         )
 
     def _sigma_max(self, weight: torch.Tensor) -> float:
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape), str(weight.device))
+        """sigma_max(W) of the LM head, cached while W is unchanged. A fused optimizer step (transformers' default
+        adamw_torch_fused) updates W in place without bumping its version counter, so the key also holds two
+        float64 sums of W (one cheap pass; an update that leaves both unchanged does not happen in practice)."""
+        with torch.no_grad():
+            w = weight.detach()
+            sums = tuple(
+                torch.stack([w.sum(dtype=torch.float64), w.square().sum(dtype=torch.float64)]).tolist()
+            )
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), str(weight.device), sums)
         if self._sigma is None or self._sigma[0] != key:
             self._sigma = (key, B.spectral_norm(weight))
         return self._sigma[1]

@@ -10,12 +10,13 @@ from transformers import TrainerCallback
 
 class ParquetLogCallback(TrainerCallback):
     """Every ``on_log`` row (reward, accuracy, Lopti fractions, held-out accuracy, ...) appended to
-    ``metrics.parquet``, rewritten atomically so a crash never leaves a half-written file."""
+    ``metrics.parquet``, rewritten atomically so a crash never leaves a half-written file. ``rows``: the rows kept
+    from before a resume (the new ones are appended)."""
 
-    def __init__(self, path: str | Path, method: str):
+    def __init__(self, path: str | Path, method: str, rows: list[dict] | None = None):
         self.path = Path(path)
         self.method = method
-        self.rows: list[dict] = []
+        self.rows: list[dict] = list(rows or [])
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or not state.is_world_process_zero:
@@ -58,15 +59,22 @@ class ParquetLogCallback(TrainerCallback):
 class HeldoutEvalCallback(TrainerCallback):
     """Greedy accuracy per puzzle size on the official test puzzles, at step 0, every ``eval_steps``
     and at the end, logged through the trainer (so ``report_to`` backends see it) right after the
-    trainer's own log of that step."""
+    trainer's own log of that step. ``done``: steps already evaluated (a resumed run does not repeat them)."""
 
     def __init__(
-        self, trainer, people: list[int], n: int, eval_steps: int | float, temperature: float, template: str
+        self,
+        trainer,
+        people: list[int],
+        n: int,
+        eval_steps: int | float,
+        temperature: float,
+        template: str,
+        done: set[int] | None = None,
     ):
         self.trainer, self.people, self.n = trainer, list(people), n
         self.every = max(1, int(eval_steps or 1))
         self.temperature, self.template = temperature, template
-        self.done: set[int] = set()
+        self.done: set[int] = set(done or ())
 
     def _evaluate(self, state) -> None:
         if state.global_step in self.done:

@@ -120,6 +120,14 @@ class TokendynGRPOConfig(GRPOConfig):
             "with one batched backward; 0 = off."
         },
     )
+    probe_flush_seconds: float = field(
+        default=30.0,
+        metadata={
+            "help": "Records are written every 8 probed micro-batches and at least every this many seconds (checked "
+            "when a micro-batch is recorded; 0 = at once): a kill loses at most the records of the last this many "
+            "seconds. Every checkpoint flushes them too."
+        },
+    )
     probe_direct_every: int = field(
         default=10, metadata={"help": "Compute the direct gradients on every n-th probed micro-batch only."}
     )
@@ -201,6 +209,12 @@ class TokendynGRPOConfig(GRPOConfig):
         if unknown:
             raise ValueError(
                 f"probe_analyses: unknown {sorted(unknown)}; allowed: {', '.join(PROBE_ANALYSES)} (or 'none')"
+            )
+        if not _is_number(self.probe_flush_seconds) or self.probe_flush_seconds < 0:
+            raise ValueError(f"probe_flush_seconds must be a number >= 0, got {self.probe_flush_seconds!r}")
+        if not _is_number(self.temperature) or self.temperature <= 0:
+            raise ValueError(
+                f"temperature must be a number > 0 (the sampling temperature), got {self.temperature!r}"
             )
         if not _is_number(self.probe_lr) or self.probe_lr <= 0:
             raise ValueError(f"probe_lr must be a number > 0, got {self.probe_lr!r}")

@@ -121,6 +121,30 @@ def load_tokenizer(path: str | os.PathLike):
     return tok
 
 
+def check_model_source(path: str | os.PathLike, field: str = "model"):
+    """The model's config (no weights loaded), or a ValueError naming ``field``: a local directory must exist and
+    hold config.json; anything else is taken as a hub id and must be resolvable."""
+    import re
+
+    from transformers import AutoConfig
+
+    text = str(path)
+    p = Path(text).expanduser()
+    looks_local = p.exists() or text.startswith((".", "/", "~", os.sep)) or text.count("/") > 1
+    if looks_local:
+        if not p.exists():
+            raise ValueError(f"{field}: {text!r} does not exist (give a model directory or a hub id)")
+        if not (p / "config.json").is_file():
+            raise ValueError(f"{field}: {text!r} holds no config.json (not a model directory)")
+    elif not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", text):
+        raise ValueError(f"{field}: {text!r} is neither a local directory nor a hub id (org/name)")
+    try:
+        return AutoConfig.from_pretrained(str(p) if looks_local else text)
+    except (OSError, ValueError, KeyError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{field}: cannot read the model config of {text!r} ({first})") from None
+
+
 def load_policy(path: str | os.PathLike | None = None, dtype=None, attn_implementation: str | None = None):
     """(model, tokenizer) from a directory or hub id; ``None`` means the embedded default."""
     from transformers import AutoModelForCausalLM

@@ -109,7 +109,9 @@ EMBEDDED_DEFAULTS = dict(
     logging_steps=1,
     max_steps=30,  # overridden by --rollouts (default 15 rollouts)
     eval_steps=5,  # in rollouts when --rollouts is set
-    save_strategy="no",
+    save_strategy="steps",  # checkpoint-N folders, to resume from (--resume_from_checkpoint) or to evaluate
+    save_steps=5,  # in rollouts when --rollouts is set (checkpoints fall on rollout boundaries)
+    save_total_limit=2,  # the last two checkpoints are kept
     report_to="none",
     seed=0,
     disable_dropout=True,
@@ -147,12 +149,15 @@ def optimizer_steps_per_rollout(cfg) -> int:
 
 
 def apply_rollouts(run: RunArguments, cfg) -> None:
-    """Set ``max_steps`` from ``rollouts`` (and keep ``eval_steps`` on rollout boundaries)."""
+    """Set ``max_steps`` from ``rollouts``; ``eval_steps`` and ``save_steps`` count rollouts then (so evaluations
+    and checkpoints fall on rollout boundaries)."""
     if run.rollouts:
         per = optimizer_steps_per_rollout(cfg)
         cfg.max_steps = run.rollouts * per
         if cfg.eval_steps:
             cfg.eval_steps = int(cfg.eval_steps) * per
+        if cfg.save_steps:
+            cfg.save_steps = int(cfg.save_steps) * per
 
 
 def build_datasets(run: RunArguments):
@@ -185,17 +190,33 @@ def versions() -> dict:
     }
 
 
-def train(run: RunArguments, cfg, callbacks=(), progress: bool = True) -> dict:
-    """Build the trainer, train, evaluate; returns a summary (also written into ``run.json``)."""
+def prepare(run: RunArguments, cfg) -> Path | None:
+    """Everything checked before any work (nothing is created or changed): the checkpoint cadence, the resume
+    checkpoint and the model source. Returns the checkpoint to resume from (None: a fresh run)."""
+    from .policy import check_model_source
+    from .resume import check_save_steps, resolve_checkpoint
+
+    check_save_steps(cfg, 1 if run.rollouts else optimizer_steps_per_rollout(cfg))
+    resume = resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
+    if run.model_name_or_path is not None:
+        check_model_source(run.model_name_or_path, "model_name_or_path")
+    return resume
+
+
+def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=None) -> dict:
+    """Build the trainer, train (or resume: `tokendyn.trainers.resume`), evaluate; returns a summary (also written
+    into ``run.json``). The run directory is created only once the model and the trainer are built. ``reward``: a
+    TRL reward function used instead of the official K&K reward (K&K accuracy is still logged)."""
     import torch
 
     from ..common import write_json
     from .callbacks import HeldoutEvalCallback, ParquetLogCallback
     from .grpo import TokendynGRPOTrainer
-    from .policy import default_policy_dir, load_policy
+    from .policy import MARKER, default_policy_dir, load_policy
+    from .resume import ResumeCallback, checkpoint_step, kept_metrics, truncate_records
 
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    resume = prepare(run, cfg)
     apply_rollouts(run, cfg)
     model_path = run.model_name_or_path or str(default_policy_dir())
     model, tok = load_policy(model_path, dtype=torch.float32)
@@ -205,14 +226,25 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True) -> dict:
     trainer = TokendynGRPOTrainer(
         model=model,
         processing_class=tok,
-        reward_funcs=[kk_reward, kk_accuracy],
+        reward_funcs=[reward or kk_reward, kk_accuracy],
         args=cfg,
         train_dataset=train_ds,
         callbacks=list(callbacks),
     )
     trainer.args.reward_weights = None
     trainer.reward_weights = torch.tensor([1.0, 0.0])
-    logger = ParquetLogCallback(out / "metrics.parquet", method=method_name(cfg))
+    marker = Path(model_path) / MARKER  # keep the tokendyn tokenizer marker (see load_tokenizer)
+    trainer.add_callback(ResumeCallback(trainer, marker if marker.is_file() else None, resume))
+    rows, meta_before = [], {}
+    if resume is not None:
+        step = checkpoint_step(resume)
+        truncate_records(out, step)
+        rows = kept_metrics(out / "metrics.parquet", step)
+        if (out / "run.json").is_file():
+            import json
+
+            meta_before = json.loads((out / "run.json").read_text())
+    logger = ParquetLogCallback(out / "metrics.parquet", method=method_name(cfg), rows=rows)
     trainer.add_callback(logger)
     if run.eval_n:
         trainer.add_callback(
@@ -223,6 +255,7 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True) -> dict:
                 cfg.eval_steps,
                 cfg.temperature,
                 run.template,
+                done={r["step"] for r in rows if "heldout/accuracy" in r},
             )
         )
     meta = {
@@ -234,16 +267,18 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True) -> dict:
         "versions": versions(),
         "status": "running",
     }
+    if resume is not None:
+        meta["resumed_from"] = [*meta_before.get("resumed_from", []), str(resume)]
+    out.mkdir(parents=True, exist_ok=True)
     write_json(out / "run.json", meta)
     t0 = time.time()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     final = out / "final"
     trainer.save_model(str(final))  # the trained policy: `tokendyn eval --model RUN_DIR/final`
     if trainer.accelerator.is_main_process:
         tok.save_pretrained(str(final))
-        marker = Path(model_path) / "tokendyn.json"  # keep the tokendyn tokenizer marker (see load_tokenizer)
         if marker.is_file():
-            (final / "tokendyn.json").write_text(marker.read_text())
+            (final / MARKER).write_text(marker.read_text())
     meta.update(status="finished", wall_time_s=round(time.time() - t0, 1), summary=logger.summary())
     write_json(out / "run.json", meta)
     return meta

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def register(sub) -> None:
@@ -21,8 +22,60 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _fail(message: str):
+    from ..common import UsageError
+
+    raise UsageError(" ".join(str(message).split()))  # one line, whatever the source's layout
+
+
+def config_flags(path: str, known: set[str]) -> list[str]:
+    """The YAML file of ``--config`` as flags (put before the command line's own, which win): every key checked
+    against the known fields, so argparse converts and checks the values exactly as on the command line."""
+    import json
+    import os
+
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        _fail(f"config: {path!r} does not exist or is not a file")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        _fail(f"config: {path!r} is not UTF-8 text (byte {exc.start})")
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        _fail(f"config: {path!r}: YAML syntax error{where}: {getattr(exc, 'problem', None) or exc}")
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        _fail(f"config: {path!r} must hold a YAML mapping of field: value, got a {type(data).__name__}")
+    env = data.pop("env", {})
+    if not isinstance(env, dict) or not all(isinstance(k, str) for k in env):
+        _fail(f"config: {path!r}: 'env' must be a mapping of variable: value")
+    flags = []
+    for key, value in data.items():
+        if not isinstance(key, str) or key not in known:
+            _fail(f"config: {path!r}: unknown field {key!r} (`tokendyn train --help` lists the fields)")
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, dict | list) for v in values) and not isinstance(value, dict):
+            _fail(f"config: {path!r}: field {key!r} must be a value or a list of values, got {value!r}")
+        flags.append(f"--{key}")
+        if isinstance(value, dict):
+            flags.append(json.dumps(value))
+        else:
+            flags.extend(str(v).lower() if isinstance(v, bool) else str(v) for v in values)
+    for k, v in env.items():
+        os.environ[k] = str(v)
+    return flags
+
+
 def parse(argv: list[str]):
-    """(RunArguments, TokendynGRPOConfig) from flags and an optional ``--config`` YAML."""
+    """(RunArguments, TokendynGRPOConfig) from flags and an optional ``--config`` YAML; any bad input is a one-line
+    `UsageError` naming the field (argparse's own errors included)."""
     import torch
     from trl import TrlParser
 
@@ -30,11 +83,24 @@ def parse(argv: list[str]):
     from .runner import EMBEDDED_DEFAULTS, RunArguments
 
     parser = TrlParser((RunArguments, TokendynGRPOConfig), prog="tokendyn train")
+    parser.error = _fail  # type: ignore[method-assign]  (argparse prints usage and exits otherwise)
     defaults = dict(EMBEDDED_DEFAULTS)
     if not torch.cuda.is_available():
         defaults["use_cpu"] = True
     parser.set_defaults(**defaults)
-    run_args, cfg = parser.parse_args_and_config(argv)
+    argv = list(argv)
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            _fail("config: --config needs a YAML file path")
+        path = argv[i + 1]
+        del argv[i : i + 2]
+        known = {a.dest for a in parser._actions}
+        argv = config_flags(path, known) + argv
+    try:
+        run_args, cfg = parser.parse_args_into_dataclasses(args=argv)
+    except (ValueError, TypeError) as exc:
+        _fail(str(exc) or type(exc).__name__)
     return run_args, cfg
 
 
@@ -43,17 +109,19 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         run_args, cfg = parse(args.argv)
-    except SystemExit as exc:  # argparse already printed the message (or --help)
+    except SystemExit as exc:  # --help
         return int(exc.code or 0)
     check_writable(cfg.output_dir + "/run.json", "output_dir")
 
     from rich.console import Console
 
-    from .runner import method_name, train
+    from .runner import method_name, prepare, train
 
+    resume = prepare(run_args, cfg)  # every check before any work: nothing is created by a rejected command
     console = Console()
     console.print(
         f"[bold]tokendyn train[/bold]: {method_name(cfg)} on K&K {run_args.people} -> {cfg.output_dir}"
+        + (f" (resuming from {resume})" if resume is not None else "")
     )
     meta = train(run_args, cfg)
     s = meta["summary"]
@@ -62,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         f"mean train accuracy {_fmt(s['mean_train_accuracy'])}, mean held-out accuracy "
         f"{_fmt(s['mean_heldout_accuracy'])}"
     )
-    print(f"run directory: {cfg.output_dir} (run.json, metrics.parquet)")
+    print(f"run directory: {cfg.output_dir} (run.json, metrics.parquet, checkpoint-N/, final/)")
     return 0
 
 
