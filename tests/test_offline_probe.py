@@ -92,8 +92,16 @@ def test_offline_probe_matches_the_in_training_probe(trained, tiny_model_dir, tm
     objective = Objective(
         eps_low=args.epsilon, eps_high=args.epsilon, beta=0.0
     )  # as the trainer (epsilon_high unset)
+    # TRL's training forward passes no position ids: "model" reproduces it (the default, "mask", follows the sampler)
     res = probe_rollouts(
-        model, tok, path, tmp_path / "off", batch_size=64, sample_sequences=8, objective=objective
+        model,
+        tok,
+        path,
+        tmp_path / "off",
+        batch_size=64,
+        sample_sequences=8,
+        objective=objective,
+        positions="model",
     )
     assert res.micro_batches == 1 and res.tokens == int(inputs["completion_mask"].sum())
 

@@ -110,7 +110,9 @@ def test_resumed_run_equals_the_uninterrupted_run(tiny_model_dir, tmp_path, lopt
     drop = [c for c in ma.columns if c in TIMING]
     ma, mb = ma.drop(drop), mb.drop([c for c in mb.columns if c in TIMING])
     steps = 4 * per
-    assert mb["step"].to_list() == ma["step"].to_list() == [*range(1, steps + 1), steps]  # + the final summary
+    assert (
+        mb["step"].to_list() == ma["step"].to_list() == [*range(1, steps + 1), steps]
+    )  # + the final summary
     assert ma["loss"].abs().max() > 0 and ma["reward_std"].max() > 0  # something was trained
     metric_diff = _max_diff(ma.select(sorted(ma.columns)), mb.select(sorted(mb.columns)))
     # records: the same rows of every kind, none twice
@@ -126,7 +128,17 @@ def test_resumed_run_equals_the_uninterrupted_run(tiny_model_dir, tmp_path, lopt
         assert set(ra["binstats"]["stage"].unique()) == {"low", "high"}
     else:  # checkpoints are policies `tokendyn eval` loads (weights and tokenizer)
         table = tmp_path / "eval.parquet"
-        argv = ["eval", "--model", str(cut / "checkpoint-4"), "--people", "3", "--n", "1", "--modes", "greedy"]
+        argv = [
+            "eval",
+            "--model",
+            str(cut / "checkpoint-4"),
+            "--people",
+            "3",
+            "--n",
+            "1",
+            "--modes",
+            "greedy",
+        ]
         assert main([*argv, "--out", str(table)]) == 0
         assert pl.read_parquet(table)["model"].to_list() == [str(cut / "checkpoint-4")]
 

@@ -4,7 +4,8 @@
 read from a rollouts file (`tokendyn.hooks.rollouts`):
 
 1. micro-batches of ``batch_size`` rows, padded as TRL pads them (prompts left, completions right; rows keep the
-   padding they were given), each run through one forward and one backward of the token-mean loss
+   padding they were given; position ids from the masks, as the sampler had them: `positions_from_masks`), each
+   run through one forward and one backward of the token-mean loss
 
        L = sum_t m_t l_t / N,   l_t = the clipped policy-gradient term (+ beta k3) of `tokendyn.probe.tokenloss`
 
@@ -23,6 +24,7 @@ The model is left as it was (parameters, requires_grad flags, .grad, train/eval 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import shutil
 import time
@@ -137,8 +139,21 @@ def _probe_batch(b: dict, temperature: float, normalizer: float | None) -> Probe
     )
 
 
-def _check_ids(rollouts: Rollouts, model: nn.Module) -> None:
-    vocab = model.get_input_embeddings().num_embeddings
+def model_limits(config, embeddings: int | None = None) -> tuple[int, int | None]:
+    """(vocabulary size, positions) of a model from its config (no weights needed): the ids must be < vocabulary
+    (or < the embedding rows, when known and fewer) and a row's attended tokens <= positions
+    (``max_position_embeddings`` / ``n_positions``; None when the config has no such limit)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = int(text.vocab_size)
+    if embeddings is not None:
+        vocab = min(vocab, int(embeddings))
+    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    return vocab, None if positions is None else int(positions)
+
+
+def check_fits(rollouts: Rollouts, vocab: int, positions: int | None) -> None:
+    """Every token id in [0, vocab) and every row (its attended prompt + completion tokens) within the model's
+    positions; the error names the row, the column and the limit."""
     for name in ("prompt_ids", "completion_ids"):
         for i, ids in enumerate(getattr(rollouts, name)):
             if ids.size and (ids.min() < 0 or ids.max() >= vocab):
@@ -146,6 +161,69 @@ def _check_ids(rollouts: Rollouts, model: nn.Module) -> None:
                     f"rollouts {rollouts.source}: row {i}: {name} holds ids outside the model's vocabulary "
                     f"[0, {vocab}) (min {int(ids.min())}, max {int(ids.max())}); wrong model or tokenizer?"
                 )
+    if positions is None:
+        return
+    for i in range(rollouts.n):
+        p = rollouts.prompt_mask[i].sum() if rollouts.prompt_mask is not None else rollouts.prompt_ids[i].size
+        c = (
+            rollouts.completion_mask[i].sum()
+            if rollouts.completion_mask is not None
+            else rollouts.completion_ids[i].size
+        )
+        if p + c > positions:
+            raise RolloutsError(
+                f"rollouts {rollouts.source}: row {i}: prompt + completion is {int(p + c)} tokens ({int(p)} + "
+                f"{int(c)}) but the model has {positions} positions (max_position_embeddings); shorten the row "
+                "or use a model with a longer context"
+            )
+
+
+def _check_ids(rollouts: Rollouts, model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    embeddings = model.get_input_embeddings().num_embeddings
+    if config is None:
+        check_fits(rollouts, embeddings, None)
+    else:
+        check_fits(rollouts, *model_limits(config, embeddings))
+
+
+def _forward_accepts(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+POSITIONS = ("mask", "model")
+
+
+@contextlib.contextmanager
+def positions_from_masks(model: nn.Module, mode: str = "mask") -> Iterator[None]:
+    """mode "mask": every forward of ``model`` that is given an attention mask and no position ids gets them from
+    the mask, as `generate` (and verl, OpenRLHF) build them for left-padded rows: position = the number of attended
+    tokens before it, padding at 1. Without this, models with absolute position embeddings (GPT-2) read a
+    left-padded row at shifted positions (rotary models are nearly, not exactly, invariant to the shift).
+    mode "model": the model's own default, unchanged (0..S-1 for most families; what TRL's training forward
+    uses, so a batch dumped from TRL training is reproduced exactly)."""
+    if mode not in POSITIONS:
+        raise ValueError(f"positions: must be one of {', '.join(POSITIONS)}, got {mode!r}")
+    if mode == "model" or not _forward_accepts(model, "position_ids"):
+        yield
+        return
+
+    def add_positions(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if kwargs.get("position_ids") is not None or mask is None or mask.dim() != 2:
+            return None
+        positions = mask.long().cumsum(-1) - 1
+        positions = positions.masked_fill(mask == 0, 1)
+        return args, {**kwargs, "position_ids": positions}
+
+    handle = model.register_forward_pre_hook(add_positions, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _progress(enabled: bool):
@@ -183,6 +261,7 @@ def probe_rollouts(
     direct_tokens: int = 16,
     progress: bool = False,
     meta: dict | None = None,
+    positions: str = "mask",
 ) -> OfflineResult:
     """Probe one rollout batch offline and write the training records to RUN_DIR (see the module docstring).
 
@@ -190,6 +269,8 @@ def probe_rollouts(
     for the pad id; None: 0). bins / points: as `GradientProbe` (default the paper's bins, every layer and the
     final norm). temperature: None = the file's, else 1.0. analyses: a subset of ANALYSES (or 'none');
     objective: default `Objective(0.2, 0.28)` (TRL's clipped surrogate, beta 0). meta: extra run.json fields.
+    positions: "mask" (position ids from the attention masks, as the sampler had them) or "model" (the model's
+    default; TRL's training forward passes none); see `positions_from_masks`.
     Everything is checked before any forward; on any error nothing is written."""
     t0 = time.time()
     rollouts = read_rollouts(rollouts)
@@ -201,6 +282,8 @@ def probe_rollouts(
         raise ValueError(
             f"sample_sequences: must be an integer >= 0 (0: no analyses), got {sample_sequences!r}"
         )
+    if positions not in POSITIONS:
+        raise ValueError(f"positions: must be one of {', '.join(POSITIONS)}, got {positions!r}")
     objective = objective or Objective(eps_low=0.2, eps_high=0.28)
     if objective.beta > 0 and rollouts.ref_logp is None:
         raise ValueError(
@@ -250,7 +333,12 @@ def probe_rollouts(
         probe.sink = writer.add
         with _progress(progress) as bar:
             task = bar.add_task("probing micro-batches", total=len(chunks)) if bar is not None else None
-            with eval_mode(model), _activation_grads_only(model), probe:
+            with (
+                eval_mode(model),
+                _activation_grads_only(model),
+                positions_from_masks(model, positions),
+                probe,
+            ):
                 for rows in chunks:
                     b = rollouts.batch(rows, pad_id, device)
                     batch = _probe_batch(b, temperature, normalizer=float(max(n_tokens, 1)))
@@ -274,7 +362,10 @@ def probe_rollouts(
                 if bar is not None:
                     bar.update(task, description=f"analyses on {n_analysed} sequences", completed=0, total=1)
                 sample = rollouts.batch(range(n_analysed), pad_id, device)
-                _analyse(model, _probe_batch(sample, temperature, None), probe, options, objective, staging)
+                with positions_from_masks(model, positions):
+                    _analyse(
+                        model, _probe_batch(sample, temperature, None), probe, options, objective, staging
+                    )
         files = [p.relative_to(staging) for p in sorted((staging / "records").glob("*.parquet"))]
         info = {
             "method": METHOD,
@@ -298,6 +389,7 @@ def probe_rollouts(
                 "lr": float(lr),
                 "objective": asdict(objective),
                 "normalizer": "scored tokens of the whole file",
+                "positions": positions,
                 "seed": seed,
             },
             "versions": _versions(),

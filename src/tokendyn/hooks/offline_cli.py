@@ -61,6 +61,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the token samples")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")
+    p.add_argument(
+        "--positions",
+        default="mask",
+        choices=("mask", "model"),
+        help="position ids: from the attention masks, as the sampler had them (default), or the model's own default "
+        "(what TRL's training forward uses)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -176,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=True,
         meta={"model": model_path, "device": str(device), "dtype": args.dtype},
+        positions=args.positions,
     )
     console.print(
         f"probed {result.tokens} tokens of {result.rows} completions in {result.micro_batches} micro-batch(es)"

@@ -2,9 +2,12 @@
 
 Names (used in configs, records and figures alike):
   `layers.{i}.out`   output of decoder layer i (the residual stream after block i), i = 0..L-1
-  `final_norm.out`   output of the final norm, i.e. the input of the LM head
+  `final_norm.out`   the input of the LM head: the output of the final norm, or of the projection after it where
+                     the backbone has one (OPT's `project_out`, opt-350m style)
 Families: Qwen2 / Llama / Mistral (`model.layers`, `model.norm`), GPT-2 (`transformer.h`, `transformer.ln_f`),
-GPT-NeoX and OPT-style backbones; wrappers (DDP `.module`, PEFT `get_base_model()`) are unwrapped first.
+GPT-NeoX and OPT-style backbones; wrappers (DDP `.module`, PEFT `get_base_model()`) are unwrapped first. A backbone
+with neither a final norm nor a projection (post-LN OPT) has no `final_norm.out`: its layers are probed, and the exact
+checks at the LM head (which need the head's input) are off.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ FINAL_NORM = "final_norm.out"
 _LAYER_ATTRS = ("layers", "h", "blocks")
 _NORM_ATTRS = ("norm", "ln_f", "final_layer_norm", "final_layernorm")
 _NESTED = ("decoder", "language_model")
+_HEAD_PROJECTIONS = ("project_out",)  # applied after the final norm, before the LM head
 
 
 @dataclass(frozen=True)
@@ -61,21 +65,29 @@ def _backbone(model: nn.Module) -> nn.Module:
     )
 
 
+def head_input_module(backbone: nn.Module) -> nn.Module | None:
+    """The module whose output is the LM head's input: a projection after the final norm if there is one, else the
+    final norm; None when the backbone has neither (the last layer's output feeds the head)."""
+    for names in (_HEAD_PROJECTIONS, _NORM_ATTRS):
+        found = next(
+            (getattr(backbone, a) for a in names if isinstance(getattr(backbone, a, None), nn.Module)), None
+        )
+        if found is not None:
+            return found
+    return None
+
+
 def discover_points(model: nn.Module) -> list[ProbePoint]:
-    """All probe points of a causal LM, in forward order: `layers.0.out` .. `layers.{L-1}.out`, `final_norm.out`."""
+    """All probe points of a causal LM, in forward order: `layers.0.out` .. `layers.{L-1}.out`, then `final_norm.out`
+    (the LM head's input, see `head_input_module`) unless the backbone has no module there."""
     backbone = _backbone(unwrap_model(model))
     layers = next(
         getattr(backbone, a) for a in _LAYER_ATTRS if isinstance(getattr(backbone, a, None), nn.ModuleList)
     )
     points = [ProbePoint(f"layers.{i}.out", layer, i) for i, layer in enumerate(layers)]
-    norm = next(
-        (getattr(backbone, a) for a in _NORM_ATTRS if isinstance(getattr(backbone, a, None), nn.Module)), None
-    )
-    if norm is None:
-        raise ValueError(
-            f"probe points: {type(backbone).__name__} has no final norm named {'/'.join(_NORM_ATTRS)}"
-        )
-    points.append(ProbePoint(FINAL_NORM, norm, len(points)))
+    head_input = head_input_module(backbone)
+    if head_input is not None:
+        points.append(ProbePoint(FINAL_NORM, head_input, len(points)))
     return points
 
 
