@@ -29,10 +29,17 @@ COMMANDS = {
 PASSTHROUGH = {"train"}
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors ("tokendyn probe: error: argument --batch_size: invalid int value: 'x'"),
+    like every other input error; subcommand parsers inherit it."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {' '.join(message.split())} (--help for usage)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tokendyn", description="Which tokens drive the update in RL on LLMs."
-    )
+    parser = Parser(prog="tokendyn", description="Which tokens drive the update in RL on LLMs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMANDS.values():
         importlib.import_module(module).register(sub)
@@ -47,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             command=argv[0], argv=argv[1:], func=importlib.import_module(COMMANDS[argv[0]]).run
         )
     else:
-        args = parser.parse_args(argv)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help (0) or a usage error, already printed on one line (2)
+            return int(exc.code or 0)
     try:
         return int(args.func(args) or 0)
     except (UsageError, ValueError, FileNotFoundError) as exc:  # UsageError: every input error

@@ -8,7 +8,7 @@ import sys
 from rich.console import Console
 
 from tokendyn.analysis.compare import compare, run_label
-from tokendyn.analysis.load import NoRecordsError, check_run_dir
+from tokendyn.analysis.load import NoRecordsError, SelectionError, check_run_dir, check_selection
 from tokendyn.analysis.report import ANALYSIS_DIR, analyze_run, print_report
 
 
@@ -48,9 +48,10 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 140))
     run_dirs = list(args.run_dir)
     try:
-        for d in run_dirs:  # every directory is checked before any work
+        for d in run_dirs:  # every directory and the selection are checked before any work
             check_run_dir(d)
-    except NoRecordsError as exc:
+            check_selection(d, args.steps, args.stage, args.point)
+    except (NoRecordsError, SelectionError) as exc:
         print(f"tokendyn analyze: error: {exc}", file=sys.stderr)
         return 2
     if args.out and len(run_dirs) > 1:
@@ -64,7 +65,12 @@ def run(args: argparse.Namespace) -> int:
         tables = analyze_run(d, steps=args.steps, stage=args.stage, by_step=args.by_step, out_dir=args.out)
         print_report(tables, console, point=args.point)
         out = args.out or f"{d.rstrip('/')}/{ANALYSIS_DIR}"
-        console.print(f"wrote {', '.join(f'{n}.parquet' for n in tables)} to {out}")
+        written = [f"{n}.parquet" for n, df in tables.items() if df.height]
+        skipped = [n for n, df in tables.items() if not df.height]
+        console.print(
+            f"wrote {', '.join(written)} to {out}"
+            + (f" (nothing to write for: {', '.join(skipped)})" if skipped else "")
+        )
     side = compare(run_dirs)
     if side:
         console.rule("[bold]rebalancing, side by side")

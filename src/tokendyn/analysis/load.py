@@ -55,3 +55,50 @@ def select_steps(
     if stage is not None:
         lf = lf.filter(pl.col("stage") == stage)
     return lf
+
+
+def _steps_text(steps: tuple[int | None, int | None]) -> str:
+    first, last = steps
+    if first == last:
+        return str(first)
+    return f"{'' if first is None else first}:{'' if last is None else last}"
+
+
+def check_selection(
+    run_dir: str | os.PathLike,
+    steps: tuple[int | None, int | None] | None = None,
+    stage: str | None = None,
+    point: str | None = None,
+) -> None:
+    """A selection (`--steps`, `--stage`, `--point`) that matches no binstats row of the run is a `SelectionError`
+    naming what the run holds; an analysis of nothing would print empty tables and overwrite earlier outputs."""
+    have = load(run_dir, "binstats").select("step", "stage", "point").unique().collect()
+    where = str(run_dir)
+    stages = sorted(have["stage"].unique().to_list())
+    points = have["point"].unique().to_list()
+    points = sorted(
+        points, key=lambda p: (p == "final_norm.out", int(p.split(".")[1]) if p.count(".") == 2 else 0, p)
+    )
+    if stage is not None and stage not in stages:
+        raise SelectionError(
+            f"--stage: {stage!r} matches no records in {where}; its stages: {', '.join(stages)}"
+        )
+    if point is not None and point not in points:
+        raise SelectionError(
+            f"--point: {point!r} matches no records in {where}; its points: {', '.join(points)}"
+        )
+    if steps is None:
+        return
+    picked = have if stage is None else have.filter(pl.col("stage") == stage)
+    inside = select_steps(picked.lazy(), steps).collect()
+    if not inside.height:
+        all_steps = picked["step"]
+        what = "" if stage is None else f" of stage {stage!r}"
+        raise SelectionError(
+            f"--steps: {_steps_text(steps)} matches no records{what} in {where}; its steps{what}: "
+            f"{all_steps.min()}..{all_steps.max()} ({all_steps.n_unique()} recorded)"
+        )
+
+
+class SelectionError(UsageError):
+    """An analysis selection that matches nothing."""

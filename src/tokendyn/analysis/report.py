@@ -9,7 +9,7 @@ import polars as pl
 from rich.console import Console
 from rich.table import Table
 
-from tokendyn.analysis.load import check_run_dir, load, select_steps
+from tokendyn.analysis.load import check_run_dir, check_selection, load, select_steps
 from tokendyn.analysis.tables import bin_table, bound_report, checks_summary
 from tokendyn.records import write_atomic
 
@@ -26,9 +26,11 @@ def analyze_run(
     out_dir: str | os.PathLike | None = None,
 ) -> dict[str, pl.DataFrame]:
     """{"bins": per-bin table, "bound": per-layer bound report, "checks": exact-check summary}, from the records of
-    every rank. With write=True each table is also written (atomically) to OUT_DIR/{name}.parquet, OUT_DIR
-    defaulting to RUN_DIR/analysis."""
+    every rank. A selection (steps, stage) that matches nothing is a `SelectionError` naming what the run holds.
+    With write=True each non-empty table is also written (atomically) to OUT_DIR/{name}.parquet, OUT_DIR defaulting
+    to RUN_DIR/analysis (an empty table is not written: an earlier file of that name is left as it was)."""
     path = check_run_dir(run_dir)
+    check_selection(path, steps, stage)
     lf = {
         k: select_steps(load(path, k), steps, stage)
         for k in ("binstats", "hist", "bound", "checks", "tokens")
@@ -42,7 +44,8 @@ def analyze_run(
         out = Path(out_dir) if out_dir is not None else path / ANALYSIS_DIR
         out.mkdir(parents=True, exist_ok=True)
         for name, df in tables.items():
-            write_atomic(df, out / f"{name}.parquet")
+            if df.height:
+                write_atomic(df, out / f"{name}.parquet")
     return tables
 
 

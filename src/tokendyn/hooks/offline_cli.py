@@ -147,21 +147,24 @@ def run(args: argparse.Namespace) -> int:
         )
     check_run_dir(args.out)
     device = _device(args.device)
+
+    import torch
+
+    from tokendyn.hooks.offline import check_fits, model_limits, probe_rollouts
+    from tokendyn.trainers.policy import check_model_source, default_policy_dir, load_tokenizer
+
+    model_path = args.model or str(default_policy_dir())
+    config = check_model_source(model_path, "--model")  # the config only: no weights yet
+    tokenizer = _load("tokenizer", load_tokenizer, model_path)
+    rollouts = rollouts.encode(tokenizer)  # text rows tokenized and checked before the model is loaded
+    # ids < vocabulary, rows within the positions: still no weights loaded
+    check_fits(rollouts, *model_limits(config))
     console.print(
         f"rollouts: {rollouts.n} completions ({'token ids' if rollouts.mode == 'ids' else 'text'}), advantages from "
         f"{rollouts.advantage_source}, pi_old {'from old_logp' if rollouts.old_logp is not None else 'on-policy'}, "
         f"T = {temperature:g}"
         + (f"; ignored columns: {', '.join(rollouts.ignored)}" if rollouts.ignored else "")
     )
-
-    import torch
-
-    from tokendyn.hooks.offline import probe_rollouts
-    from tokendyn.trainers.policy import default_policy_dir, load_tokenizer
-
-    model_path = args.model or str(default_policy_dir())
-    tokenizer = _load("tokenizer", load_tokenizer, model_path)
-    rollouts = rollouts.encode(tokenizer)  # text rows tokenized and checked before the model is loaded
     from transformers import AutoModelForCausalLM
 
     console.print(f"loading {model_path} ({args.dtype}, {device})")

@@ -202,8 +202,15 @@ class Table:
 
 def _read_jsonl(path: Path, source: str) -> Table:
     rows, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise error(
+                    source,
+                    f"line {lineno} is not UTF-8 text (byte {exc.start} of the line); jsonl must be UTF-8",
+                ) from None
             if not line.strip():
                 continue
             try:

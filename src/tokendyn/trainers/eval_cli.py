@@ -70,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
 
     validate(args)
     out = check_writable(args.out, "out")
+    if args.model is not None:
+        from .policy import check_model_source
+
+        check_model_source(args.model, "model")
 
     import polars as pl
     from rich.console import Console

@@ -76,8 +76,13 @@ def config_flags(path: str, known: set[str]) -> list[str]:
 def parse(argv: list[str]):
     """(RunArguments, TokendynGRPOConfig) from flags and an optional ``--config`` YAML; any bad input is a one-line
     `UsageError` naming the field (argparse's own errors included)."""
+    import warnings
+
     import torch
     from trl import TrlParser
+
+    # transformers 5 warns on every config about its own renamed fields (STACK_NOTES §8): not the user's doing
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
 
     from .config import TokendynGRPOConfig
     from .runner import EMBEDDED_DEFAULTS, RunArguments

@@ -70,9 +70,20 @@ def _read_rows(path: Path) -> list[dict]:
     """Parse and validate every row before any scoring; errors name the line and the field."""
     if not path.is_file():
         raise FileNotFoundError(f"input: no such file {str(path)!r}")
+    if path.suffix.lower() in (".parquet", ".pq", ".arrow", ".csv", ".json", ".gz"):
+        raise ValueError(
+            f"input: {str(path)!r} is a {path.suffix} file; kk score reads JSON lines (FILE.jsonl, one object per "
+            "line with prompt, ground_truth, response)"
+        )
     rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"input line {lineno}: not UTF-8 text (byte {exc.start} of the line); kk score reads JSON lines"
+                ) from None
             if not line.strip():
                 continue
             try:
