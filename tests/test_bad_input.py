@@ -226,8 +226,8 @@ CASES = {
         lambda c: _probe(
             c, c.file("r.jsonl", '{"prompt_ids": [5], "completion_ids": [6], "advantage": NaN}\n')
         ),
-        "advantage",
-    ),  # fmt: skip
+        "column 'advantage' must be finite",
+    ),
     # ---- analyze
     "analyze missing run": (lambda c: _analyze(c, run=c.tmp / "nope"), "does not exist"),
     "analyze no records": (lambda c: _analyze(c, run=c.tmp), "no binstats records"),
