@@ -125,11 +125,14 @@ CASES = {
     "train eval_n 500": (lambda c: _train(c, "--eval_n", "500"), "eval_n: must be in 0..100"),
     "train bad bins": (lambda c: _train(c, "--probe_every", "1", "--probe_bins", "0,2"), "probe_bins:"),
     "train bool text": (lambda c: _train(c, "--bf16", "maybe"), "--bf16"),
-    "train save_steps 0": (lambda c: _train(c, "--save_steps", "0"), "save_steps: must be a whole number"),
-    "train save_steps mid-rollout": (
-        lambda c: _train(c, "--rollouts", "0", "--save_steps", "3"),
-        "save_steps: must be a multiple of 2",
-    ),  # fmt: skip
+    "train save_steps 0": (
+        lambda c: _train(c, "--save_steps", "0"),
+        "save_steps: must be a whole number of rollouts",
+    ),
+    "train save_steps fraction": (
+        lambda c: _train(c, "--save_steps", "0.5"),
+        "save_steps: must be a whole number",
+    ),
     "train lr text": (lambda c: _train(c, "--learning_rate", "fast"), "--learning_rate"),
     # ---- train: paths
     "train model missing": (

@@ -1,8 +1,8 @@
 """Resuming a run from a ``checkpoint-N`` folder: the same run, continued, with nothing on disk counted twice.
 
 A checkpoint is TRL's/transformers': weights, optimizer, scheduler, RNG states and ``trainer_state.json``
-(``global_step`` = N). It is written only on rollout boundaries (``save_steps`` a multiple of the optimizer steps per
-rollout, so no half-used rollout batch has to be rebuilt). Resuming from it:
+(``global_step`` = N). It is written only on rollout boundaries (``save_steps`` counts rollouts, so no half-used rollout batch
+has to be rebuilt). Resuming from it:
 
 * the run directory is cut back to step N before any training: metrics rows with step > N and record rows with
   step >= N are dropped (a record's step is the global step *before* its optimizer step, so the records of
@@ -99,20 +99,16 @@ def resolve_checkpoint(value, output_dir: str | os.PathLike) -> Path | None:
     return path
 
 
-def check_save_steps(cfg, unit: int) -> None:
-    """Checkpoints on rollout boundaries only: ``save_steps`` a whole multiple of ``unit`` (1 when it counts
-    rollouts, i.e. with ``--rollouts``; else the optimizer steps per rollout)."""
+def check_save_steps(cfg) -> None:
+    """``save_steps`` counts rollouts in `tokendyn train` (so a checkpoint never cuts a rollout batch in two): a
+    whole number >= 1 (transformers' fractions of the run are not accepted)."""
     if str(getattr(cfg.save_strategy, "value", cfg.save_strategy)) != "steps":
         return
     steps = cfg.save_steps
-    if not float(steps).is_integer() or int(steps) < 1 or int(steps) % unit:
-        allowed = (
-            "a whole number of rollouts (with --rollouts it counts rollouts)"
-            if unit == 1
-            else (f"a multiple of {unit} (the optimizer steps of one rollout)")
-        )
+    if not float(steps).is_integer() or int(steps) < 1:
         raise ResumeError(
-            f"save_steps: must be {allowed}, so a checkpoint never cuts a rollout batch in two; got {steps!r}"
+            f"save_steps: must be a whole number of rollouts >= 1 (a checkpoint never cuts a rollout batch in two), "
+            f"got {steps!r}"
         )
 
 

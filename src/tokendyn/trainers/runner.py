@@ -54,7 +54,8 @@ class RunArguments:
         metadata={
             "help": "Length of the run in rollout batches (each generation batch is one RL step of the paper); "
             "sets max_steps so that every method sees the same rollouts (Lopti takes twice the optimizer steps "
-            "per rollout). 0 = use --max_steps as given."
+            "per rollout). 0 = use --max_steps as given. --eval_steps counts rollouts when this is set; --save_steps "
+            "always counts rollouts (a checkpoint falls on a rollout boundary)."
         },
     )
 
@@ -110,7 +111,7 @@ EMBEDDED_DEFAULTS = dict(
     max_steps=30,  # overridden by --rollouts (default 15 rollouts)
     eval_steps=5,  # in rollouts when --rollouts is set
     save_strategy="steps",  # checkpoint-N folders, to resume from (--resume_from_checkpoint) or to evaluate
-    save_steps=5,  # in rollouts when --rollouts is set (checkpoints fall on rollout boundaries)
+    save_steps=5,  # in rollouts (checkpoints fall on rollout boundaries)
     save_total_limit=2,  # the last two checkpoints are kept
     report_to="none",
     seed=0,
@@ -149,15 +150,15 @@ def optimizer_steps_per_rollout(cfg) -> int:
 
 
 def apply_rollouts(run: RunArguments, cfg) -> None:
-    """Set ``max_steps`` from ``rollouts``; ``eval_steps`` and ``save_steps`` count rollouts then (so evaluations
-    and checkpoints fall on rollout boundaries)."""
+    """Set ``max_steps`` from ``rollouts`` (``eval_steps`` counts rollouts then). ``save_steps`` always counts
+    rollouts: a checkpoint must fall on a rollout boundary (`tokendyn.trainers.resume`)."""
+    per = optimizer_steps_per_rollout(cfg)
     if run.rollouts:
-        per = optimizer_steps_per_rollout(cfg)
         cfg.max_steps = run.rollouts * per
         if cfg.eval_steps:
             cfg.eval_steps = int(cfg.eval_steps) * per
-        if cfg.save_steps:
-            cfg.save_steps = int(cfg.save_steps) * per
+    if str(getattr(cfg.save_strategy, "value", cfg.save_strategy)) == "steps":
+        cfg.save_steps = int(cfg.save_steps) * per
 
 
 def build_datasets(run: RunArguments):
@@ -196,7 +197,7 @@ def prepare(run: RunArguments, cfg) -> Path | None:
     from .policy import check_model_source
     from .resume import check_save_steps, resolve_checkpoint
 
-    check_save_steps(cfg, 1 if run.rollouts else optimizer_steps_per_rollout(cfg))
+    check_save_steps(cfg)
     resume = resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
     if run.model_name_or_path is not None:
         check_model_source(run.model_name_or_path, "model_name_or_path")
