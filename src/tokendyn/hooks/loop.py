@@ -25,12 +25,14 @@ def instrument(
     check_tokens: int | None = 256,
     temperature: float = 1.0,
     flush_every: int = 1,
+    flush_seconds: float = 30.0,
     seed: int = 0,
     auto: bool = True,
     rank: int | None = None,
 ) -> Iterator[GradientProbe]:
     """Probe `model` inside the block; every finished micro-batch goes to RUN_DIR/records/ (one file per kind per
-    `flush_every` steps, one shard per rank). Hooks are removed on exit, also on exceptions; records of finished
+    `flush_every` steps, and at least every `flush_seconds`: a kill loses at most that many seconds of records; one
+    shard per rank). Hooks are removed on exit, also on exceptions; records of finished
     steps are flushed either way. `rank` defaults to the torch.distributed rank (or $RANK, or 0).
 
         with instrument(model, run_dir, bins="intervals:4") as probe:
@@ -55,7 +57,7 @@ def instrument(
         auto=auto,
         rank=rank,
     )
-    writer = RecordWriter(run_dir, rank=probe.rank, flush_every=flush_every)
+    writer = RecordWriter(run_dir, rank=probe.rank, flush_every=flush_every, flush_seconds=flush_seconds)
     probe.sink = writer.add
     try:
         with probe:

@@ -1,0 +1,106 @@
+"""Records are flushed by time as well as by count: a kill -9 loses at most the last `flush_seconds` of records (plus
+the step being recorded), and never leaves a file that cannot be read."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from tokendyn.hooks.records import FLUSH_SECONDS, RecordWriter
+from tokendyn.records import shard_files
+
+ROW = {"step": [0], "stage": ["train"], "update": ["real"], "update_stage": ["all"], "source_bin": [-1], "bin": [0],
+       "bin_lo": [0.0], "bin_hi": [1.0], "lr": [1e-3]}  # fmt: skip
+
+
+def _prob_change(step: int) -> dict:
+    from tokendyn.records import SCHEMAS
+
+    cols = {c: [None] for c in SCHEMAS["prob_change"]}
+    cols.update(ROW)
+    cols["step"] = [step]
+    return {"prob_change": cols}
+
+
+def _steps(run_dir) -> list[int]:
+    files = shard_files(run_dir, "prob_change")
+    return sorted(pl.concat([pl.read_parquet(f) for f in files])["step"].to_list()) if files else []
+
+
+def test_writer_flushes_when_the_time_is_up(tmp_path):
+    assert FLUSH_SECONDS <= 30
+    w = RecordWriter(tmp_path, rank=0, flush_every=1000, flush_seconds=0.3)
+    w.add(_prob_change(0))
+    assert _steps(tmp_path) == []  # neither the count nor the time is up
+    time.sleep(0.35)
+    w.add(_prob_change(1))
+    assert _steps(tmp_path) == [0, 1]
+    now = RecordWriter(tmp_path / "b", rank=0, flush_every=1000, flush_seconds=0)
+    now.add(_prob_change(5))
+    assert _steps(tmp_path / "b") == [5]
+    with pytest.raises(ValueError, match="flush_seconds must be a number >= 0"):
+        RecordWriter(tmp_path, flush_seconds=-1)
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    sys.path.insert(0, {tests!r})
+    from _models import make_batch, tiny_qwen2
+    from tokendyn.hooks import instrument
+
+    torch.set_num_threads(1)
+    model = tiny_qwen2(sharpen=4.0)
+    batch = make_batch(model, n=4, sample=False)
+    with instrument(model, {run!r}, flush_every=10**6, flush_seconds={seconds}, check_tokens=None, rank=0) as probe:
+        for step in range(10**6):
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+            z = out.logits[:, -batch.c - 1 : -1].float()
+            logps = torch.log_softmax(z, -1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+            probe.tokens(step=step, completion_mask=batch.completion_mask, advantages=batch.advantages,
+                         completion_ids=batch.completion_ids, logps=logps)
+            (-(logps * batch.advantages.unsqueeze(1)).sum()).backward()
+            probe.end_step()
+            model.zero_grad()
+            print(step, time.time(), flush=True)
+            time.sleep(0.05)
+    """
+)
+
+
+def test_a_kill_loses_at_most_the_last_seconds(tmp_path):
+    seconds = 0.5
+    run = tmp_path / "run"
+    code = CHILD.format(tests=str(Path(__file__).parent), run=str(run), seconds=seconds)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    done: list[tuple[int, float]] = []
+    try:
+        for line in child.stdout:
+            step, t = line.split()
+            done.append((int(step), float(t)))
+            if len(done) >= 25:
+                break
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    killed = time.time()
+    assert child.returncode == -signal.SIGKILL
+    kinds = {f.name.split("-rank")[0] for f in (run / "records").glob("*.parquet")}
+    for kind in kinds:  # every file on disk is whole
+        for f in shard_files(run, kind):
+            pl.read_parquet(f)
+    assert not list((run / "records").glob(".*"))  # no temp file left visible as a record
+    on_disk = {s for f in shard_files(run, "binstats") for s in pl.read_parquet(f)["step"].to_list()}
+    # every step finished more than flush_seconds before the kill is on disk (the next step's add flushed it)
+    old = [s for s, t in done if t < killed - seconds - 0.3]
+    assert old and set(old) <= on_disk, (old, sorted(on_disk))
