@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -27,8 +28,9 @@ class RecordWriter:
     """Buffers records per kind and writes one parquet file per kind per flush, for one rank.
 
     `add(records)` takes kind -> columns (what a probe's sink receives). It flushes every `flush_every` adds, and
-    also when `flush_seconds` have passed since the last flush (checked at each add; 0 = every add): a kill loses
-    at most the records added in the last `flush_seconds` (plus those of the step being recorded).
+    at the latest `flush_seconds` after the last flush once something is buffered (at the next add, or from a
+    timer thread if no add comes; 0 = at every add): a kill loses at most the records added in the last
+    `flush_seconds` (plus those of the micro-batch being recorded). `flush()` writes at once and disarms the timer.
     """
 
     def __init__(
@@ -53,14 +55,27 @@ class RecordWriter:
         self._buffer: dict[str, list[pl.DataFrame]] = {k: [] for k in KINDS}
         self._adds = 0
         self._last_flush = time.monotonic()
+        self._lock = threading.RLock()  # the timer thread and the caller share the buffer
+        self._timer: threading.Timer | None = None
         self.written: list[Path] = []
 
     def add(self, records: dict[str, dict[str, list] | pl.DataFrame]) -> None:
-        for kind, cols in records.items():
-            self._buffer[kind].append(to_frame(kind, cols))
-        self._adds += 1
-        due = time.monotonic() - self._last_flush >= self.flush_seconds
-        if self._adds % self.flush_every == 0 or due:
+        frames = [(kind, to_frame(kind, cols)) for kind, cols in records.items()]
+        with self._lock:
+            for kind, frame in frames:
+                self._buffer[kind].append(frame)
+            self._adds += 1
+            wait = self.flush_seconds - (time.monotonic() - self._last_flush)
+            if self._adds % self.flush_every == 0 or wait <= 0:
+                self.flush()
+            elif self._timer is None:
+                self._timer = threading.Timer(wait, self._timed_flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _timed_flush(self) -> None:
+        with self._lock:
+            self._timer = None
             self.flush()
 
     __call__ = add
@@ -75,7 +90,14 @@ class RecordWriter:
 
     def flush(self) -> list[Path]:
         """Write what is buffered; returns the files written."""
-        self._last_flush = time.monotonic()
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._last_flush = time.monotonic()
+            return self._write()
+
+    def _write(self) -> list[Path]:
         out = []
         for kind, frames in self._buffer.items():
             frames = [f for f in frames if f.height]
