@@ -126,7 +126,13 @@ def test_resumed_run_equals_the_uninterrupted_run(tiny_model_dir, tmp_path, lopt
     assert weight_diff == 0.0 and metric_diff == 0.0 and record_diff == 0.0
     if lopti:
         assert set(ra["binstats"]["stage"].unique()) == {"low", "high"}
-    else:  # checkpoints are policies `tokendyn eval` loads (weights and tokenizer)
+    else:
+        # a finished run has nothing to resume: refused before any work, the run left as it was
+        assert main(["train", *_argv(tiny_model_dir, whole, lopti), "--resume_from_checkpoint", "true"]) == 2
+        assert "nothing to resume" in capsys.readouterr().err
+        assert pl.read_parquet(whole / "metrics.parquet")["step"].to_list() == [*range(1, steps + 1), steps]
+        assert max(_max_diff(ra[k], _records(whole)[k]) for k in ra) == 0.0
+        # checkpoints are policies `tokendyn eval` loads (weights and tokenizer)
         table = tmp_path / "eval.parquet"
         argv = [
             "eval",

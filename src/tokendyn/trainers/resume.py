@@ -142,13 +142,16 @@ def truncate_records(run_dir: str | os.PathLike, step: int) -> int:
 
 
 def kept_metrics(path: str | os.PathLike, step: int) -> list[dict]:
-    """The rows of an earlier metrics.parquet logged at steps <= ``step`` (the ones the checkpoint has seen)."""
+    """The rows of an earlier metrics.parquet logged at steps <= ``step`` (the ones the checkpoint has seen), less a
+    finished session's summary row (``train_runtime``, ...): the resumed session logs its own at its end."""
     import polars as pl
 
     path = Path(path)
     if not path.is_file():
         return []
     frame = pl.read_parquet(path).filter(pl.col("step") <= step)
+    if "train_runtime" in frame.columns:
+        frame = frame.filter(pl.col("train_runtime").is_null())
     return [{k: v for k, v in row.items() if v is not None} for row in frame.iter_rows(named=True)]
 
 

@@ -195,10 +195,18 @@ def prepare(run: RunArguments, cfg) -> Path | None:
     """Everything checked before any work (nothing is created or changed): the checkpoint cadence, the resume
     checkpoint and the model source. Returns the checkpoint to resume from (None: a fresh run)."""
     from .policy import check_model_source
-    from .resume import check_save_steps, resolve_checkpoint
+    from .resume import ResumeError, check_save_steps, checkpoint_step, resolve_checkpoint
 
     check_save_steps(cfg)
     resume = resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
+    if resume is not None:
+        max_steps = run.rollouts * optimizer_steps_per_rollout(cfg) if run.rollouts else cfg.max_steps
+        step = checkpoint_step(resume)
+        if step >= max_steps:  # transformers would run one more step past max_steps
+            raise ResumeError(
+                f"resume_from_checkpoint: {str(resume)!r} is at step {step}, the run's last ({max_steps} optimizer "
+                "steps): nothing to resume; raise --rollouts (or --max_steps) to train further"
+            )
     if run.model_name_or_path is not None:
         check_model_source(run.model_name_or_path, "model_name_or_path")
     return resume
