@@ -1,8 +1,8 @@
 """Resuming a run from a ``checkpoint-N`` folder: the same run, continued, with nothing on disk counted twice.
 
 A checkpoint is TRL's/transformers': weights, optimizer, scheduler, RNG states and ``trainer_state.json``
-(``global_step`` = N). It is written only on rollout boundaries (``save_steps`` counts rollouts, so no half-used rollout batch
-has to be rebuilt). Resuming from it:
+(``global_step`` = N). It is written only on rollout boundaries (``save_steps`` counts rollouts, so no half-used
+rollout batch has to be rebuilt). Resuming from it:
 
 * the run directory is cut back to step N before any training: metrics rows with step > N and record rows with
   step >= N are dropped (a record's step is the global step *before* its optimizer step, so the records of

@@ -247,7 +247,8 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
     rows, meta_before = [], {}
     if resume is not None:
         step = checkpoint_step(resume)
-        truncate_records(out, step)
+        if trainer.accelerator.is_main_process:  # one process cuts every rank's shards, before any step runs
+            truncate_records(out, step)
         rows = kept_metrics(out / "metrics.parquet", step)
         if (out / "run.json").is_file():
             import json
