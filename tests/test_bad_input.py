@@ -159,6 +159,10 @@ CASES = {
         lambda c: _train(c, "--resume_from_checkpoint", str(c.model)),
         "trainer_state.json",
     ),  # fmt: skip
+    "train onto an earlier run": (
+        lambda c: _train(c, "--output_dir", str(c.run)),
+        "holds an earlier run (records/)",
+    ),
     "train resume a file": (
         lambda c: _train(c, "--resume_from_checkpoint", c.file("ck", "x")),
         "not a directory",

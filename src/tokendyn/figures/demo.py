@@ -11,6 +11,7 @@ takes two optimizer steps per rollout). Draft for `tokendyn demo [--quick] [--ou
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -90,7 +91,7 @@ def demo(
 
     from tokendyn.common import check_writable
     from tokendyn.figures.report import build_report
-    from tokendyn.trainers.runner import method_name, train
+    from tokendyn.trainers.runner import earlier_run, method_name, train
 
     out = Path(out_dir)
     check_writable(out, "--out")
@@ -107,6 +108,9 @@ def demo(
     for i, (_name, run, cfg) in enumerate(runs, 1):
         say(f"[bold][{i}/{len(runs)}] {method_name(cfg)}[/bold]: {size.rollouts} rollouts on K&K {list(size.people)} "
             f"-> {cfg.output_dir}")  # fmt: skip
+        if earlier_run(cfg.output_dir):  # the demo's own earlier run of this method: replaced, not mixed in
+            say(f"    replacing the earlier run in {cfg.output_dir}")
+            shutil.rmtree(cfg.output_dir)
         meta = train(run, cfg)
         s = meta["summary"]
         say(

@@ -7,6 +7,7 @@ the probe is on, ``records/``. Files are written atomically.
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -191,9 +192,23 @@ def versions() -> dict:
     }
 
 
+def earlier_run(out: str | os.PathLike) -> list[str]:
+    """What an earlier run left in a run directory (run.json, metrics.parquet, records/, checkpoint-N/)."""
+    from ..records import KINDS, shard_files
+    from .resume import checkpoints
+
+    out = Path(out)
+    found = [f for f in ("run.json", "metrics.parquet") if (out / f).is_file()]
+    if any(shard_files(out, kind) for kind in KINDS):
+        found.append("records/")
+    found += [f"{c.name}/" for c in checkpoints(out)][-1:]
+    return found
+
+
 def prepare(run: RunArguments, cfg) -> Path | None:
     """Everything checked before any work (nothing is created or changed): the checkpoint cadence, the resume
-    checkpoint and the model source. Returns the checkpoint to resume from (None: a fresh run)."""
+    checkpoint, that a fresh run does not land on an earlier one (its records would be mixed in), and the model
+    source. Returns the checkpoint to resume from (None: a fresh run)."""
     from .policy import check_model_source
     from .resume import ResumeError, check_save_steps, checkpoint_step, resolve_checkpoint
 
@@ -207,6 +222,11 @@ def prepare(run: RunArguments, cfg) -> Path | None:
                 f"resume_from_checkpoint: {str(resume)!r} is at step {step}, the run's last ({max_steps} optimizer "
                 "steps): nothing to resume; raise --rollouts (or --max_steps) to train further"
             )
+    elif found := earlier_run(cfg.output_dir):
+        raise ResumeError(
+            f"output_dir: {cfg.output_dir!r} holds an earlier run ({', '.join(found)}); continue it with "
+            "--resume_from_checkpoint true, or give a new --output_dir (remove the folder to start over)"
+        )
     if run.model_name_or_path is not None:
         check_model_source(run.model_name_or_path, "model_name_or_path")
     return resume
