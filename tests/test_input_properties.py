@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tokendyn.cli import main
 from tokendyn.common import UsageError
-from tokendyn.hooks.offline import check_fits, model_limits
+from tokendyn.hooks.model_fit import check_fits, model_limits
 from tokendyn.hooks.rollouts import COLUMNS, read_rollouts
 
 torch.set_num_threads(1)

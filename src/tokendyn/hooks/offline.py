@@ -24,7 +24,6 @@ The model is left as it was (parameters, requires_grad flags, .grad, train/eval 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import shutil
 import time
@@ -36,8 +35,9 @@ import torch
 from torch import nn
 
 from tokendyn.common import write_json
+from tokendyn.hooks.model_fit import POSITIONS, check_fits, model_limits, positions_from_masks
 from tokendyn.hooks.records import RecordWriter
-from tokendyn.hooks.rollouts import Rollouts, RolloutsError, read_rollouts
+from tokendyn.hooks.rollouts import Rollouts, read_rollouts
 from tokendyn.probe.probe import GradientProbe
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, eval_mode, token_loss
 
@@ -139,45 +139,6 @@ def _probe_batch(b: dict, temperature: float, normalizer: float | None) -> Probe
     )
 
 
-def model_limits(config, embeddings: int | None = None) -> tuple[int, int | None]:
-    """(vocabulary size, positions) of a model from its config (no weights needed): the ids must be < vocabulary
-    (or < the embedding rows, when known and fewer) and a row's attended tokens <= positions
-    (``max_position_embeddings`` / ``n_positions``; None when the config has no such limit)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = int(text.vocab_size)
-    if embeddings is not None:
-        vocab = min(vocab, int(embeddings))
-    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-    return vocab, None if positions is None else int(positions)
-
-
-def check_fits(rollouts: Rollouts, vocab: int, positions: int | None) -> None:
-    """Every token id in [0, vocab) and every row (its attended prompt + completion tokens) within the model's
-    positions; the error names the row, the column and the limit."""
-    for name in ("prompt_ids", "completion_ids"):
-        for i, ids in enumerate(getattr(rollouts, name)):
-            if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-                raise RolloutsError(
-                    f"rollouts {rollouts.source}: row {i}: {name} holds ids outside the model's vocabulary "
-                    f"[0, {vocab}) (min {int(ids.min())}, max {int(ids.max())}); wrong model or tokenizer?"
-                )
-    if positions is None:
-        return
-    for i in range(rollouts.n):
-        p = rollouts.prompt_mask[i].sum() if rollouts.prompt_mask is not None else rollouts.prompt_ids[i].size
-        c = (
-            rollouts.completion_mask[i].sum()
-            if rollouts.completion_mask is not None
-            else rollouts.completion_ids[i].size
-        )
-        if p + c > positions:
-            raise RolloutsError(
-                f"rollouts {rollouts.source}: row {i}: prompt + completion is {int(p + c)} tokens ({int(p)} + "
-                f"{int(c)}) but the model has {positions} positions (max_position_embeddings); shorten the row "
-                "or use a model with a longer context"
-            )
-
-
 def _check_ids(rollouts: Rollouts, model: nn.Module) -> None:
     config = getattr(model, "config", None)
     embeddings = model.get_input_embeddings().num_embeddings
@@ -185,45 +146,6 @@ def _check_ids(rollouts: Rollouts, model: nn.Module) -> None:
         check_fits(rollouts, embeddings, None)
     else:
         check_fits(rollouts, *model_limits(config, embeddings))
-
-
-def _forward_accepts(model: nn.Module, name: str) -> bool:
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-POSITIONS = ("mask", "model")
-
-
-@contextlib.contextmanager
-def positions_from_masks(model: nn.Module, mode: str = "mask") -> Iterator[None]:
-    """mode "mask": every forward of ``model`` that is given an attention mask and no position ids gets them from
-    the mask, as `generate` (and verl, OpenRLHF) build them for left-padded rows: position = the number of attended
-    tokens before it, padding at 1. Without this, models with absolute position embeddings (GPT-2) read a
-    left-padded row at shifted positions (rotary models are nearly, not exactly, invariant to the shift).
-    mode "model": the model's own default, unchanged (0..S-1 for most families; what TRL's training forward
-    uses, so a batch dumped from TRL training is reproduced exactly)."""
-    if mode not in POSITIONS:
-        raise ValueError(f"positions: must be one of {', '.join(POSITIONS)}, got {mode!r}")
-    if mode == "model" or not _forward_accepts(model, "position_ids"):
-        yield
-        return
-
-    def add_positions(module, args, kwargs):
-        mask = kwargs.get("attention_mask")
-        if kwargs.get("position_ids") is not None or mask is None or mask.dim() != 2:
-            return None
-        positions = mask.long().cumsum(-1) - 1
-        positions = positions.masked_fill(mask == 0, 1)
-        return args, {**kwargs, "position_ids": positions}
-
-    handle = model.register_forward_pre_hook(add_positions, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def _progress(enabled: bool):

@@ -150,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from tokendyn.hooks.offline import check_fits, model_limits, probe_rollouts
+    from tokendyn.hooks.model_fit import check_fits, model_limits
+    from tokendyn.hooks.offline import probe_rollouts
     from tokendyn.trainers.policy import check_model_source, default_policy_dir, load_tokenizer
 
     model_path = args.model or str(default_policy_dir())
