@@ -43,7 +43,9 @@ class KillAt(TrainerCallback):
 
 def _argv(model_dir, out, lopti: bool) -> list[str]:
     argv = ["--model_name_or_path", str(model_dir), "--output_dir", str(out), "--people", "3"]
-    argv += ["--train_puzzles_per_size", "8", "--eval_n", "0", "--rollouts", "4", "--save_steps", "2"]
+    # GRPO: held-out evaluations at rollouts 0, 3 and 4 (the end), none at the checkpoint (rollout 2)
+    evals = ["--eval_n", "0"] if lopti else ["--eval_n", "1", "--eval_steps", "3"]
+    argv += ["--train_puzzles_per_size", "8", *evals, "--rollouts", "4", "--save_steps", "2"]
     argv += ["--per_device_train_batch_size", "4", "--num_generations", "4", "--steps_per_generation", "1"]
     argv += ["--max_completion_length", "6", "--temperature", "1.0", "--learning_rate", "1e-3"]
     argv += ["--probe_every", "1", "--probe_sample_sequences", "4", "--probe_analyses", "shares,real_change"]
@@ -110,9 +112,12 @@ def test_resumed_run_equals_the_uninterrupted_run(tiny_model_dir, tmp_path, lopt
     drop = [c for c in ma.columns if c in TIMING]
     ma, mb = ma.drop(drop), mb.drop([c for c in mb.columns if c in TIMING])
     steps = 4 * per
-    assert (
-        mb["step"].to_list() == ma["step"].to_list() == [*range(1, steps + 1), steps]
-    )  # + the final summary
+    logged = [*range(1, steps + 1), steps]  # + the final summary
+    if not lopti:
+        heldout = ma.filter(pl.col("heldout/accuracy").is_not_null())["step"].to_list()
+        assert heldout == [0, 3, 4] == mb.filter(pl.col("heldout/accuracy").is_not_null())["step"].to_list()
+        logged = sorted([*logged, *heldout])  # each evaluation is a row of its own
+    assert mb["step"].to_list() == ma["step"].to_list() == logged
     assert ma["loss"].abs().max() > 0 and ma["reward_std"].max() > 0  # something was trained
     metric_diff = _max_diff(ma.select(sorted(ma.columns)), mb.select(sorted(mb.columns)))
     # records: the same rows of every kind, none twice
@@ -130,7 +135,7 @@ def test_resumed_run_equals_the_uninterrupted_run(tiny_model_dir, tmp_path, lopt
         # a finished run has nothing to resume: refused before any work, the run left as it was
         assert main(["train", *_argv(tiny_model_dir, whole, lopti), "--resume_from_checkpoint", "true"]) == 2
         assert "nothing to resume" in capsys.readouterr().err
-        assert pl.read_parquet(whole / "metrics.parquet")["step"].to_list() == [*range(1, steps + 1), steps]
+        assert pl.read_parquet(whole / "metrics.parquet")["step"].to_list() == logged
         assert max(_max_diff(ra[k], _records(whole)[k]) for k in ra) == 0.0
         # checkpoints are policies `tokendyn eval` loads (weights and tokenizer)
         table = tmp_path / "eval.parquet"

@@ -101,7 +101,9 @@ class HeldoutEvalCallback(TrainerCallback):
         self.trainer.log(logs)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
+        # step 0 only: a resumed run's checkpoint step was evaluated before the checkpoint if it was due (its row is
+        # kept, see `done`), and must not gain a row an uninterrupted run does not have
+        if state.is_world_process_zero and state.global_step == 0:
             self._evaluate(state)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
