@@ -123,6 +123,9 @@ def truncate_records(run_dir: str | os.PathLike, step: int) -> int:
     dropped = 0
     for kind in KINDS:
         for f in shard_files(run_dir, kind):
+            top = pl.scan_parquet(f).select(pl.col("step").max()).collect().item()
+            if top is None or top < step:
+                continue  # the usual case: only the step column is read
             frame = pl.read_parquet(f)
             keep = frame.filter(pl.col("step") < step)
             if keep.height == frame.height:
