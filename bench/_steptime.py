@@ -42,6 +42,7 @@ def measure(extra: dict, rollouts: int, people: list[int], max_completion_length
         max_completion_length=max_completion_length,
         disable_tqdm=True,
         logging_steps=10**6,
+        save_strategy="no",  # the defaults checkpoint every 5 rollouts: not part of a step's cost
     )
     kw.update(extra)
     cfg = TokendynGRPOConfig(**kw)
