@@ -92,3 +92,19 @@ def positions_from_masks(model: nn.Module, mode: str = "mask") -> Iterator[None]
         yield
     finally:
         handle.remove()
+
+
+_ABSOLUTE = (
+    "wpe",
+    "embed_positions",
+    "position_embeddings",
+)  # GPT-2, OPT, BERT-style learned position tables
+
+
+def absolute_positions(model: nn.Module) -> bool:
+    """True when the model looks positions up in a learned table (GPT-2's ``wpe``, OPT's ``embed_positions``): a
+    position past its end is an index error, not merely an untrained context as with rotary embeddings."""
+    return any(
+        isinstance(m, nn.Embedding) and name.rsplit(".", 1)[-1] in _ABSOLUTE
+        for name, m in model.named_modules()
+    )

@@ -232,6 +232,36 @@ def prepare(run: RunArguments, cfg) -> Path | None:
     return resume
 
 
+def check_lengths(model, tokenizer, prompts: list[str], cfg) -> None:
+    """The longest prompt (tokens, cut to ``max_prompt_length`` if set) + ``max_completion_length`` against the
+    model's positions: an error for learned absolute positions (the run would fail mid-way), else a warning (a
+    rotary model runs past its trained context)."""
+    import warnings
+
+    from ..common import UsageError
+    from ..hooks.model_fit import absolute_positions, model_limits
+
+    positions = model_limits(model.config)[1]
+    if positions is None or not prompts:
+        return
+    longest = sorted(prompts, key=len)[-32:]  # by characters: the longest in tokens is among them
+    prompt = max(len(tokenizer(text=t)["input_ids"]) for t in longest)
+    if getattr(cfg, "max_prompt_length", None):
+        prompt = min(prompt, int(cfg.max_prompt_length))
+    need = prompt + int(cfg.max_completion_length)
+    if need <= positions:
+        return
+    msg = (
+        f"max_completion_length: the longest prompt ({prompt} tokens) + max_completion_length "
+        f"({cfg.max_completion_length}) = {need} exceeds the model's {positions} positions (max_position_embeddings)"
+    )
+    if absolute_positions(model):
+        raise UsageError(
+            f"{msg}; its positions are a learned table: lower --max_completion_length or the puzzle sizes"
+        )
+    warnings.warn(f"{msg}; it runs (rotary positions), beyond the context it was trained on", stacklevel=2)
+
+
 def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=None) -> dict:
     """Build the trainer, train (or resume: `tokendyn.trainers.resume`), evaluate; returns a summary (also written
     into ``run.json``). The run directory is created only once the model and the trainer are built. ``reward``: a
@@ -250,6 +280,7 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
     model_path = run.model_name_or_path or str(default_policy_dir())
     model, tok = load_policy(model_path, dtype=torch.float32)
     train_ds = build_datasets(run)
+    check_lengths(model, tok, train_ds["prompt"], cfg)
     from ..tasks.kk.reward import kk_reward
 
     trainer = TokendynGRPOTrainer(
