@@ -20,14 +20,12 @@ from tokendyn.hooks import instrument
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def probed_run(tmp_path_factory):
-    """A run directory with records of steps 0..2 (stage "train"), written by `instrument` in a plain loop."""
-    run = tmp_path_factory.mktemp("probed") / "run"
+def _probe_steps(run, layers=None, steps: int = 3):
+    """Records of steps 0..steps-1 (stage "train"), written by `instrument` in a plain loop."""
     model = tiny_qwen2(sharpen=4.0)
     batch = make_batch(model, n=4, sample=False)
-    with instrument(model, run, temperature=1.0, check_tokens=None, rank=0) as probe:
-        for step in range(3):
+    with instrument(model, run, layers=layers, temperature=1.0, check_tokens=None, rank=0) as probe:
+        for step in range(steps):
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
             z = out.logits[:, -batch.c - 1 : -1].float()
             logps = torch.log_softmax(z, -1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
@@ -37,6 +35,11 @@ def probed_run(tmp_path_factory):
             probe.end_step()
             model.zero_grad()
     return run
+
+
+@pytest.fixture(scope="module")
+def probed_run(tmp_path_factory):
+    return _probe_steps(tmp_path_factory.mktemp("probed") / "run")
 
 
 class Ctx:
@@ -329,3 +332,16 @@ def test_analyze_writes_only_tables_with_rows(probed_run, tmp_path, capsys):
     assert "bins.parquet" in written
     assert all(pl.read_parquet(out / name).height for name in written)
     assert sorted(pl.read_parquet(out / "bins.parquet")["tokens"].unique().to_list())  # a real table
+
+
+def test_analyze_leaves_out_an_empty_table(tmp_path, capsys):
+    """Layers only (no LM-head input probed): no exact checks, so no checks.parquet, and it says so."""
+    run = _probe_steps(tmp_path / "run", layers="layers.*.out", steps=1)
+    (run / "analysis").mkdir()
+    (run / "analysis" / "checks.parquet").write_bytes(b"an earlier analysis")
+    assert main(["analyze", str(run)]) == 0
+    assert "nothing to write for: checks" in " ".join(capsys.readouterr().out.split())  # (rich wraps lines)
+    assert (
+        run / "analysis" / "checks.parquet"
+    ).read_bytes() == b"an earlier analysis"  # not overwritten by nothing
+    assert pl.read_parquet(run / "analysis" / "bins.parquet").height
