@@ -54,6 +54,8 @@ class TrainerProbe(TrainerCallback):
             seed=args.seed,
             sink=self.writer.add,
             rank=trainer.accelerator.process_index,
+            # DDP / FSDP average the ranks' gradients: the update is the gradient of the mean of their losses
+            data_parallel_size=trainer.accelerator.num_processes,
         ).attach()
         self._open = False
         self.run_dir = Path(run_dir)
