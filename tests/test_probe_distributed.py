@@ -114,14 +114,43 @@ def worker(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _launch(out: Path) -> None:
+def trl_worker(model_dir: str, out_dir: str) -> None:
+    """One probed optimizer step of the TRL trainer on 2 ranks (DDP, 2 micro-batches of 8 completions each).
+    On the first pass the ratio is 1, so the DAPO loss gives every token w = dL/dlog pi = -A / N, N = the
+    completion tokens of the whole (all-rank) rollout batch: the records must hold exactly that on every rank."""
+    from test_trainer import _config, _trainer
+
+    from tokendyn.trainers.grpo import TokendynGRPOTrainer
+
+    class Recording(TokendynGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            self.n_items = float(inputs["num_items_in_batch"])
+            return super()._compute_loss(model, inputs)
+
+    torch.set_num_threads(1)
+    args = _config(
+        Path(out_dir), max_steps=1, probe_every=1, probe_analyses="none", ddp_find_unused_parameters=False
+    )
+    trainer = _trainer(model_dir, args, cls=Recording)
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    tokens = pl.read_parquet(shard_files(Path(args.output_dir), "tokens")).filter(
+        (pl.col("rank") == rank) & (pl.col("point") == "final_norm.out") & (pl.col("advantage") != 0)
+    )
+    expected = -tokens["advantage"] / trainer.n_items
+    err = float(((tokens["w"] - expected).abs() / expected.abs()).max())
+    assert tokens.height > 0 and err < 1e-5, f"rank {rank}: w vs -A/N max rel err {err}"
+    torch.distributed.barrier()
+
+
+def _launch(out: Path, *extra: str) -> None:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
-    proc = subprocess.run([*cmd, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*cmd, *extra, str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -197,6 +226,15 @@ def test_ddp_and_fsdp2_records_equal_one_process_on_the_global_batch(tmp_path):
     print(json.dumps(ratios))
 
 
+def test_trl_trainer_under_ddp_records_the_global_loss_gradient(tiny_model_dir, tmp_path):
+    _launch(tmp_path, "trl", str(tiny_model_dir))
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
-    worker(sys.argv[1])
+    if sys.argv[1] == "trl":
+        from tokendyn.hooks.records import shard_files
+
+        trl_worker(sys.argv[2], sys.argv[3])
+    else:
+        worker(sys.argv[1])
