@@ -14,6 +14,7 @@ import warnings
 
 import polars as pl
 import pytest
+import torch
 from _models import completion_logps, grpo_loss, make_batch, tiny_qwen2
 
 from tokendyn.probe import GradientProbe
@@ -49,8 +50,9 @@ def _checkpoint(model, kind: str) -> None:
     )
 
 
-def _step(kind: str | None, sink=None):
-    """One probed GRPO micro-step of the same model and batch, checkpointed as `kind` (None: not at all)."""
+def _step(kind: str | None, sink=None, autocast: bool = False):
+    """One probed GRPO micro-step of the same model and batch, checkpointed as `kind` (None: not at all), under
+    bfloat16 autocast if asked."""
     model = tiny_qwen2(sharpen=30.0)
     batch = make_batch(model, n=4)
     probe_first = kind is not None and kind.endswith("probe_first")
@@ -64,7 +66,8 @@ def _step(kind: str | None, sink=None):
     with probe, warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the probe must not warn (nor switch anything off)
         warnings.filterwarnings("ignore", message=".*use_cache.*")
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         logps = completion_logps(out.logits, batch, T)
         old = (logps.detach() - 0.05 * (batch.completion_ids % 3)).clamp(max=0)
         probe.tokens(
@@ -118,6 +121,20 @@ def test_checkpointed_step_records_the_plain_step(reference, kind):
     assert joined["direct_norm_ckpt"].to_list() == pytest.approx(
         joined["direct_norm"].to_list(), rel=1e-5, nan_ok=True
     )
+
+
+def test_the_layer_replay_runs_under_the_forward_s_autocast():
+    """bfloat16 autocast: the replayed direct gradients (reentrant checkpointing) equal the live graph's, which they
+    would not if the replay ran in float32 (then they differ by 3e-4 here)."""
+    ref, got = _step(None, autocast=True)[0], _step("wrapper_reentrant", autocast=True)[0]
+    joined = (
+        ref["tokens"]
+        .join(got["tokens"], on=["row", "pos", "point"], suffix="_ckpt")
+        .drop_nulls("direct_norm")
+    )
+    assert joined.height > 0
+    err = ((joined["direct_norm_ckpt"] - joined["direct_norm"]).abs() / joined["direct_norm"]).max()
+    assert err < 1e-6, err
 
 
 def test_a_point_without_gradient_is_an_error_in_the_records_and_in_analyze(tmp_path, capsys):

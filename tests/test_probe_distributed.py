@@ -5,7 +5,8 @@ shard; the merged records must equal the one-process run over all 8 (the indepen
   * manual: no wrapper, each rank's loss normalised by the global token count (nothing averages the gradients);
   * ddp: DistributedDataParallel, each rank's loss scaled as TRL does (DAPO: sum over its tokens / (N / world)),
     the gradients averaged by DDP;
-  * fsdp: the same loss on a model sharded with FSDP2 `fully_shard` (every decoder layer, then the root).
+  * fsdp: the same loss on a model sharded with FSDP2 `fully_shard` (every decoder layer, then the root);
+  * fsdp_bf16: the same with FSDP2 mixed precision (bfloat16 compute): equal to bfloat16's resolution only.
 Under DDP and FSDP2 the training gradients must also be bitwise those of the same step without the probe.
 
 Run by pytest, this file launches itself under `torchrun --nproc_per_node 2`; as a script it is the worker."""
@@ -81,12 +82,13 @@ def _wrapped(kind: str):
 
         return DistributedDataParallel(model), model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if kind == "fsdp_bf16" else None)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model, model
 
 
@@ -103,7 +105,7 @@ def worker(out_dir: str) -> None:
     rows = slice(rank * half, (rank + 1) * half)
     for name, bins in BINS.items():
         probed_rows(model, batch, rows, Path(out_dir) / name, rank=None, bins=bins, data_parallel_size=1)
-    for kind in ("ddp", "fsdp"):
+    for kind in ("ddp", "fsdp", "fsdp_bf16"):
         plain, inner = _wrapped(kind)
         dp_step(plain, batch, rows, world)
         probed, inner_probed = _wrapped(kind)
@@ -223,6 +225,19 @@ def test_ddp_and_fsdp2_records_equal_one_process_on_the_global_batch(tmp_path):
             merged.select(pl.col("norm_mean") / pl.col("norm_mean_one")).to_series().to_list()
         )
         assert all(v < 1e-5 for k, v in ratios[kind].items() if k in cols[:-1]), ratios[kind]
+    # bfloat16 compute: every token recorded, direct gradients replayed in bfloat16, the same numbers to ~1e-2
+    two = analyze_run(tmp_path / "two" / "fsdp_bf16", write=False)
+    assert two["bins"]["tokens"].to_list() == one["bins"]["tokens"].to_list()
+    assert (
+        two["bound"]["unreached"].sum() == 0
+        and two["bound"]["direct_n"].to_list() == one["bound"]["direct_n"].to_list()
+    )
+    tok = pl.read_parquet(shard_files(tmp_path / "two" / "fsdp_bf16", "tokens")).with_columns(
+        row=pl.col("row") + 4 * pl.col("rank")
+    )
+    joined = one_tokens.join(tok, on=key, suffix="_dp")
+    ratios["fsdp_bf16"] = {c: _max_rel(joined[f"{c}_dp"], joined[c]) for c in ("w", "norm", "direct_norm")}
+    assert all(v < 0.05 for v in ratios["fsdp_bf16"].values()), ratios["fsdp_bf16"]
     print(json.dumps(ratios))
 
 

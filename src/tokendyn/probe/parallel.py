@@ -12,6 +12,8 @@ and backward; `full_weight` all-gathers one (a collective: every rank must call 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -61,6 +63,24 @@ def data_parallel_size(model: nn.Module) -> int | None:
     if is_fully_sharded(model):
         return _world_size()
     return None
+
+
+def resolve_data_parallel_size(model: nn.Module, given: int | None) -> int:
+    """`given` (validated), else `data_parallel_size(model)`, else 1 (with a warning when several processes run:
+    records would then be each process's own gradient, which is right only if nothing averages them)."""
+    if given is not None:
+        if not isinstance(given, int) or isinstance(given, bool) or given < 1:
+            raise ValueError(f"probe: data_parallel_size must be None or an integer >= 1, got {given!r}")
+        return given
+    n, world = data_parallel_size(model), _world_size()
+    if n is None and world > 1:
+        warnings.warn(
+            f"probe: {world} processes, but the model is neither wrapped in DistributedDataParallel nor sharded "
+            "with fully_shard: records are each process's own loss gradient; pass data_parallel_size=n if the "
+            "gradients are averaged over n processes (1 to silence this)",
+            stacklevel=4,
+        )
+    return n or 1
 
 
 def full_weight(t: torch.Tensor | None) -> torch.Tensor | None:

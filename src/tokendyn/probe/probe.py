@@ -43,7 +43,7 @@ from tokendyn.probe.points import (
     unwrap_model,
 )
 from tokendyn.probe.reduce import HeadCheckData, StepData, StepResult, reduce_step
-from tokendyn.probe.replay import LayerCall, replay_direct_norms, rng_state
+from tokendyn.probe.replay import LayerCall, replay_direct_norms
 from tokendyn.probe.stats import LogHistogram, bottom_k_sample
 
 Sink = Callable[[dict[str, dict[str, list]]], None]
@@ -104,14 +104,8 @@ class GradientProbe:
             )
         if not float(temperature) > 0:
             raise ValueError(f"probe: temperature must be > 0, got {temperature}")
-        if data_parallel_size is not None and (
-            not isinstance(data_parallel_size, int) or data_parallel_size < 1
-        ):
-            raise ValueError(
-                f"probe: data_parallel_size must be None or an integer >= 1, got {data_parallel_size!r}"
-            )
         parallel.check_supported(model)
-        self.data_parallel_size = data_parallel_size or self._detect_data_parallel(model)
+        self.data_parallel_size = parallel.resolve_data_parallel_size(model, data_parallel_size)
         self.model = unwrap_model(model)
         self._all_points = discover_points(self.model)  # every layer and the final norm: replay inputs
         self.points = select_points(self._all_points, points)
@@ -138,19 +132,6 @@ class GradientProbe:
         self._micro: dict[tuple[int, str], int] = defaultdict(int)
         self._sigma: tuple[tuple, float] | None = None
         self._replay = False  # direct gradients by layer replay (FSDP2, reentrant checkpointing)
-
-    @staticmethod
-    def _detect_data_parallel(model: nn.Module) -> int:
-        n = parallel.data_parallel_size(model)
-        world = parallel._world_size()
-        if n is None and world > 1:
-            warnings.warn(
-                f"probe: {world} processes, but the model is neither wrapped in DistributedDataParallel nor "
-                "sharded with fully_shard: records are each process's own loss gradient; pass "
-                "data_parallel_size=n if the gradients are averaged over n processes (1 to silence this)",
-                stacklevel=3,
-            )
-        return n or 1
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def attach(self) -> GradientProbe:
@@ -315,7 +296,7 @@ class GradientProbe:
         p = self._pass
         if p is None or not self._forwarding or not args or not torch.is_tensor(args[0]):
             return
-        p.calls[name] = LayerCall(name, module, tuple(args), dict(kwargs), rng_state(args[0].device))
+        p.calls[name] = LayerCall.record(name, module, args, kwargs)
 
     def _on_point_forward(self, name: str, module, args, output) -> None:
         p = self._pass

@@ -12,7 +12,8 @@ chain rule is run by hand instead, from the top:
 with K tokens' seeds batched (`is_grads_batched`; tokens in distinct rows share a seed slot, as in `direct.py`).
 Each module is recomputed with its plain `forward` (no FSDP or checkpoint hooks; HF gradient checkpointing off),
 its FSDP2 shards all-gathered for that module only (memory: one layer's full weights at a time, plus the slots'
-cotangents [slots, b, S, H]), and the random state it had in the forward (dropout masks repeat). The weights are
+cotangents [slots, b, S, H]; with an FSDP2 mixed-precision policy, cast to the dtype FSDP gave the module's
+inputs), and the random state and autocast state it had in the forward (dropout masks repeat). The weights are
 those of the forward (the replay runs before the training backward and the optimizer step).
 """
 
@@ -31,19 +32,24 @@ from tokendyn.probe.parallel import _is_dtensor
 
 @dataclass
 class LayerCall:
-    """One module call of the forward: the point name of its output, the module, its inputs, its RNG state."""
+    """One module call of the forward: the point name of its output, the module, its inputs, and the RNG and
+    autocast states it ran under (`LayerCall.record`)."""
 
     name: str
     module: nn.Module
     args: tuple
     kwargs: dict
     rng: tuple[torch.Tensor, torch.Tensor | None]
+    autocast: tuple[bool, torch.dtype]
 
-
-def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(CPU RNG state, the accelerator's RNG state or None), as torch.utils.checkpoint keeps them."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    @classmethod
+    def record(cls, name: str, module: nn.Module, args: tuple, kwargs: dict) -> LayerCall:
+        """The call as it starts: (CPU RNG state, CUDA RNG state or None), as torch.utils.checkpoint keeps them,
+        and (autocast enabled, its dtype) on the input's device."""
+        device = args[0].device
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+        return cls(name, module, tuple(args), dict(kwargs), (torch.get_rng_state(), cuda), autocast)
 
 
 def _inner(module: nn.Module) -> nn.Module:
@@ -54,9 +60,9 @@ def _inner(module: nn.Module) -> nn.Module:
 
 
 @contextmanager
-def _plain(module: nn.Module) -> Iterator[nn.Module]:
-    """The module with full (all-gathered, detached) weights in place of its FSDP2 shards and HF gradient
-    checkpointing off, restored on exit."""
+def _plain(module: nn.Module, dtype: torch.dtype | None) -> Iterator[nn.Module]:
+    """The module with full (all-gathered, detached; cast to `dtype` if given) weights in place of its FSDP2
+    shards and HF gradient checkpointing off, restored on exit."""
     swapped = []
     flags = [(m, m.gradient_checkpointing) for m in module.modules() if hasattr(m, "gradient_checkpointing")]
     try:
@@ -65,7 +71,10 @@ def _plain(module: nn.Module) -> Iterator[nn.Module]:
         for sub in module.modules():
             for name, param in list(sub._parameters.items()):
                 if param is not None and _is_dtensor(param):
-                    sub._parameters[name] = param.detach().full_tensor()
+                    full = param.detach().full_tensor()
+                    if dtype is not None and full.is_floating_point():
+                        full = full.to(dtype)
+                    sub._parameters[name] = full
                     swapped.append((sub, name, param))
         yield module
     finally:
@@ -87,7 +96,15 @@ def _run(call: LayerCall, x: torch.Tensor) -> torch.Tensor:
         kwargs["use_cache"] = False
     cpu, cuda = call.rng
     devices = [x.device] if cuda is not None else []
-    with torch.random.fork_rng(devices=devices), _plain(module), torch.enable_grad():
+    autocast, dtype = call.autocast
+    # FSDP2 mixed precision (no autocast): FSDP computed in the dtype it cast the inputs to
+    cast = x.dtype if not autocast and x.is_floating_point() else None
+    with (
+        torch.random.fork_rng(devices=devices),
+        _plain(module, cast),
+        torch.enable_grad(),
+        torch.autocast(x.device.type, dtype=dtype, enabled=autocast),
+    ):
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, x.device)
