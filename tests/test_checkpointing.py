@@ -15,7 +15,7 @@ import warnings
 import polars as pl
 import pytest
 import torch
-from _models import completion_logps, grpo_loss, make_batch, tiny_qwen2
+from _models import completion_logps, grpo_loss, make_batch, tiny_gpt2, tiny_qwen2
 
 from tokendyn.probe import GradientProbe
 
@@ -46,14 +46,23 @@ def _checkpoint(model, kind: str) -> None:
     apply_activation_checkpointing(
         model,
         checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
-        check_fn=lambda m: type(m).__name__ == "Qwen2DecoderLayer",
+        check_fn=lambda m: type(m).__name__ in ("Qwen2DecoderLayer", "GPT2Block"),
     )
 
 
-def _step(kind: str | None, sink=None, autocast: bool = False):
+def _dropout_gpt2():
+    """GPT-2 with dropout 0.1 everywhere (training mode): the replay must repeat the forward's masks."""
+    model = tiny_gpt2()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.1
+    return model
+
+
+def _step(kind: str | None, sink=None, autocast: bool = False, make_model=None):
     """One probed GRPO micro-step of the same model and batch, checkpointed as `kind` (None: not at all), under
     bfloat16 autocast if asked."""
-    model = tiny_qwen2(sharpen=30.0)
+    model = make_model() if make_model else tiny_qwen2(sharpen=30.0)
     batch = make_batch(model, n=4)
     probe_first = kind is not None and kind.endswith("probe_first")
     make = functools.partial(
@@ -135,6 +144,20 @@ def test_the_layer_replay_runs_under_the_forward_s_autocast():
     assert joined.height > 0
     err = ((joined["direct_norm_ckpt"] - joined["direct_norm"]).abs() / joined["direct_norm"]).max()
     assert err < 1e-6, err
+
+
+def test_the_layer_replay_repeats_the_forward_s_dropout_masks():
+    """GPT-2, dropout 0.1: replayed direct gradients equal the live graph's (5% apart without the RNG state)."""
+    ref = _step(None, make_model=_dropout_gpt2)[0]
+    got = _step("wrapper_reentrant", make_model=_dropout_gpt2)[0]
+    joined = (
+        ref["tokens"]
+        .join(got["tokens"], on=["row", "pos", "point"], suffix="_ckpt")
+        .drop_nulls("direct_norm")
+    )
+    assert joined.height > 0
+    for col in ("direct_norm", "norm"):
+        assert joined[f"{col}_ckpt"].to_list() == pytest.approx(joined[col].to_list(), rel=1e-6), col
 
 
 def test_a_point_without_gradient_is_an_error_in_the_records_and_in_analyze(tmp_path, capsys):
