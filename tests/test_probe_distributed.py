@@ -6,6 +6,7 @@ shard; the merged records must equal the one-process run over all 8 (the indepen
   * ddp: DistributedDataParallel, each rank's loss scaled as TRL does (DAPO: sum over its tokens / (N / world)),
     the gradients averaged by DDP;
   * fsdp: the same loss on a model sharded with FSDP2 `fully_shard` (every decoder layer, then the root);
+  * fsdp_keep: the same with reshard_after_forward=False (the weights stay gathered between forward and backward);
   * fsdp_bf16: the same with FSDP2 mixed precision (bfloat16 compute): equal to bfloat16's resolution only.
 Under DDP and FSDP2 the training gradients must also be bitwise those of the same step without the probe.
 
@@ -87,7 +88,7 @@ def _wrapped(kind: str):
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if kind == "fsdp_bf16" else None)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=kind != "fsdp_keep")
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model, model
 
@@ -105,7 +106,7 @@ def worker(out_dir: str) -> None:
     rows = slice(rank * half, (rank + 1) * half)
     for name, bins in BINS.items():
         probed_rows(model, batch, rows, Path(out_dir) / name, rank=None, bins=bins, data_parallel_size=1)
-    for kind in ("ddp", "fsdp", "fsdp_bf16"):
+    for kind in ("ddp", "fsdp", "fsdp_keep", "fsdp_bf16"):
         plain, inner = _wrapped(kind)
         dp_step(plain, batch, rows, world)
         probed, inner_probed = _wrapped(kind)
@@ -205,7 +206,7 @@ def test_ddp_and_fsdp2_records_equal_one_process_on_the_global_batch(tmp_path):
     assert one_tokens["direct_norm"].null_count() == 0 and one_tokens.height == 3 * n_tokens
     key = ["row", "pos", "point"]
     ratios = {}
-    for kind in ("ddp", "fsdp"):
+    for kind in ("ddp", "fsdp", "fsdp_keep"):
         two = analyze_run(tmp_path / "two" / kind, write=False)
         assert two["bins"]["tokens"].to_list() == one["bins"]["tokens"].to_list()
         assert_frames_close(one["bins"], two["bins"], ["stage", "point", "bin"], BIN_COLS)

@@ -89,7 +89,3 @@ def full_weight(t: torch.Tensor | None) -> torch.Tensor | None:
         return None
     t = t.detach()
     return t.full_tensor() if _is_dtensor(t) else t
-
-
-def has_sharded_params(module: nn.Module) -> bool:
-    return any(_is_dtensor(p) for p in module.parameters())

@@ -419,7 +419,9 @@ class GradientProbe:
         weights, reentrant checkpointing, a probed output computed without gradient), by replaying the layers
         from their recorded inputs (`replay_direct_norms`; the same numbers, see tests/test_checkpointing.py)."""
         targets = p.inputs.completion_ids.to(rows.device).reshape(-1)[idx]
-        self._replay = self._replay or parallel.has_sharded_params(self.model)
+        # FSDP2 by its modules, not its parameters: with reshard_after_forward=False they are plain tensors now,
+        # but FSDP's hooks are still in the graph and must not run a second time
+        self._replay = self._replay or parallel.is_fully_sharded(self.model)
         live = not self._replay and all(n in p.hidden for n in self.point_names)
         full = torch.full(
             (len(self.point_names), idx.shape[0]), float("nan"), dtype=torch.float32, device=rows.device
