@@ -187,3 +187,27 @@ def test_a_point_without_gradient_is_an_error_in_the_records_and_in_analyze(tmp_
     assert main(["analyze", str(tmp_path)]) == 1
     captured = capsys.readouterr()
     assert "layers.0.out recorded nothing" in captured.out and "recorded nothing" in captured.err
+
+
+def test_trl_trainer_with_reentrant_gradient_checkpointing_records_the_plain_run(tiny_model_dir, tmp_path):
+    """The TRL loop (fused LM head, HF gradient checkpointing use_reentrant=True): every point recorded, direct
+    gradients by replay, the bound report equal to the same run without checkpointing."""
+    from test_trainer import _config, _trainer
+
+    from tokendyn.analysis import analyze_run
+
+    reports = {}
+    for name, kw in (
+        ("plain", {"gradient_checkpointing": False}),
+        ("reentrant", {"gradient_checkpointing_kwargs": {"use_reentrant": True}}),
+    ):
+        args = _config(tmp_path / name, max_steps=1, probe_every=1, probe_analyses="none", **kw)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="probe:.*")
+            _trainer(tiny_model_dir, args).train()
+        reports[name] = analyze_run(tmp_path / name / "run", write=False)["bound"]
+    plain, ckpt = reports["plain"], reports["reentrant"]
+    assert ckpt["unreached"].sum() == 0 and min(ckpt["direct_n"]) > 0
+    assert ckpt["direct_n"].to_list() == plain["direct_n"].to_list()
+    for col in ("n", "C", "D", "ratio_mean", "C_direct", "D_direct"):
+        assert ckpt[col].to_list() == pytest.approx(plain[col].to_list(), rel=1e-6), col
