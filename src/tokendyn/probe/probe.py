@@ -6,6 +6,10 @@ reads w_t = dL/dlog pi_t. Hooks only read gradients (they return None), so train
 bit. Alignment: p(t) = the position whose output predicts o_t, one before o_t; by default the completion occupies
 the last C positions of each row (prompt + completion, as TRL builds it), so p(t_j) = S - C - 1 + j.
 
+Activation checkpointing: where a probed module's forward ran inside a reentrant checkpoint (under no_grad), its
+gradient is read from the recomputation in the backward. Data parallelism (DDP, FSDP2): gradients are recorded
+divided by the number of processes that average them (`data_parallel_size`, `tokendyn.probe.parallel`).
+
 Driving it (one micro-batch = one forward + one backward):
     begin_step(...) -> forward -> backward -> end_step()      (trainer: inputs known before the forward)
     forward -> tokens(..., logps=logps) -> backward            (custom loop, auto=True; the step ends by itself)
