@@ -114,11 +114,19 @@ def grpo_loss(
 
 
 def probed_rows(
-    model, batch: Batch, rows: slice, run_dir, rank: int, bins=None, temperature: float = 0.7
+    model,
+    batch: Batch,
+    rows: slice,
+    run_dir,
+    rank: int,
+    bins=None,
+    temperature: float = 0.7,
+    data_parallel_size: int | None = None,
 ) -> None:
     """One instrumented GRPO micro-batch over `rows` of `batch`, as one rank of a data-parallel run would do it:
     the loss of these rows is normalised by the token count of the whole batch, so every token's gradient is the
-    one it has in a single process over the whole batch. Records go to run_dir (shard `rank`)."""
+    one it has in a single process over the whole batch (nothing averages the gradients: pass data_parallel_size=1
+    in a multi-process run). Records go to run_dir (shard `rank`)."""
     from tokendyn.hooks import instrument
 
     n_global = batch.completion_mask.sum()
@@ -130,7 +138,13 @@ def probed_rows(
         batch.advantages[rows],
     )
     with instrument(
-        model, run_dir, bins=bins, check_tokens=None, temperature=temperature, rank=rank
+        model,
+        run_dir,
+        bins=bins,
+        check_tokens=None,
+        temperature=temperature,
+        rank=rank,
+        data_parallel_size=data_parallel_size,
     ) as probe:
         out = model(input_ids=sub.input_ids, attention_mask=sub.attention_mask)
         logps = completion_logps(out.logits, sub, temperature)

@@ -1,10 +1,20 @@
-"""Two CPU processes (torchrun, gloo): each probes half of a batch and writes its own shard; the analysis merges
-the shards into the same tables as one process over the whole batch (STACK_NOTES §8).
+"""Two CPU processes (torchrun, gloo) against one process on the same global batch (STACK_NOTES §8).
+
+Three ways to split one GRPO micro-batch of 8 sequences over 2 ranks, each rank probing its 4 and writing its own
+shard; the merged records must equal the one-process run over all 8 (the independent reference):
+  * manual: no wrapper, each rank's loss normalised by the global token count (nothing averages the gradients);
+  * ddp: DistributedDataParallel, each rank's loss scaled as TRL does (DAPO: sum over its tokens / (N / world)),
+    the gradients averaged by DDP;
+  * fsdp: the same loss on a model sharded with FSDP2 `fully_shard` (every decoder layer, then the root);
+  * fsdp_keep: the same with reshard_after_forward=False (the weights stay gathered between forward and backward);
+  * fsdp_bf16: the same with FSDP2 mixed precision (bfloat16 compute): equal to bfloat16's resolution only.
+Under DDP and FSDP2 the training gradients must also be bitwise those of the same step without the probe.
 
 Run by pytest, this file launches itself under `torchrun --nproc_per_node 2`; as a script it is the worker."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +25,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 BINS = {"intervals": None, "quantiles": "quantiles:3"}
+T = 0.7
+PROBE = {"check_tokens": None, "sample_tokens": 128, "direct_tokens": 64, "temperature": T}
 
 
 def _model_and_batch():
@@ -22,6 +34,63 @@ def _model_and_batch():
 
     model = tiny_qwen2(sharpen=30.0)
     return model, make_batch(model, n=8)
+
+
+def dp_step(model, batch, rows: slice, world: int, run_dir=None) -> None:
+    """One GRPO micro-step on `rows` of `batch` as one of `world` data-parallel ranks under TRL: the DAPO loss of
+    these rows is sum_t l_t / (N / world) (N = the global token count), the wrapper averages the gradients; probed
+    (records to run_dir) when run_dir is given."""
+    from contextlib import nullcontext
+
+    from _models import Batch, completion_logps, grpo_loss
+
+    from tokendyn.hooks import instrument
+
+    n_global = batch.completion_mask.sum()
+    sub = Batch(*(getattr(batch, f)[rows] for f in Batch.__dataclass_fields__))
+    ctx = nullcontext() if run_dir is None else instrument(model, run_dir, **PROBE)
+    with ctx as probe:
+        out = model(input_ids=sub.input_ids, attention_mask=sub.attention_mask, use_cache=False)
+        logps = completion_logps(out.logits, sub, T)
+        old = (logps.detach() - 0.05 * (sub.completion_ids % 3)).clamp(max=0)
+        if probe is not None:
+            probe.tokens(
+                step=0,
+                completion_mask=sub.completion_mask,
+                advantages=sub.advantages,
+                old_logps=old,
+                completion_ids=sub.completion_ids,
+                logps=logps,
+                temperature=T,
+            )
+        loss = grpo_loss(logps, old, sub.advantages, sub.completion_mask) * sub.completion_mask.sum()
+        (loss / (n_global / world)).backward()
+
+
+def _grads(model) -> list[torch.Tensor]:
+    return [
+        (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone() for p in model.parameters()
+    ]
+
+
+def _wrapped(kind: str):
+    """A fresh copy of the policy (same seed on every rank), wrapped for data parallelism."""
+    from _models import tiny_qwen2
+
+    model = tiny_qwen2(sharpen=30.0)
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model), model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if kind == "fsdp_bf16" else None)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=kind != "fsdp_keep")
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model, model
 
 
 def worker(out_dir: str) -> None:
@@ -34,39 +103,77 @@ def worker(out_dir: str) -> None:
     assert world == 2
     model, batch = _model_and_batch()
     half = batch.input_ids.shape[0] // world
+    rows = slice(rank * half, (rank + 1) * half)
     for name, bins in BINS.items():
-        probed_rows(
-            model, batch, slice(rank * half, (rank + 1) * half), Path(out_dir) / name, rank=None, bins=bins
-        )
+        probed_rows(model, batch, rows, Path(out_dir) / name, rank=None, bins=bins, data_parallel_size=1)
+    for kind in ("ddp", "fsdp", "fsdp_keep", "fsdp_bf16"):
+        plain, inner = _wrapped(kind)
+        dp_step(plain, batch, rows, world)
+        probed, inner_probed = _wrapped(kind)
+        dp_step(probed, batch, rows, world, Path(out_dir) / kind)
+        same = [torch.equal(a, b) for a, b in zip(_grads(inner), _grads(inner_probed), strict=True)]
+        assert all(same), f"{kind}: {same.count(False)} parameter gradients changed by the probe"
     dist.barrier()
     dist.destroy_process_group()
 
 
-def test_two_processes_write_two_shards_that_merge_into_the_one_process_tables(tmp_path):
-    from _models import probed_rows
-    from test_records import BIN_COLS, BOUND_COLS, CHECK_COLS, assert_frames_close
+def trl_worker(model_dir: str, out_dir: str) -> None:
+    """One probed optimizer step of the TRL trainer on 2 ranks (DDP, 2 micro-batches of 8 completions each).
+    On the first pass the ratio is 1, so the DAPO loss gives every token w = dL/dlog pi = -A / N, N = the
+    completion tokens of the whole (all-rank) rollout batch: the records must hold exactly that on every rank."""
+    from test_trainer import _config, _trainer
 
-    from tokendyn.analysis import analyze_run
-    from tokendyn.hooks.records import shard_files
+    from tokendyn.trainers.grpo import TokendynGRPOTrainer
 
+    class Recording(TokendynGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            self.n_items = float(inputs["num_items_in_batch"])
+            return super()._compute_loss(model, inputs)
+
+    torch.set_num_threads(1)
+    args = _config(
+        Path(out_dir), max_steps=1, probe_every=1, probe_analyses="none", ddp_find_unused_parameters=False
+    )
+    trainer = _trainer(model_dir, args, cls=Recording)
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    tokens = pl.read_parquet(shard_files(Path(args.output_dir), "tokens")).filter(
+        (pl.col("rank") == rank) & (pl.col("point") == "final_norm.out") & (pl.col("advantage") != 0)
+    )
+    expected = -tokens["advantage"] / trainer.n_items
+    err = float(((tokens["w"] - expected).abs() / expected.abs()).max())
+    assert tokens.height > 0 and err < 1e-5, f"rank {rank}: w vs -A/N max rel err {err}"
+    torch.distributed.barrier()
+
+
+def _launch(out: Path, *extra: str) -> None:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        __file__,
-        str(tmp_path / "two"),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
+    proc = subprocess.run([*cmd, *extra, str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
+
+def _max_rel(a: pl.Series, b: pl.Series) -> float:
+    a, b = a.cast(pl.Float64), b.cast(pl.Float64)
+    ok = a.is_not_null() & b.is_not_null()
+    assert (a.is_null() == b.is_null()).all()
+    den = b.filter(ok).abs().max() or 1.0
+    return float(((a.filter(ok) - b.filter(ok)).abs() / den).max() or 0.0)
+
+
+def test_ddp_and_fsdp2_records_equal_one_process_on_the_global_batch(tmp_path):
+    from _models import probed_rows
+    from test_records import BIN_COLS, BOUND_COLS, CHECK_COLS, assert_frames_close
+
+    from tokendyn.analysis import analyze_run
+    from tokendyn.hooks.records import shard_files
+    from tokendyn.records import records_dir
+
+    _launch(tmp_path / "two")
     torch.set_num_threads(1)
     model, batch = _model_and_batch()
     for name, bins in BINS.items():
@@ -92,7 +199,58 @@ def test_two_processes_write_two_shards_that_merge_into_the_one_process_tables(t
     )
     assert len(edges) == 3 and edges[-1] == 1.0 and edges[0] not in (0.25, 0.5)
 
+    # DDP and FSDP2 against one process on the same 8 sequences (same model, same TRL-style loss, world = 1)
+    dp_step(model, batch, slice(0, 8), 1, tmp_path / "one" / "dp")
+    one = analyze_run(tmp_path / "one" / "dp", write=False)
+    one_tokens = pl.read_parquet(records_dir(tmp_path / "one" / "dp") / "tokens-rank000-000000.parquet")
+    assert one_tokens["direct_norm"].null_count() == 0 and one_tokens.height == 3 * n_tokens
+    key = ["row", "pos", "point"]
+    ratios = {}
+    for kind in ("ddp", "fsdp", "fsdp_keep"):
+        two = analyze_run(tmp_path / "two" / kind, write=False)
+        assert two["bins"]["tokens"].to_list() == one["bins"]["tokens"].to_list()
+        assert_frames_close(one["bins"], two["bins"], ["stage", "point", "bin"], BIN_COLS)
+        direct = ["direct_n", "C_direct", "D_direct", "unreached"]
+        assert_frames_close(one["bound"], two["bound"], ["stage", "point"], [*BOUND_COLS, *direct])
+        assert_frames_close(one["checks"], two["checks"], ["stage"], CHECK_COLS)
+        assert two["checks"]["identity_max_scaled_err"].item() < 1e-5  # delta and w scaled alike
+        tok = pl.read_parquet(shard_files(tmp_path / "two" / kind, "tokens")).with_columns(
+            row=pl.col("row") + 4 * pl.col("rank")
+        )
+        joined = one_tokens.join(tok, on=key, how="full", suffix="_dp")
+        assert joined.height == one_tokens.height == tok.height
+        cols = ["w", "norm", "ratio", "direct_norm", "direct_ratio", "pi", "identity_rel_err"]
+        ratios[kind] = {c: _max_rel(joined[f"{c}_dp"], joined[c]) for c in cols}
+        merged = two["bins"].join(one["bins"], on=["stage", "point", "bin"], suffix="_one")
+        ratios[kind]["norm_mean_over_one"] = (
+            merged.select(pl.col("norm_mean") / pl.col("norm_mean_one")).to_series().to_list()
+        )
+        assert all(v < 1e-5 for k, v in ratios[kind].items() if k in cols[:-1]), ratios[kind]
+    # bfloat16 compute: every token recorded, direct gradients replayed in bfloat16, the same numbers to ~1e-2
+    two = analyze_run(tmp_path / "two" / "fsdp_bf16", write=False)
+    assert two["bins"]["tokens"].to_list() == one["bins"]["tokens"].to_list()
+    assert (
+        two["bound"]["unreached"].sum() == 0
+        and two["bound"]["direct_n"].to_list() == one["bound"]["direct_n"].to_list()
+    )
+    tok = pl.read_parquet(shard_files(tmp_path / "two" / "fsdp_bf16", "tokens")).with_columns(
+        row=pl.col("row") + 4 * pl.col("rank")
+    )
+    joined = one_tokens.join(tok, on=key, suffix="_dp")
+    ratios["fsdp_bf16"] = {c: _max_rel(joined[f"{c}_dp"], joined[c]) for c in ("w", "norm", "direct_norm")}
+    assert all(v < 0.05 for v in ratios["fsdp_bf16"].values()), ratios["fsdp_bf16"]
+    print(json.dumps(ratios))
+
+
+def test_trl_trainer_under_ddp_records_the_global_loss_gradient(tiny_model_dir, tmp_path):
+    _launch(tmp_path, "trl", str(tiny_model_dir))
+
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
-    worker(sys.argv[1])
+    if sys.argv[1] == "trl":
+        from tokendyn.hooks.records import shard_files
+
+        trl_worker(sys.argv[2], sys.argv[3])
+    else:
+        worker(sys.argv[1])

@@ -75,6 +75,7 @@ def test_writer_is_atomic_per_rank_and_never_overwrites(tmp_path):
         "ratio_max": 2.0,
         "spearman": None,
         "nonfinite": 0,
+        "unreached": 0,
         "direct_n": 0,
         "direct_ratio_min": None,
         "direct_ratio_max": None,

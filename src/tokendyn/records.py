@@ -66,7 +66,8 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "hi": pl.Float64,
         "count": pl.Int64,
     },
-    # per point: envelope of ratio = ||delta|| / (|w| (1 - pi)) and spearman(||delta|| / |w|, 1 - pi)
+    # per point: envelope of ratio = ||delta|| / (|w| (1 - pi)) and spearman(||delta|| / |w|, 1 - pi);
+    # unreached = the scored tokens of a micro-batch whose backward never delivered this point's gradient (an error)
     "bound": {
         **_KEY,
         "point": pl.Utf8,
@@ -76,6 +77,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "ratio_max": pl.Float64,
         "spearman": pl.Float64,
         "nonfinite": pl.Int64,
+        "unreached": pl.Int64,
         "direct_n": pl.Int64,
         "direct_ratio_min": pl.Float64,
         "direct_ratio_max": pl.Float64,

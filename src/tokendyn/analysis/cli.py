@@ -10,6 +10,7 @@ from rich.console import Console
 from tokendyn.analysis.compare import compare, run_label
 from tokendyn.analysis.load import NoRecordsError, SelectionError, check_run_dir, check_selection
 from tokendyn.analysis.report import ANALYSIS_DIR, analyze_run, print_report
+from tokendyn.analysis.tables import unreached
 
 
 def _step_range(text: str) -> tuple[int | None, int | None]:
@@ -60,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    errors = 0
     for d in run_dirs:
         console.rule(f"[bold]{run_label(d)}")
         tables = analyze_run(d, steps=args.steps, stage=args.stage, by_step=args.by_step, out_dir=args.out)
@@ -71,11 +73,18 @@ def run(args: argparse.Namespace) -> int:
             f"wrote {', '.join(written)} to {out}"
             + (f" (nothing to write for: {', '.join(skipped)})" if skipped else "")
         )
+        errors += len(unreached(tables["bound"])) if "bound" in tables else 0
     side = compare(run_dirs)
     if side:
         console.rule("[bold]rebalancing, side by side")
         for title, frame in side.items():
             print_frame(console, title, frame)
+    if errors:
+        print(
+            f"tokendyn analyze: error: {errors} probe point(s) recorded nothing where tokens were scored",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

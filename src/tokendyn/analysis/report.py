@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokendyn.analysis.load import check_run_dir, check_selection, load, select_steps
-from tokendyn.analysis.tables import bin_table, bound_report, checks_summary
+from tokendyn.analysis.tables import bin_table, bound_report, checks_summary, unreached
 from tokendyn.records import write_atomic
 
 ANALYSIS_DIR = "analysis"
@@ -132,6 +132,8 @@ def print_report(
             },
         )
     )
+    for line in unreached(tables["bound"]):
+        console.print(f"[red]error: {line}: its statistics are missing, not zero[/red]")
     checks = tables["checks"]
     if not checks.height:
         console.print("no exact checks recorded (completion ids or the final norm were not probed)")

@@ -135,7 +135,8 @@ def bin_table(binstats: pl.LazyFrame, hist: pl.LazyFrame, by_step: bool = False)
 def bound_report(bound: pl.LazyFrame, binstats: pl.LazyFrame, tokens: pl.LazyFrame) -> pl.DataFrame:
     """Per (stage, point): the envelope C_l = min ratio, D_l = max ratio of ||delta_l|| / (|w| (1 - pi)), its mean,
     the rank correlation of ||delta_l|| / |w| with (1 - pi) (per micro-batch, token-weighted mean / min; and pooled
-    over the token sample), and the same for the "direct" per-token gradient."""
+    over the token sample), and the same for the "direct" per-token gradient. `unreached`: scored tokens whose
+    gradient at this point the backward never delivered (an error of the run, never a zero: see `unreached`)."""
     keys = ["stage", "point"]
     env = bound.group_by([*keys, "point_index"]).agg(
         pl.col("n").sum().alias("n"),
@@ -147,6 +148,7 @@ def bound_report(bound: pl.LazyFrame, binstats: pl.LazyFrame, tokens: pl.LazyFra
         ).alias("spearman_mean"),
         pl.col("spearman").min().alias("spearman_min"),
         pl.col("nonfinite").sum(),
+        pl.col("unreached").fill_null(0).sum(),
         pl.col("direct_n").sum(),
         pl.col("direct_ratio_min").min().alias("C_direct"),
         pl.col("direct_ratio_max").max().alias("D_direct"),
@@ -189,6 +191,7 @@ def bound_report(bound: pl.LazyFrame, binstats: pl.LazyFrame, tokens: pl.LazyFra
                 "D_direct",
                 "spearman_direct",
                 "nonfinite",
+                "unreached",
             ]
         )
     )
@@ -221,3 +224,13 @@ def checks_summary(checks: pl.LazyFrame) -> pl.DataFrame:
         .sort("stage")
         .collect()
     )
+
+
+def unreached(bound: pl.DataFrame) -> list[str]:
+    """The errors of a bound report: one line per (stage, point) whose gradient never arrived for scored tokens
+    (e.g. a probe attached inside a reentrant activation checkpoint before its fix); empty when there are none."""
+    bad = bound.filter(pl.col("unreached") > 0)
+    return [
+        f"stage {r['stage']}: {r['point']} recorded nothing for {r['unreached']} scored tokens"
+        for r in bad.iter_rows(named=True)
+    ]

@@ -29,11 +29,14 @@ def instrument(
     seed: int = 0,
     auto: bool = True,
     rank: int | None = None,
+    data_parallel_size: int | None = None,
 ) -> Iterator[GradientProbe]:
     """Probe `model` inside the block; every finished micro-batch goes to RUN_DIR/records/ (one file per kind per
     `flush_every` steps, and at least every `flush_seconds`: a kill loses at most that many seconds of records; one
     shard per rank). Hooks are removed on exit, also on exceptions; records of finished
-    steps are flushed either way. `rank` defaults to the torch.distributed rank (or $RANK, or 0).
+    steps are flushed either way. `rank` defaults to the torch.distributed rank (or $RANK, or 0). Under DDP or
+    FSDP2 pass the wrapped (or sharded) model: its gradients are averaged over the processes and the records are
+    divided accordingly (`GradientProbe`'s `data_parallel_size`), so the merged shards equal one process.
 
         with instrument(model, run_dir, bins="intervals:4") as probe:
             for batch in loader:
@@ -56,6 +59,7 @@ def instrument(
         seed=seed,
         auto=auto,
         rank=rank,
+        data_parallel_size=data_parallel_size,
     )
     writer = RecordWriter(run_dir, rank=probe.rank, flush_every=flush_every, flush_seconds=flush_seconds)
     probe.sink = writer.add

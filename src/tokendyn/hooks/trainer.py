@@ -22,6 +22,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from ..probe.parallel import is_fully_sharded
 from ..probe.probe import GradientProbe
 from .records import RecordWriter
 
@@ -59,6 +60,8 @@ class TrainerProbe(TrainerCallback):
             seed=args.seed,
             sink=self.writer.add,
             rank=trainer.accelerator.process_index,
+            # DDP / FSDP average the ranks' gradients: the update is the gradient of the mean of their losses
+            data_parallel_size=trainer.accelerator.num_processes,
         ).attach()
         self._open = False
         self.run_dir = Path(run_dir)
@@ -134,6 +137,12 @@ class TrainerProbe(TrainerCallback):
         if "lopti_stage1_mask" in inputs:
             stage_masks = (inputs["lopti_stage1_mask"][rows], inputs["lopti_stage2_mask"][rows])
         model = t.accelerator.unwrap_model(t.model)
+        if is_fully_sharded(model):
+            raise ValueError(
+                "probe: the rebalancing analyses (probe_analyses: shares, token_shares, prob_change, influence, "
+                "real_change) do not run on FSDP2-sharded parameters yet; set probe_analyses to none (the per-bin "
+                "gradient records work under FSDP2) or train with DDP"
+            )
         step = t.state.global_step
         self.probe.enabled = False  # the analyses' own forwards are not training passes
         try:

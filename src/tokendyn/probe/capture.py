@@ -60,6 +60,10 @@ class Pass:
     def __init__(self) -> None:
         self.inputs: StepInputs | None = None
         self.hidden: dict[str, torch.Tensor] = {}  # live graph tensors, released once prepared
+        self.calls: dict = {}  # point -> replay.LayerCall (its module's inputs), released once prepared
+        self.unhooked: set[str] = (
+            set()
+        )  # points whose forward output carried no gradient (reentrant checkpoint)
         self.norms: dict[str, torch.Tensor] = {}  # point -> [b, S] float32 ||dL/dh|| per position
         self.handles: list = []
         self.shape: tuple[int, int] | None = None
@@ -84,7 +88,7 @@ class Pass:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        self.hidden, self.logp_seq, self.logits = {}, None, None
+        self.hidden, self.logp_seq, self.logits, self.calls = {}, None, None, {}
 
 
 def gather_completion(p: Pass, point_names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

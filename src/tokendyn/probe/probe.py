@@ -6,6 +6,10 @@ reads w_t = dL/dlog pi_t. Hooks only read gradients (they return None), so train
 bit. Alignment: p(t) = the position whose output predicts o_t, one before o_t; by default the completion occupies
 the last C positions of each row (prompt + completion, as TRL builds it), so p(t_j) = S - C - 1 + j.
 
+Activation checkpointing: where a probed module's forward ran inside a reentrant checkpoint (under no_grad), its
+gradient is read from the recomputation in the backward. Data parallelism (DDP, FSDP2): gradients are recorded
+divided by the number of processes that average them (`data_parallel_size`, `tokendyn.probe.parallel`).
+
 Driving it (one micro-batch = one forward + one backward):
     begin_step(...) -> forward -> backward -> end_step()      (trainer: inputs known before the forward)
     forward -> tokens(..., logps=logps) -> backward            (custom loop, auto=True; the step ends by itself)
@@ -22,6 +26,7 @@ import torch
 from torch import nn
 
 from tokendyn.probe import bound as B
+from tokendyn.probe import parallel
 from tokendyn.probe.bins import BinSpec
 from tokendyn.probe.capture import (
     Pass,
@@ -42,6 +47,7 @@ from tokendyn.probe.points import (
     unwrap_model,
 )
 from tokendyn.probe.reduce import HeadCheckData, StepData, StepResult, reduce_step
+from tokendyn.probe.replay import LayerCall, replay_direct_norms
 from tokendyn.probe.stats import LogHistogram, bottom_k_sample
 
 Sink = Callable[[dict[str, dict[str, list]]], None]
@@ -51,7 +57,7 @@ class GradientProbe:
     """Probe per-token activation gradients of a causal LM during training; see the module docstring.
 
     Args:
-        model: a Hugging Face causal LM (DDP / PEFT wrappers are unwrapped).
+        model: a Hugging Face causal LM (DDP / PEFT wrappers are unwrapped; FSDP2 `fully_shard` is supported).
         points: names or glob patterns (`layers.*.out`, `final_norm.out`); default: every layer and the final norm.
         bins: probability bins of pi_old (`BinSpec.parse`); default the paper's [0, .25, .5, .75, 1].
         sample_tokens: tokens per micro-batch kept as raw rows (`tokens` records).
@@ -63,6 +69,12 @@ class GradientProbe:
         temperature: default sampling temperature T (logits are divided by T in the loss).
         auto: capture every forward with gradients even without a prior `begin_step` (custom loops).
         sink: called with the records (kind -> column -> list) of every finished micro-batch.
+        data_parallel_size: n, the number of processes whose gradients are averaged (DDP, FSDP2); w and the
+            norms are recorded as d/d of the averaged loss L = (1/n) sum_r L_r, i.e. this process's gradient / n,
+            so that merged records equal one process on the global batch (`tokendyn.probe.parallel`). None: the
+            DDP group's size when `model` is a DistributedDataParallel, the world size when it is sharded with
+            `fully_shard`, else 1. Pass 1 when each process's loss already carries the global normalisation and
+            nothing averages the gradients.
     """
 
     def __init__(
@@ -82,6 +94,7 @@ class GradientProbe:
         sink: Sink | None = None,
         rank: int | None = None,
         hist: LogHistogram | None = None,
+        data_parallel_size: int | None = None,
     ) -> None:
         for name, v in (("sample_tokens", sample_tokens), ("direct_tokens", direct_tokens)):
             if not isinstance(v, int) or v < 0:
@@ -95,8 +108,11 @@ class GradientProbe:
             )
         if not float(temperature) > 0:
             raise ValueError(f"probe: temperature must be > 0, got {temperature}")
+        parallel.check_supported(model)
+        self.data_parallel_size = parallel.resolve_data_parallel_size(model, data_parallel_size)
         self.model = unwrap_model(model)
-        self.points = select_points(discover_points(self.model), points)
+        self._all_points = discover_points(self.model)  # every layer and the final norm: replay inputs
+        self.points = select_points(self._all_points, points)
         self.point_names = [p.name for p in self.points]
         self.bins = BinSpec.parse(bins)
         self.sample_tokens, self.direct_tokens, self.direct_chunk = sample_tokens, direct_tokens, direct_chunk
@@ -119,6 +135,7 @@ class GradientProbe:
         self._next_step = 0
         self._micro: dict[tuple[int, str], int] = defaultdict(int)
         self._sigma: tuple[tuple, float] | None = None
+        self._replay = False  # direct gradients by layer replay (FSDP2, reentrant checkpointing)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def attach(self) -> GradientProbe:
@@ -128,6 +145,13 @@ class GradientProbe:
         self._handles.append(self.model.register_forward_hook(self._on_root_post))
         for p in self.points:
             self._handles.append(p.module.register_forward_hook(partial(self._on_point_forward, p.name)))
+        if self.direct_tokens > 0:
+            for p in self._all_points:
+                self._handles.append(
+                    p.module.register_forward_pre_hook(
+                        partial(self._on_module_input, p.name), with_kwargs=True
+                    )
+                )
         return self
 
     def detach(self) -> None:
@@ -233,6 +257,13 @@ class GradientProbe:
         key = (inp.step, inp.stage)
         micro = self._micro[key]
         self._micro[key] += 1
+        unreached = [n for n in self.point_names if n not in p.norms]
+        if unreached and bool(inp.completion_mask.any()):
+            warnings.warn(
+                f"probe: step {inp.step} ({inp.stage}): no gradient reached {', '.join(unreached)} although tokens "
+                "were scored; recorded as unreached (an error in `tokendyn analyze`)",
+                stacklevel=2,
+            )
         result = reduce_step(self._step_data(p, micro))
         self.last = result
         if self.sink is not None:
@@ -265,14 +296,30 @@ class GradientProbe:
         p.inputs, self._pending = self._pending, None
         self._pass, self._forwarding = p, True
 
+    def _on_module_input(self, name: str, module, args, kwargs) -> None:
+        p = self._pass
+        if p is None or not self._forwarding or not args or not torch.is_tensor(args[0]):
+            return
+        p.calls[name] = LayerCall.record(name, module, args, kwargs)
+
     def _on_point_forward(self, name: str, module, args, output) -> None:
         p = self._pass
-        if p is None or not self._forwarding:
+        if p is None:
             return
         t = output if torch.is_tensor(output) else output[0]
-        if not torch.is_tensor(t) or not t.requires_grad:
+        if not torch.is_tensor(t):
+            return
+        if not self._forwarding:
+            # a checkpointed module recomputed in the backward: hook the recomputed output of a point whose forward
+            # output carried no gradient (its forward ran inside a reentrant checkpoint, under no_grad)
+            if name in p.unhooked and t.requires_grad and in_backward():
+                p.unhooked.discard(name)
+                p.handles.append(t.register_hook(partial(self._on_point_grad, p, name)))
             return
         p.shape = (int(t.shape[0]), int(t.shape[1]))
+        if not t.requires_grad:
+            p.unhooked.add(name)
+            return
         if self.direct_tokens > 0 or name == FINAL_NORM:
             p.hidden[name] = t
         p.handles.append(t.register_hook(partial(self._on_point_grad, p, name)))
@@ -344,10 +391,17 @@ class GradientProbe:
         spos = pos[rows, cols]
         h_final = p.hidden.get(FINAL_NORM)
         if self.head_ok and h_final is not None and inp.completion_ids is not None:
+            head = output_head(
+                self.model
+            )  # FSDP2: the whole head, gathered once (a collective on every rank)
+            weight, bias = (
+                parallel.full_weight(head.weight),
+                parallel.full_weight(getattr(head, "bias", None)),
+            )
             kc = min(n_check, idx.shape[0])
             p.check_at = (rows[:kc], spos[:kc])
             p.check = self._head_check(
-                h_final.detach()[p.check_at], inp, idx[:kc], keep_pi=p.logits is not None
+                h_final.detach()[p.check_at], inp, idx[:kc], weight, bias, keep_pi=p.logits is not None
             )
             if p.logits is not None and kc > 0:
                 off = seq - p.logits.shape[1]
@@ -359,73 +413,110 @@ class GradientProbe:
             kd = min(self.direct_tokens, idx.shape[0])
             self._n_prepared += 1
             if kd > 0 and (self._n_prepared - 1) % self.direct_every == 0:
-                p.direct = self._direct(p, h_final, rows[:kd], spos[:kd], idx[:kd])
-        p.hidden, p.logp_seq, p.logits = {}, None, None
+                p.direct = self._direct(p, h_final, rows[:kd], spos[:kd], idx[:kd], weight, bias)
+        p.hidden, p.logp_seq, p.logits, p.calls = {}, None, None, {}
 
-    def _direct(self, p: Pass, h_final, rows, spos, idx) -> torch.Tensor | None:
-        """[P, Kd] ||d log pi_t / d h_l[p(t)]|| on the first Kd sampled tokens (NaN for points not captured)."""
-        head = output_head(self.model)
-        names = [n for n in self.point_names if n in p.hidden]
+    def _direct(self, p: Pass, h_final, rows, spos, idx, weight, bias) -> torch.Tensor | None:
+        """[P, Kd] ||d log pi_t / d h_l[p(t)]|| on the first Kd sampled tokens (NaN for points not captured).
+
+        By a second backward through the live graph (`direct_norms`), or, where that is impossible (FSDP2-sharded
+        weights, reentrant checkpointing, a probed output computed without gradient), by replaying the layers
+        from their recorded inputs (`replay_direct_norms`; the same numbers, see tests/test_checkpointing.py)."""
         targets = p.inputs.completion_ids.to(rows.device).reshape(-1)[idx]
-        self._guard = True  # the probe's own tensor hooks must ignore this backward
+        # FSDP2 by its modules, not its parameters: with reshard_after_forward=False they are plain tensors now,
+        # but FSDP's hooks are still in the graph and must not run a second time
+        self._replay = self._replay or parallel.is_fully_sharded(self.model)
+        live = not self._replay and all(n in p.hidden for n in self.point_names)
+        full = torch.full(
+            (len(self.point_names), idx.shape[0]), float("nan"), dtype=torch.float32, device=rows.device
+        )
+        self._guard = True  # the probe's own tensor hooks must ignore these backwards
         try:
-            d = direct_norms(
-                [p.hidden[n] for n in names], h_final, rows, spos, targets, head.weight,
-                getattr(head, "bias", None), p.inputs.temperature, self.direct_chunk,
+            if live:
+                try:
+                    d = direct_norms(
+                        [p.hidden[n] for n in self.point_names], h_final, rows, spos, targets, weight, bias,
+                        p.inputs.temperature, self.direct_chunk,
+                    )  # fmt: skip
+                    full[:] = d
+                    return full
+                except RuntimeError:  # reentrant checkpointing refuses autograd.grad: replay from now on
+                    self._replay = True
+            calls = [p.calls.get(q.name) for q in self._all_points]
+            if any(c is None for c in calls):
+                missing = [q.name for q, c in zip(self._all_points, calls, strict=True) if c is None]
+                raise RuntimeError(f"the forward never called {', '.join(missing)}")
+            d = replay_direct_norms(
+                calls, self.point_names, rows, spos, targets, weight, bias, p.inputs.temperature,
+                self.direct_chunk,
             )  # fmt: skip
-        except RuntimeError as exc:  # e.g. reentrant checkpointing refuses autograd.grad
-            warnings.warn(f"probe: direct gradients disabled ({exc})", stacklevel=3)
+        except RuntimeError as exc:
+            warnings.warn(
+                f"probe: direct gradients disabled for {type(self.model).__name__} "
+                f"({'FSDP2 fully_shard, ' if parallel.is_fully_sharded(self.model) else ''}"
+                f"{'layer replay' if self._replay else 'live graph'}): {exc}",
+                stacklevel=3,
+            )
             self.direct_tokens = 0
             return None
         finally:
             self._guard = False
-        full = torch.full(
-            (len(self.point_names), idx.shape[0]), float("nan"), dtype=torch.float32, device=rows.device
-        )
-        for i, n in enumerate(names):
-            full[self.point_names.index(n)] = d[i]
+        for i, n in enumerate(self.point_names):
+            full[i] = d[n]
         return full
 
     @torch.no_grad()
     def _head_check(
-        self, h: torch.Tensor, inp: StepInputs, idx: torch.Tensor, keep_pi: bool
+        self, h: torch.Tensor, inp: StepInputs, idx: torch.Tensor, weight, bias, keep_pi: bool
     ) -> HeadCheckData:
-        """Everything the exact checks need from the forward, taken now (before any optimizer step changes W)."""
-        head = output_head(self.model)
-        bias = getattr(head, "bias", None)
+        """Everything the exact checks need from the forward, taken now (before any optimizer step changes W);
+        `weight`, `bias`: the whole LM head (gathered under FSDP2)."""
         targets = inp.completion_ids.to(h.device).reshape(-1)[idx]
-        direction, ratio, pi = head_check_quantities(h, head.weight, bias, targets, inp.temperature, keep_pi)
+        direction, ratio, pi = head_check_quantities(h, weight, bias, targets, inp.temperature, keep_pi)
         return HeadCheckData(
-            vocab_size=int(head.weight.shape[0]),
-            sigma_max=self._sigma_max(head.weight),
+            vocab_size=int(weight.shape[0]),
+            sigma_max=self._sigma_max(output_head(self.model).weight, weight),
             direction=direction,
             logits_ratio=ratio,
             pi=pi,
         )
 
-    def _sigma_max(self, weight: torch.Tensor) -> float:
-        """sigma_max(W) of the LM head, cached while W is unchanged. A fused optimizer step (transformers' default
-        adamw_torch_fused) updates W in place without bumping its version counter, so the key also holds two
-        float64 sums of W (one cheap pass; an update that leaves both unchanged does not happen in practice)."""
+    def _sigma_max(self, param: torch.Tensor, weight: torch.Tensor) -> float:
+        """sigma_max of the whole head `weight`, cached while the parameter (or its local shard) is unchanged. A
+        fused optimizer step (transformers' default adamw_torch_fused) updates W in place without bumping its
+        version counter, so the key also holds two float64 sums of W (one cheap pass; an update that leaves both
+        unchanged does not happen in practice)."""
+        local = param.to_local() if hasattr(param, "to_local") else param
         with torch.no_grad():
-            w = weight.detach()
+            w = local.detach()
             sums = tuple(
                 torch.stack([w.sum(dtype=torch.float64), w.square().sum(dtype=torch.float64)]).tolist()
             )
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape), str(weight.device), sums)
+        key = (
+            local.data_ptr(),
+            param._version,
+            local._version,
+            tuple(weight.shape),
+            str(weight.device),
+            sums,
+        )
         if self._sigma is None or self._sigma[0] != key:
             self._sigma = (key, B.spectral_norm(weight))
         return self._sigma[1]
 
     def _step_data(self, p: Pass, micro: int) -> StepData:
+        """The step's tensors; the gradients divided by the data-parallel size n (see `data_parallel_size`)."""
         inp = p.inputs
         device = p.positions.device
+        n = self.data_parallel_size
+        scale = (lambda t: t) if n == 1 else (lambda t: None if t is None else t / n)  # noqa: E731
         norms, w = gather_completion(p, self.point_names)
+        norms, w = scale(norms), scale(w)
         check = p.check
         if check is not None:
             check.delta, check.logits_grad, check.grad_dtype = (
-                p.delta_check,
-                p.logits_grad_check,
+                scale(p.delta_check),
+                scale(p.logits_grad_check),
                 p.grad_dtype,
             )
         to = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -450,6 +541,7 @@ class GradientProbe:
             direct=p.direct,
             check=check,
             final_index=self.point_names.index(FINAL_NORM) if self.has_final else None,
+            reached=[n in p.norms for n in self.point_names],
             reduce_fn=all_reduce_sum,
             hist=self.hist,
         )

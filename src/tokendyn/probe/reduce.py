@@ -57,6 +57,7 @@ class StepData:
     direct: torch.Tensor | None = None  # [P, Kd] ||d log pi / d h||, first Kd of the sample
     check: HeadCheckData | None = None
     final_index: int | None = None
+    reached: list[bool] | None = None  # per point: did the backward deliver its gradient (None: all did)
     reduce_fn: ReduceFn | None = None
     hist: LogHistogram = field(default_factory=LogHistogram)
 
@@ -181,6 +182,7 @@ def reduce_step(d: StepData) -> StepResult:
             "ratio_max",
             "spearman",
             "nonfinite",
+            "unreached",
             "direct_n",
             "direct_ratio_min",
             "direct_ratio_max",
@@ -206,6 +208,7 @@ def reduce_step(d: StepData) -> StepResult:
         bd["ratio_max"].append(hi)
         bd["spearman"].append(rho)
         bd["nonfinite"].append(int((vflat & ~torch.isfinite(norms[j])).sum()))
+        bd["unreached"].append(0 if d.reached is None or d.reached[j] else int(vflat.sum()))
         if direct_ratio is not None:
             dn, dlo, dhi, drho = _envelope(direct_ratio[j], d.direct[j].to(torch.float64), omp_d)
         else:

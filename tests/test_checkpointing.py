@@ -1,0 +1,213 @@
+"""Activation checkpointing of every kind gives the statistics of the same step without checkpointing.
+
+Kinds: Hugging Face gradient checkpointing (reentrant and not), torch's `checkpoint_wrapper` (reentrant and not),
+the probe attached after the wrapping and before it (then its hooks sit inside the checkpoint: with reentrant
+checkpointing the forward runs under no_grad and the gradient is read from the recomputation in the backward).
+Reentrant checkpointing refuses a second `autograd.grad`, so there the direct gradients come from the layer replay
+(`tokendyn.probe.replay`); the reference is the live-graph computation of the plain model.
+A point that still receives no gradient is an error in the records and in `tokendyn analyze`, never a zero."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import polars as pl
+import pytest
+import torch
+from _models import completion_logps, grpo_loss, make_batch, tiny_gpt2, tiny_qwen2
+
+from tokendyn.probe import GradientProbe
+
+T = 0.7
+KINDS = [
+    "hf_reentrant",
+    "hf",
+    "wrapper_reentrant",
+    "wrapper",
+    "wrapper_reentrant_probe_first",
+    "wrapper_probe_first",
+]
+
+
+def _checkpoint(model, kind: str) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    if kind.startswith("hf"):
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": kind == "hf_reentrant"}
+        )
+        return
+    impl = CheckpointImpl.REENTRANT if "reentrant" in kind else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+        check_fn=lambda m: type(m).__name__ in ("Qwen2DecoderLayer", "GPT2Block"),
+    )
+
+
+def _dropout_gpt2():
+    """GPT-2 with dropout 0.1 everywhere (training mode): the replay must repeat the forward's masks."""
+    model = tiny_gpt2()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.1
+    return model
+
+
+def _step(kind: str | None, sink=None, autocast: bool = False, make_model=None):
+    """One probed GRPO micro-step of the same model and batch, checkpointed as `kind` (None: not at all), under
+    bfloat16 autocast if asked."""
+    model = make_model() if make_model else tiny_qwen2(sharpen=30.0)
+    batch = make_batch(model, n=4)
+    probe_first = kind is not None and kind.endswith("probe_first")
+    make = functools.partial(
+        GradientProbe, direct_tokens=32, check_tokens=None, temperature=T, auto=True, sink=sink
+    )
+    probe = make(model) if probe_first else None
+    if kind is not None:
+        _checkpoint(model, kind)
+    probe = probe or make(model)
+    with probe, warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the probe must not warn (nor switch anything off)
+        warnings.filterwarnings("ignore", message=".*use_cache.*")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        logps = completion_logps(out.logits, batch, T)
+        old = (logps.detach() - 0.05 * (batch.completion_ids % 3)).clamp(max=0)
+        probe.tokens(
+            step=0,
+            completion_mask=batch.completion_mask,
+            advantages=batch.advantages,
+            old_logps=old,
+            completion_ids=batch.completion_ids,
+            logps=logps,
+            temperature=T,
+        )
+        grpo_loss(logps, old, batch.advantages, batch.completion_mask).backward()
+        result = probe.end_step()
+    return {k: pl.DataFrame(v) for k, v in result.records.items()}, batch
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _step(None)[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpointed_step_records_the_plain_step(reference, kind):
+    got, _ = _step(kind)
+    ref_bins, bins = (
+        r["binstats"].sort("point", "quantity", "bin").select("count", "sum", "min", "max")
+        for r in (reference, got)
+    )
+    assert bins["count"].to_list() == ref_bins["count"].to_list() and ref_bins["count"].sum() > 0
+    for col in ("sum", "min", "max"):
+        assert bins[col].to_list() == pytest.approx(ref_bins[col].to_list(), rel=1e-5, nan_ok=True), col
+    cols = [
+        "point",
+        "n",
+        "ratio_min",
+        "ratio_max",
+        "direct_n",
+        "direct_ratio_min",
+        "direct_ratio_max",
+        "unreached",
+    ]
+    ref_bound, bound = (r["bound"].sort("point").select(cols) for r in (reference, got))
+    assert bound["direct_n"].to_list() == ref_bound["direct_n"].to_list() and min(bound["direct_n"]) > 0
+    assert bound["unreached"].to_list() == [0, 0, 0]
+    for col in cols[1:]:
+        assert bound[col].to_list() == pytest.approx(ref_bound[col].to_list(), rel=1e-5), col
+    # every sampled token's direct gradient at every point, replayed or live, equals the plain model's
+    key = ["row", "pos", "point"]
+    joined = reference["tokens"].join(got["tokens"], on=key, suffix="_ckpt")
+    assert joined.height == reference["tokens"].height and joined["direct_norm"].null_count() < joined.height
+    assert joined["direct_norm_ckpt"].to_list() == pytest.approx(
+        joined["direct_norm"].to_list(), rel=1e-5, nan_ok=True
+    )
+
+
+def test_the_layer_replay_runs_under_the_forward_s_autocast():
+    """bfloat16 autocast: the replayed direct gradients (reentrant checkpointing) equal the live graph's, which they
+    would not if the replay ran in float32 (then they differ by 3e-4 here)."""
+    ref, got = _step(None, autocast=True)[0], _step("wrapper_reentrant", autocast=True)[0]
+    joined = (
+        ref["tokens"]
+        .join(got["tokens"], on=["row", "pos", "point"], suffix="_ckpt")
+        .drop_nulls("direct_norm")
+    )
+    assert joined.height > 0
+    err = ((joined["direct_norm_ckpt"] - joined["direct_norm"]).abs() / joined["direct_norm"]).max()
+    assert err < 1e-6, err
+
+
+def test_the_layer_replay_repeats_the_forward_s_dropout_masks():
+    """GPT-2, dropout 0.1: replayed direct gradients equal the live graph's (5% apart without the RNG state)."""
+    ref = _step(None, make_model=_dropout_gpt2)[0]
+    got = _step("wrapper_reentrant", make_model=_dropout_gpt2)[0]
+    joined = (
+        ref["tokens"]
+        .join(got["tokens"], on=["row", "pos", "point"], suffix="_ckpt")
+        .drop_nulls("direct_norm")
+    )
+    assert joined.height > 0
+    for col in ("direct_norm", "norm"):
+        assert joined[f"{col}_ckpt"].to_list() == pytest.approx(joined[col].to_list(), rel=1e-6), col
+
+
+def test_a_point_without_gradient_is_an_error_in_the_records_and_in_analyze(tmp_path, capsys):
+    """A layer frozen by a forward hook that detaches its output (nothing reaches it in the backward)."""
+    from tokendyn.cli import main
+    from tokendyn.hooks.records import RecordWriter
+
+    model = tiny_qwen2(sharpen=30.0)
+    batch = make_batch(model, n=4)
+    model.model.layers[0].register_forward_hook(lambda m, a, out: out.detach())
+    writer = RecordWriter(tmp_path)
+    probe = GradientProbe(model, direct_tokens=0, temperature=T, auto=True, sink=writer.add)
+    with probe, pytest.warns(UserWarning, match="no gradient reached layers.0.out"):
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        logps = completion_logps(out.logits, batch, T)
+        probe.tokens(step=0, completion_mask=batch.completion_mask, advantages=batch.advantages,
+                     completion_ids=batch.completion_ids, logps=logps, temperature=T)  # fmt: skip
+        grpo_loss(logps, logps.detach(), batch.advantages, batch.completion_mask).backward()
+        probe.end_step()
+    writer.flush()
+    bound = pl.DataFrame(probe.last.records["bound"]).sort("point")
+    assert bound["unreached"].to_list() == [
+        0,
+        int(batch.completion_mask.sum()),
+        0,
+    ]  # final, layers.0, layers.1
+    assert main(["analyze", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "layers.0.out recorded nothing" in captured.out and "recorded nothing" in captured.err
+
+
+def test_trl_trainer_with_reentrant_gradient_checkpointing_records_the_plain_run(tiny_model_dir, tmp_path):
+    """The TRL loop (fused LM head, HF gradient checkpointing use_reentrant=True): every point recorded, direct
+    gradients by replay, the bound report equal to the same run without checkpointing."""
+    from test_trainer import _config, _trainer
+
+    from tokendyn.analysis import analyze_run
+
+    reports = {}
+    for name, kw in (
+        ("plain", {"gradient_checkpointing": False}),
+        ("reentrant", {"gradient_checkpointing_kwargs": {"use_reentrant": True}}),
+    ):
+        args = _config(tmp_path / name, max_steps=1, probe_every=1, probe_analyses="none", **kw)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="probe:.*")
+            _trainer(tiny_model_dir, args).train()
+        reports[name] = analyze_run(tmp_path / name / "run", write=False)["bound"]
+    plain, ckpt = reports["plain"], reports["reentrant"]
+    assert ckpt["unreached"].sum() == 0 and min(ckpt["direct_n"]) > 0
+    assert ckpt["direct_n"].to_list() == plain["direct_n"].to_list()
+    for col in ("n", "C", "D", "ratio_mean", "C_direct", "D_direct"):
+        assert ckpt[col].to_list() == pytest.approx(plain[col].to_list(), rel=1e-6), col
