@@ -141,10 +141,12 @@ def test_correct_ratios_hand_checked():
     adv = torch.tensor([[1.0, 1.0, 1.0, -1.0], [-2.0, 0.0, 0.5, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
     r = correct_ratios(delta, adv, mask)
-    # A > 0: (0.1 up), (-0.2 down), (0.0 flat), (0.2 up) -> 2 / 4; A < 0: (0.3 up), (-0.1 down) -> 1 / 2
-    assert (r["n_pos"], r["n_neg"]) == (4, 2)
-    assert r["correct_pos"] == 0.5 and r["correct_neg"] == 0.5
-    assert r["correct_pooled"] == 3 / 6
+    # A > 0: (0.1 up), (-0.2 down), (0.0 tie), (0.2 up) -> 2 / 3, one tie; A < 0: (0.3 up), (-0.1 down) -> 1 / 2
+    assert (r["n_pos"], r["n_neg"], r["tie_pos"], r["tie_neg"]) == (4, 2, 1, 0)
+    assert r["correct_pos"] == 2 / 3 and r["correct_neg"] == 0.5
+    assert r["correct_pooled"] == 3 / 5
+    all_ties = correct_ratios(torch.zeros_like(delta), adv, mask)
+    assert (all_ties["tie_pos"], all_ties["tie_neg"]) == (4, 2) and math.isnan(all_ties["correct_pooled"])
     only_pos = correct_ratios(delta, adv.abs(), mask)
     assert only_pos["n_neg"] == 0 and math.isnan(only_pos["correct_neg"])
     s = delta_summary(delta, adv, mask)

@@ -22,6 +22,8 @@ _REBALANCE_KEY = {"step": pl.Int64, "stage": pl.Utf8}
 _CORRECT = {
     "n_pos": pl.Int64,
     "n_neg": pl.Int64,
+    "tie_pos": pl.Int64,
+    "tie_neg": pl.Int64,
     "correct_pos": pl.Float64,
     "correct_neg": pl.Float64,
     "correct_pooled": pl.Float64,

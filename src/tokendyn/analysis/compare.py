@@ -79,7 +79,8 @@ def shares(run_dirs) -> dict[str, pl.DataFrame]:
 
 
 def correct_ratios(run_dirs, update: str = "counterfactual") -> pl.DataFrame:
-    """Fraction of A>0 tokens whose pi rose, per bin (and all tokens), pooled over steps."""
+    """Per bin: among A>0 tokens, rose / (rose + fell), pooled over steps (each weighted by its decided tokens), shown
+    as "ratio (ties / tokens)"."""
     label = short_labels(run_dirs)
     per_run = []
     for d in run_dirs:
@@ -94,10 +95,22 @@ def correct_ratios(run_dirs, update: str = "counterfactual") -> pl.DataFrame:
         )
         if df.height == 0:
             continue
-        df = df.group_by("bin", "bin_lo", "bin_hi").agg(
-            ((pl.col("correct_pos").fill_nan(0) * pl.col("n_pos")).sum() / pl.col("n_pos").sum()).alias(
-                "correct"
-            ),
+        ties = pl.col("tie_pos").fill_null(0) if "tie_pos" in df.columns else pl.lit(0)
+        df = (
+            df.with_columns((pl.col("n_pos") - ties).alias("decided"), ties.alias("ties"))
+            .group_by("bin", "bin_lo", "bin_hi")
+            .agg(
+                (
+                    (pl.col("correct_pos").fill_nan(0) * pl.col("decided")).sum() / pl.col("decided").sum()
+                ).alias("ratio"),
+                pl.col("ties").sum(),
+                pl.col("n_pos").sum(),
+            )
+            .with_columns(
+                pl.format(
+                    "{} ({} ties / {})", pl.col("ratio").round(3), pl.col("ties"), pl.col("n_pos")
+                ).alias("correct")
+            )
         )
         per_run.append(_interval(df).with_columns(pl.lit(label[str(d)]).alias("run")))
     return _pivot(per_run, "correct")

@@ -45,12 +45,18 @@ def full_update(prob_change: pl.DataFrame, update: str | None = "counterfactual"
 
 def pooled_change(prob_change: pl.DataFrame, update: str | None = "counterfactual") -> pl.DataFrame:
     """Per (run, bin; bin -1 = all tokens) over the steps of the full update: tokens, count-weighted mean of the
-    mean, mean |delta pi| and the quantiles, and the correct ratios pooled (correct counts summed)."""
-    full = (
-        full_update(prob_change, update)
-        .filter(pl.col("count") > 0)
-        .with_columns((pl.col("n_pos") + pl.col("n_neg")).alias("n_signed"))
-    )
+    mean, mean |delta pi| and the quantiles, and the correct ratios pooled (correct counts summed over steps, each
+    step weighted by its decided tokens: n - ties). Ties are summed beside them (records written before ties were
+    counted have none: their ratios counted a tie as a failure)."""
+    full = full_update(prob_change, update).filter(pl.col("count") > 0)
+    for c in ("tie_pos", "tie_neg"):
+        full = full.with_columns(
+            (pl.col(c) if c in full.columns else pl.lit(None)).cast(pl.Int64).fill_null(0).alias(c)
+        )
+    full = full.with_columns(
+        (pl.col("n_pos") - pl.col("tie_pos")).alias("d_pos"),
+        (pl.col("n_neg") - pl.col("tie_neg")).alias("d_neg"),
+    ).with_columns((pl.col("d_pos") + pl.col("d_neg")).alias("d_signed"))
     wmean = lambda c: ((pl.col(c) * pl.col("count")).sum() / pl.col("count").sum()).alias(c)  # noqa: E731
 
     def ratio(c: str, n: str) -> pl.Expr:
@@ -74,9 +80,13 @@ def pooled_change(prob_change: pl.DataFrame, update: str | None = "counterfactua
             pl.col("max").max(),
             pl.col("n_pos").sum(),
             pl.col("n_neg").sum(),
-            ratio("correct_pos", "n_pos"),
-            ratio("correct_neg", "n_neg"),
-            ratio("correct_pooled", "n_signed"),  # a step without signed tokens in the bin (NaN) adds nothing
+            pl.col("tie_pos").sum(),
+            pl.col("tie_neg").sum(),
+            ratio("correct_pos", "d_pos"),
+            ratio("correct_neg", "d_neg"),
+            ratio(
+                "correct_pooled", "d_signed"
+            ),  # a step without decided tokens in the bin (NaN) adds nothing
         )
         .sort("run", "bin")
     )
@@ -309,16 +319,18 @@ def influence_matrix(influence: pl.DataFrame | None) -> Figure:
 
 
 def correct_ratio(prob_change: pl.DataFrame | None, *, update: str | None = "counterfactual") -> Figure:
-    """Per bin of pi_old, the fraction of positive-advantage tokens whose probability rose (left: the paper's
-    Fig. 2b), of negative-advantage tokens whose probability fell (middle) and both pooled (right), after the full
-    update; runs overlaid; error bars: binomial standard error."""
+    """Per bin of pi_old, among positive-advantage tokens increased / (increased + decreased) (left: the paper's
+    Fig. 2b), among negative-advantage tokens decreased / (increased + decreased) (middle) and both pooled (right),
+    after the full update; ties (no change at float64 resolution) are left out and counted in the legend; runs
+    overlaid; error bars: binomial standard error over the decided tokens."""
     pc = need(prob_change, "correct ratio per bin", ["prob_change"])
     pooled = pooled_change(pc, update).filter(pl.col("bin") >= 0)
     runs = run_order(pooled)
     colors = run_colors(runs)
     marks = run_markers(runs)
-    panels = [("correct_pos", "n_pos", "A > 0: share with Δπ > 0"), ("correct_neg", "n_neg", "A < 0: share with Δπ < 0"),
-              ("correct_pooled", None, "both signs pooled")]  # fmt: skip
+    panels = [("correct_pos", ("pos",), "A > 0: rose / (rose + fell)"),
+              ("correct_neg", ("neg",), "A < 0: fell / (rose + fell)"),
+              ("correct_pooled", ("pos", "neg"), "both signs pooled")]  # fmt: skip
     with themed():
         fig, axes = new_figure(1, 3, w=4.4, h=3.8, sharey=True)
         offs = offsets(len(runs), 0.5)
@@ -338,10 +350,12 @@ def correct_ratio(prob_change: pl.DataFrame | None, *, update: str | None = "cou
                 edges.append([*lo, *hi])
                 x = (lo + hi) / 2 + np.array(offs[i]) * (hi - lo)
                 p = r[col].to_numpy()
-                n = r[ncol].to_numpy() if ncol else (r["n_pos"] + r["n_neg"]).to_numpy()
+                n = sum((r[f"n_{sg}"] - r[f"tie_{sg}"]).to_numpy() for sg in ncol)
                 se = np.sqrt(np.clip(p * (1 - p), 0, None) / np.maximum(n, 1))
+                ties = int(sum(r[f"tie_{sg}"].sum() for sg in ncol))
+                label = f"{run} ({ties} ties)" if ties else run
                 ax.errorbar(x, p, yerr=se, fmt="-", marker=marks[run], color=colors[run], capsize=4, ms=5, lw=1.5,
-                            alpha=0.9, label=run)  # fmt: skip
+                            alpha=0.9, label=label)  # fmt: skip
             ax.axhline(0.5, color="0.3", lw=1, ls=":")
             ax.set_xlim(0, 1)
             shade_bins(ax, edges)

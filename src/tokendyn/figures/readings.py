@@ -238,10 +238,13 @@ def correct_ratio(records: Records) -> str:
         a = r.filter(pl.col("bin") == lo)["correct_pos"].max()
         b = r.filter(pl.col("bin") == hi)["correct_pos"].max()
         n = r.filter(pl.col("bin") == hi)["n_pos"].sum()
+        ties = r.filter(pl.col("bin") == hi)["tie_pos"].sum()
         parts.append(
-            f"{run}: {pct(b)} of the {n} positive tokens with π_old ≥ {e_hi:g} rose (below {e_lo:g}: {pct(a)})"
+            f"{run}: {pct(b)} of the {n - ties} positive tokens with π_old ≥ {e_hi:g} that moved rose, {ties} ties "
+            f"(below {e_lo:g}: {pct(a)})"
         )
-    return ("Share of positive-advantage tokens whose probability rose after the full update — " + "; ".join(parts)
+    return ("Positive-advantage tokens whose probability rose, among those that moved (float64 resolution), after the "
+            "full update — " + "; ".join(parts)
             + ". The paper finds GRPO below 50% for high-probability tokens and both remedies above it.")  # fmt: skip
 
 

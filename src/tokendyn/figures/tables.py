@@ -125,7 +125,8 @@ def shares_table(records: Records) -> pl.DataFrame:
 
 def correct_table(records: Records) -> pl.DataFrame:
     """Per run, kind of update (counterfactual, real) and bin (and all tokens): the correct ratios after the full
-    update (A>0 rising, A<0 falling, pooled) with their token counts, and the mean |delta pi|."""
+    update (A>0: rose / (rose + fell), A<0: fell / (rose + fell), pooled) with their token and tie counts, and the
+    mean |delta pi|."""
     pc = records.get("prob_change")
     if pc is None:
         raise MissingRecords("correct ratios", ["prob_change"])
@@ -152,8 +153,10 @@ def correct_table(records: Records) -> pl.DataFrame:
             "interval",
             "tokens",
             "n_pos",
+            "tie_pos",
             "correct_pos",
             "n_neg",
+            "tie_neg",
             "correct_neg",
             "correct_pooled",
             "mean_abs",

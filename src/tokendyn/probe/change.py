@@ -10,8 +10,13 @@
 (b) `real_change`: pi before (a tensor measured before the optimizer step, or a model) and after a real update
     (re-forward of the same tokens, no grad, mode restored).
 
-Correct ratios (per bin): among A_t > 0 tokens the fraction with delta_pi_t > 0; among A_t < 0 the fraction with
-delta_pi_t < 0; pooled = (both numerators) / (both counts). Tokens with A_t = 0 are in neither.
+Correct ratios (per bin): among A_t > 0 tokens increased / (increased + decreased); among A_t < 0 decreased /
+(increased + decreased); pooled = (both numerators) / (both denominators). A tie (delta_pi_t = 0 at float64
+resolution) is counted apart (tie_pos, tie_neg), never as a failure. Tokens with A_t = 0 are in neither.
+
+Resolution: pi is measured with a float64 log-softmax of the model's logits (`completion_probs`), so a
+near-certain token (1 - pi ~ 1e-7) whose logit margin rises is seen to rise; in float32 its log pi is 0.0 exactly
+before and after, and the change would read as a tie.
 """
 
 from __future__ import annotations
@@ -46,9 +51,11 @@ def sgd(lr: float = 1e-3) -> OptimizerFactory:
 def completion_probs(
     model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tensor] | None = None
 ) -> torch.Tensor:
-    """pi_t(o_t) at the batch temperature, (B, C) float64, without grad, in eval mode (mode restored)."""
+    """pi_t(o_t) at the batch temperature, (B, C) float64, without grad, in eval mode (mode restored); the
+    log-softmax is taken in float64 (`completion_logp`'s ``float64``) so that a change of a near-certain token's
+    probability keeps its sign."""
     with torch.no_grad(), eval_mode(model):
-        return torch.exp(completion_logp(model, batch, params).to(torch.float64))
+        return torch.exp(completion_logp(model, batch, params, float64=True))
 
 
 class ParamCopy:
@@ -110,11 +117,10 @@ class ChangeResult:
 def fix_pi_old(model: nn.Module, batch: ProbeBatch) -> tuple[ProbeBatch, torch.Tensor]:
     """(batch with old_logp set, pi_before): an on-policy batch gets pi_old = the current pi, fixed for every later
     stage (as the trainer does: pi_old is not recomputed between Lopti stages)."""
-    with torch.no_grad(), eval_mode(model):
-        logp = completion_logp(model, batch)
-    pi_before = torch.exp(logp.to(torch.float64))
-    if batch.old_logp is None:
-        batch = batch.with_old_logp(logp)
+    pi_before = completion_probs(model, batch)
+    if batch.old_logp is None:  # the loss's own log pi (float32 log-softmax): ratio exactly 1 at the start
+        with torch.no_grad(), eval_mode(model):
+            batch = batch.with_old_logp(completion_logp(model, batch))
     return batch, pi_before
 
 
@@ -174,12 +180,19 @@ def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def correct_ratios(
     delta: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float | int]:
-    """On the tokens of ``mask``: n_pos = #(A > 0), n_neg = #(A < 0), correct_pos = #(A > 0, dpi > 0) / n_pos,
-    correct_neg = #(A < 0, dpi < 0) / n_neg, correct_pooled = (both numerators) / (n_pos + n_neg); NaN for 0/0."""
+    """Correct ratios on the tokens of ``mask``, ties apart (DESIGN.md):
+
+        n_pos = #(A > 0), tie_pos = #(A > 0, dpi = 0),  correct_pos = #(A > 0, dpi > 0) / (n_pos - tie_pos)
+        n_neg = #(A < 0), tie_neg = #(A < 0, dpi = 0),  correct_neg = #(A < 0, dpi < 0) / (n_neg - tie_neg)
+        correct_pooled = (both numerators) / (both denominators)
+
+    A tie (no change at the measurement's float64 resolution) is neither correct nor wrong. NaN for 0/0; tokens
+    with A = 0 are in neither sign."""
     m = mask.bool()
     a, d = advantages.to(delta.device)[m], delta[m]
     pos, neg = a > 0, a < 0
     n_pos, n_neg = int(pos.sum()), int(neg.sum())
+    tie_pos, tie_neg = int((pos & (d == 0)).sum()), int((neg & (d == 0)).sum())
     up, down = int((pos & (d > 0)).sum()), int((neg & (d < 0)).sum())
 
     def ratio(num: int, den: int) -> float:
@@ -188,9 +201,11 @@ def correct_ratios(
     return {
         "n_pos": n_pos,
         "n_neg": n_neg,
-        "correct_pos": ratio(up, n_pos),
-        "correct_neg": ratio(down, n_neg),
-        "correct_pooled": ratio(up + down, n_pos + n_neg),
+        "tie_pos": tie_pos,
+        "tie_neg": tie_neg,
+        "correct_pos": ratio(up, n_pos - tie_pos),
+        "correct_neg": ratio(down, n_neg - tie_neg),
+        "correct_pooled": ratio(up + down, n_pos + n_neg - tie_pos - tie_neg),
     }
 
 

@@ -202,13 +202,24 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
 
 
 def completion_logp(
-    model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tensor] | None = None
+    model: nn.Module,
+    batch: ProbeBatch,
+    params: dict[str, torch.Tensor] | None = None,
+    *,
+    float64: bool = False,
 ) -> torch.Tensor:
     """log pi_t(o_t) at temperature T for every completion token, (B, C), differentiable.
 
     z = logits[p(t)] / T with p(t) = t - 1 (see the module docstring), log pi_t = log_softmax(z)[o_t]; computed in
     float32 or wider. With ``params`` the model is called through ``torch.func.functional_call`` with those
     tensors in place of its parameters (the module itself is not modified).
+
+    ``float64=True`` (for measuring probability changes, `tokendyn.probe.change`): log pi_t = z_o - logsumexp(z)
+    with the model's logits cast to float64 first. In float32, log pi_t = z_o - logsumexp(z) is a difference of two
+    numbers of size |z| ~ 10-30 whose rounding (~1e-6) swamps 1 - pi below ~1e-6: a near-certain token has
+    log pi = 0.0 exactly and no change of it is visible. In float64 the same difference resolves log pi to ~1e-14,
+    so a change of pi of 1e-12 still has its sign. What remains is the model's own forward precision: a change of
+    the logits below their rounding (float32: ~1e-7 of |z|) is noise.
     """
     c = batch.n_completion
     kwargs: dict = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
@@ -221,8 +232,11 @@ def completion_logp(
         out = torch.func.functional_call(model, params, (), kwargs)
     logits = out.logits if hasattr(out, "logits") else out[0]
     logits = logits[:, -(c + 1) : -1, :]
+    ids = batch.completion_ids.to(logits.device).unsqueeze(-1)
+    if float64:
+        z = logits.to(torch.float64) / batch.temperature
+        return z.gather(-1, ids).squeeze(-1) - torch.logsumexp(z, dim=-1)
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / batch.temperature
-    ids = batch.completion_ids.to(z.device).unsqueeze(-1)
     return torch.log_softmax(z, dim=-1).gather(-1, ids).squeeze(-1)
 
 
@@ -289,4 +303,4 @@ def pi_old(model: nn.Module, batch: ProbeBatch) -> torch.Tensor:
     if batch.old_logp is not None:
         return torch.exp(batch.old_logp.to(torch.float64))
     with torch.no_grad(), eval_mode(model):
-        return torch.exp(completion_logp(model, batch).to(torch.float64))
+        return torch.exp(completion_logp(model, batch, float64=True))
