@@ -127,3 +127,67 @@ def test_probe_fields_are_validated(tmp_path):
         _config(tmp_path, probe_every=-1)
     with pytest.raises(ValueError, match="probe_bins"):
         _config(tmp_path, probe_every=1, probe_bins="0,2")
+
+
+@pytest.mark.parametrize("lopti,max_steps", [(False, 1), (True, 2)])
+def test_every_probed_micro_batch_is_recorded_the_last_included(tiny_model_dir, tmp_path, lopti, max_steps):
+    """The records' token counts per optimizer step equal the completion tokens of every micro-batch the loss saw
+    (counted independently, in the loss itself); the run's last micro-batch (GRPO max_steps=1; Lopti's stage 2 as
+    the last step) included."""
+    from tokendyn.trainers.grpo import TokendynGRPOTrainer
+
+    class Counting(TokendynGRPOTrainer):
+        seen: list = []
+
+        def _compute_loss(self, model, inputs):
+            mask = inputs["completion_mask"]
+            self.seen.append((self.state.global_step, int(mask.sum())))
+            return super()._compute_loss(model, inputs)
+
+    extra = dict(lopti_eta=0.5) if lopti else {}
+    t = _trainer(tiny_model_dir, _config(tmp_path, max_steps=max_steps, probe_every=1, **extra), cls=Counting)
+    t.train()
+    want: dict[int, int] = {}
+    for step, n in Counting.seen:
+        want[step] = want.get(step, 0) + n
+    assert sorted(want) == list(range(max_steps))
+    rec = pl.read_parquet(sorted((tmp_path / "run" / "records").glob("binstats-*.parquet")))
+    got = (
+        rec.filter(
+            (pl.col("point") == "final_norm.out") & (pl.col("quantity") == "norm") & (pl.col("bin") >= 0)
+        )
+        .group_by("step")
+        .agg(pl.col("count").sum())
+    )
+    assert dict(zip(got["step"].to_list(), got["count"].to_list(), strict=True)) == want
+    stages = set(rec["stage"].unique().to_list())
+    assert stages == ({"low", "high"} if lopti else {"train"})
+
+
+def test_instrument_records_a_step_whose_optimizer_step_raises(tmp_path):
+    """A micro-batch whose backward finished is recorded even when the optimizer step after it raises."""
+    from _models import completion_logps, make_batch, tiny_qwen2
+
+    from tokendyn.hooks.loop import instrument
+
+    model = tiny_qwen2(0)
+    b = make_batch(model)
+    with pytest.raises(RuntimeError, match="optimizer exploded"):
+        with instrument(model, tmp_path) as probe:
+            out = model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+            logps = completion_logps(out.logits, b, 1.0)
+            probe.tokens(
+                completion_mask=b.completion_mask,
+                advantages=b.advantages,
+                completion_ids=b.completion_ids,
+                logps=logps,
+            )
+            (-(logps * b.advantages.unsqueeze(1) * b.completion_mask).sum()).backward()
+            raise RuntimeError("optimizer exploded")
+    files = sorted((tmp_path / "records").glob("binstats-*.parquet"))
+    assert files, "the finished micro-batch was dropped"
+    rec = pl.read_parquet(files)
+    n = rec.filter(
+        (pl.col("quantity") == "norm") & (pl.col("bin") >= 0) & (pl.col("point") == "final_norm.out")
+    )
+    assert int(n["count"].sum()) == int(b.completion_mask.sum())

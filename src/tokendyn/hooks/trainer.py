@@ -244,6 +244,8 @@ class TrainerProbe(TrainerCallback):
             self.probe.end_step()
 
     def close(self) -> None:
+        """End the last probed micro-batch (its backward has run), then detach and write every record."""
+        self.end()
         self.probe.detach()
         self.writer.flush()
 

@@ -170,9 +170,11 @@ class GradientProbe:
         return self.attach()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        """Ends the open step if its backward ran, also when the block raises (an optimizer step that fails after
+        the backward does not lose the micro-batch), then removes every hook."""
         try:
             p = self._pass
-            if exc_type is None and p is not None and p.inputs is not None and p.backward_seen:
+            if p is not None and p.inputs is not None and p.backward_seen and p.w_grad is not None:
                 self.end_step()
         finally:
             self.detach()

@@ -172,6 +172,14 @@ class TokendynGRPOTrainer(GRPOTrainer):
         self._metrics["train"][name].append(total / count if count > 0 else float("nan"))
 
     # ------------------------------------------------------------------------------------------------- loss
+    def training_step(self, *args, **kwargs):
+        """TRL's micro-step (forward, loss, backward); the probe then reduces that micro-batch at once, so the last
+        one of a run (or of a Lopti stage) is recorded like every other."""
+        loss = super().training_step(*args, **kwargs)
+        if self.probe is not None:
+            self.probe.end()
+        return loss
+
     def _compute_loss(self, model, inputs):
         stage = self.current_stage()
         if self.probe is not None:  # rebalancing analyses see the batch before any stage masking
