@@ -304,3 +304,17 @@ def test_analyze_prints_the_rebalancing_tables_side_by_side(run_dirs, capsys):
     want = float((top["mean_abs"] * top["count"]).sum() / top["count"].sum())
     col = next(c for c in iso.columns if c.startswith("lopti") and c.endswith("high (stage 2)"))
     assert iso[col][1] == pytest.approx(want)
+
+
+def test_bound_figure_layer_panels_show_the_direct_gradient_by_default(records):
+    """Inner layers: the token's own (direct) gradient by default, whose scatter holds exactly the sampled tokens
+    that have one; the total gradient on request; the final norm is the (exact) total in both."""
+    tk = records.get("tokens")
+    inner = sorted(p for p in tk["point"].unique().to_list() if p.startswith("layers."))[0]
+    fig = F.bound(tk, records.get("bound"), records.get("checks"), points=[inner, "final_norm.out"])
+    titles = {ax.get_title() for ax in fig.axes}
+    assert any(t.endswith("(direct)") for t in titles) and not any(t.endswith("(total)") for t in titles)
+    fig_total = F.bound(tk, records.get("bound"), records.get("checks"), points=[inner], gradient="total")
+    assert any(ax.get_title().endswith("(total)") for ax in fig_total.axes)
+    with pytest.raises(ValueError, match="gradient must be"):
+        F.bound(tk, gradient="both")

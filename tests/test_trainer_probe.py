@@ -191,3 +191,26 @@ def test_instrument_records_a_step_whose_optimizer_step_raises(tmp_path):
         (pl.col("quantity") == "norm") & (pl.col("bin") >= 0) & (pl.col("point") == "final_norm.out")
     )
     assert int(n["count"].sum()) == int(b.completion_mask.sum())
+
+
+def test_identity_errors_beyond_tolerance_are_violations(tiny_model_dir, tmp_path):
+    """An entropy bonus adds a head-input gradient that is not W^T (pi - e_o) w / T: the LM-head identity fails on
+    its scaled error and analyze counts it; without the bonus there is none. The must-hold table holds no unscaled
+    error (those are diagnostics)."""
+    from tokendyn.analysis.tables import checks_violations
+
+    counts = {}
+    for coef in (0.0, 0.05):
+        run = tmp_path / f"coef{coef}"
+        t = _trainer(
+            tiny_model_dir, _config(run, max_steps=1, probe_every=1, loss_type="bnpo", entropy_coef=coef)
+        )
+        t.train()
+        tables = analyze_run(run / "run", write=False)
+        checks = tables["checks"]
+        assert not {"identity_max_rel_err", "identity_logits_max_rel_err"} & set(checks.columns)
+        assert "identity_max_rel_err" in tables["diagnostics"].columns
+        assert int(checks["identity_n"].sum()) > 0
+        counts[coef] = (int(checks["identity_violations"].sum()), checks_violations(checks))
+    assert counts[0.0] == (0, 0)
+    assert counts[0.05][0] > 0 and counts[0.05][1] >= counts[0.05][0]

@@ -96,6 +96,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "identity_max_rel_err": pl.Float64,
         "identity_mean_rel_err": pl.Float64,
         "identity_max_scaled_err": pl.Float64,
+        "identity_violations": pl.Int64,
         "identity_logits_max_rel_err": pl.Float64,
         "logits_lo": pl.Float64,
         "logits_hi": pl.Float64,

@@ -10,7 +10,16 @@ from rich.console import Console
 from rich.table import Table
 
 from tokendyn.analysis.load import check_run_dir, check_selection, load, select_steps
-from tokendyn.analysis.tables import bin_table, bound_report, checks_summary, unreached
+from tokendyn.analysis.tables import (
+    DIAGNOSTICS_NOTE,
+    bin_table,
+    bound_report,
+    checks_diagnostics,
+    checks_summary,
+    checks_violations,
+    correct_summary,
+    unreached,
+)
 from tokendyn.records import write_atomic
 
 ANALYSIS_DIR = "analysis"
@@ -25,8 +34,9 @@ def analyze_run(
     write: bool = True,
     out_dir: str | os.PathLike | None = None,
 ) -> dict[str, pl.DataFrame]:
-    """{"bins": per-bin table, "bound": per-layer bound report, "checks": exact-check summary}, from the records of
-    every rank. A selection (steps, stage) that matches nothing is a `SelectionError` naming what the run holds.
+    """{"bins": per-bin table, "bound": per-layer bound report, "checks": the must-hold exact checks, "diagnostics":
+    their unscaled errors, and "correct": the correct ratios with tie counts when the run has `prob_change`
+    records}, from the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError` naming what the run holds.
     With write=True each non-empty table is also written (atomically) to OUT_DIR/{name}.parquet, OUT_DIR defaulting
     to RUN_DIR/analysis (an empty table is not written: an earlier file of that name is left as it was)."""
     path = check_run_dir(run_dir)
@@ -39,7 +49,11 @@ def analyze_run(
         "bins": bin_table(lf["binstats"], lf["hist"], by_step=by_step),
         "bound": bound_report(lf["bound"], lf["binstats"], lf["tokens"]),
         "checks": checks_summary(lf["checks"]),
+        "diagnostics": checks_diagnostics(lf["checks"]),
     }
+    prob_change = _optional(path, "prob_change", steps)
+    if prob_change is not None:
+        tables["correct"] = correct_summary(prob_change)
     if write:
         out = Path(out_dir) if out_dir is not None else path / ANALYSIS_DIR
         out.mkdir(parents=True, exist_ok=True)
@@ -138,13 +152,52 @@ def print_report(
     if not checks.height:
         console.print("no exact checks recorded (completion ids or the final norm were not probed)")
         return
-    table = Table(title="Exact checks at the LM head (must hold for every token)", header_style="bold")
-    table.add_column("check", no_wrap=True)
-    for stage in checks["stage"].to_list():
-        table.add_column(stage, justify="right", no_wrap=True)
-    for col in checks.columns[1:]:
-        table.add_row(col, *(_fmt(v) for v in checks[col].to_list()))
-    console.print(table)
-    total = int(checks["logits_violations"].sum()) + int(checks["head_violations"].sum())
+    _print_by_stage(console, checks, "Exact checks at the LM head (must hold for every token)")
+    total = checks_violations(checks)
     style = "green" if total == 0 else "red"
-    console.print(f"[{style}]violations of the exact bounds: {total}[/{style}]")
+    console.print(f"[{style}]violations of the exact checks: {total}[/{style}]")
+    diagnostics = tables.get("diagnostics")
+    if diagnostics is not None and diagnostics.height:
+        _print_by_stage(console, diagnostics, "Diagnostics: unscaled identity errors")
+        console.print(DIAGNOSTICS_NOTE)
+    correct = tables.get("correct")
+    if correct is not None and correct.height:
+        print_correct(console, correct)
+
+
+def _print_by_stage(console: Console, frame: pl.DataFrame, title: str) -> None:
+    table = Table(title=title, header_style="bold")
+    table.add_column("quantity", no_wrap=True)
+    for stage in frame["stage"].to_list():
+        table.add_column(stage, justify="right", no_wrap=True)
+    for col in frame.columns[1:]:
+        table.add_row(col, *(_fmt(v) for v in frame[col].to_list()))
+    console.print(table)
+
+
+def print_correct(console: Console, correct: pl.DataFrame) -> None:
+    """The correct ratios per update, step size and bin, each with its ties (never counted as failures)."""
+    table = Table(title="Correct ratios after the full update: rose / (rose + fell) for A > 0, fell / (rose + fell) "
+                  "for A < 0; ties apart", header_style="bold")  # fmt: skip
+    for col in ("update", "lr", "interval", "A>0", "ties", "A<0", "ties ", "pooled"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in correct.iter_rows(named=True):
+        interval = "all" if r["bin"] < 0 else f"[{r['bin_lo']:g}, {r['bin_hi']:g})"
+        table.add_row(
+            r["update"],
+            "" if r["lr"] is None else f"{r['lr']:g}",
+            interval,
+            _fmt(r["correct_pos"]),
+            f"{r['tie_pos']}/{r['n_pos']}",
+            _fmt(r["correct_neg"]),
+            f"{r['tie_neg']}/{r['n_neg']}",
+            _fmt(r["correct_pooled"]),
+        )
+    console.print(table)
+
+
+def _optional(path: Path, kind: str, steps) -> pl.LazyFrame | None:
+    """The run's ``kind`` records in the selected steps (every stage), or None when it has none."""
+    if not list((path / "records").glob(f"{kind}-*.parquet")):
+        return None
+    return select_steps(load(path, kind), steps)

@@ -199,16 +199,20 @@ def bound_report(bound: pl.LazyFrame, binstats: pl.LazyFrame, tokens: pl.LazyFra
 
 
 def checks_summary(checks: pl.LazyFrame) -> pl.DataFrame:
-    """Per stage: the exact checks over all micro-batches (max errors, total violations)."""
+    """Per stage: the exact checks that must hold for every token, over all micro-batches, with their token counts
+    and violations. LM-head identity: grad at the head input = W^T (pi - e_o) w / T, its error on the scale
+    |w| sigma_max / T (which does not shrink as pi -> 1), violated beyond the tolerance; logits bound: ||dl/dz|| /
+    (|w|(1 - pi)) in [sqrt(V/(V-1)), sqrt(2)]; head bound: ||delta|| / (|w|(1 - pi)) <= sqrt(2) sigma_max / T."""
+    checks = _with_columns(checks, {"identity_violations": pl.Int64})
     return (
         checks.group_by("stage")
         .agg(
             pl.col("step").n_unique().alias("steps"),
             pl.len().alias("micro_batches"),
-            pl.col("n_checked").sum(),
-            pl.col("identity_max_rel_err").max(),
+            pl.col("identity_n").sum(),
             pl.col("identity_max_scaled_err").max(),
-            pl.col("identity_logits_max_rel_err").max(),
+            pl.col("identity_violations").fill_null(0).sum(),
+            pl.col("n_checked").sum().alias("logits_n"),
             pl.col("logits_lo").min(),
             pl.col("logits_ratio_min").min(),
             pl.col("logits_ratio_max").max(),
@@ -218,12 +222,109 @@ def checks_summary(checks: pl.LazyFrame) -> pl.DataFrame:
             pl.col("head_ratio_max").max(),
             pl.col("head_bound").min(),
             pl.col("head_violations").sum(),
-            pl.col("grad_dtype").unique().sort().str.join(",").alias("grad_dtype"),
             pl.col("tolerance").max(),
+            pl.col("grad_dtype").unique().sort().str.join(",").alias("grad_dtype"),
         )
         .sort("stage")
         .collect()
     )
+
+
+def checks_violations(summary: pl.DataFrame) -> int:
+    """Total violations of the must-hold checks in a `checks_summary` table."""
+    cols = ("identity_violations", "logits_violations", "head_violations")
+    return sum(int(summary[c].fill_null(0).sum()) for c in cols if c in summary.columns)
+
+
+DIAGNOSTICS_NOTE = (
+    "Unscaled relative errors of the identities (diagnostics, not checks): the gradient itself shrinks like 1 - pi "
+    "while its float32 rounding does not, so they grow like eps / (1 - pi) as pi -> 1 and are large for tokens whose "
+    "pi rounds to 1; the must-hold identity error is the scaled one."
+)
+
+
+def checks_diagnostics(checks: pl.LazyFrame) -> pl.DataFrame:
+    """Per stage: the unscaled relative errors of the LM-head and logits identities (`DIAGNOSTICS_NOTE`)."""
+    return (
+        checks.group_by("stage")
+        .agg(
+            pl.col("identity_n").sum(),
+            pl.col("identity_max_rel_err").max(),
+            pl.col("identity_mean_rel_err").mean(),
+            pl.col("identity_logits_max_rel_err").max(),
+        )
+        .sort("stage")
+        .collect()
+    )
+
+
+def _with_columns(frame: pl.LazyFrame, columns: dict[str, pl.DataType]) -> pl.LazyFrame:
+    """Add the missing ``columns`` as nulls (records written before those columns existed)."""
+    have = frame.collect_schema().names()
+    missing = [pl.lit(None, dtype=t).alias(c) for c, t in columns.items() if c not in have]
+    return frame.with_columns(missing) if missing else frame
+
+
+def correct_summary(prob_change: pl.LazyFrame) -> pl.DataFrame:
+    """Per kind of update (counterfactual, real), step size and bin of pi_old (-1: all tokens), over the steps of the
+    full update (update_stage "all", or Lopti's "total"): the correct ratios from the summed counts, ties apart:
+    A > 0: rose / (rose + fell); A < 0: fell / (rose + fell); pooled; with n and the ties of each sign."""
+    pc = _with_columns(prob_change, {"tie_pos": pl.Int64, "tie_neg": pl.Int64, "lr": pl.Float64})
+    pc = pc.filter(pl.col("update_stage").is_in(["all", "total"]) & (pl.col("source_bin") == -1))
+    pc = pc.with_columns(pl.col("tie_pos").fill_null(0), pl.col("tie_neg").fill_null(0)).with_columns(
+        (pl.col("n_pos") - pl.col("tie_pos")).alias("d_pos"),
+        (pl.col("n_neg") - pl.col("tie_neg")).alias("d_neg"),
+    )
+    pc = pc.with_columns(
+        (pl.col("correct_pos").fill_nan(0).fill_null(0) * pl.col("d_pos")).round(0).alias("up_pos"),
+        (pl.col("correct_neg").fill_nan(0).fill_null(0) * pl.col("d_neg")).round(0).alias("down_neg"),
+    )
+
+    def ratio(num: pl.Expr, den: pl.Expr) -> pl.Expr:
+        return pl.when(den > 0).then(num / den).otherwise(None)
+
+    out = (
+        pc.group_by("update", "lr", "bin")
+        .agg(
+            pl.col("update_stage").first(),
+            pl.col("step").n_unique().alias("steps"),
+            pl.col("bin_lo").first(),
+            pl.col("bin_hi").first(),
+            pl.col("n_pos").sum(),
+            pl.col("tie_pos").sum(),
+            pl.col("up_pos").sum(),
+            pl.col("d_pos").sum(),
+            pl.col("n_neg").sum(),
+            pl.col("tie_neg").sum(),
+            pl.col("down_neg").sum(),
+            pl.col("d_neg").sum(),
+        )
+        .with_columns(
+            ratio(pl.col("up_pos"), pl.col("d_pos")).alias("correct_pos"),
+            ratio(pl.col("down_neg"), pl.col("d_neg")).alias("correct_neg"),
+            ratio(pl.col("up_pos") + pl.col("down_neg"), pl.col("d_pos") + pl.col("d_neg")).alias(
+                "correct_pooled"
+            ),
+        )
+        .select(
+            "update",
+            "update_stage",
+            "lr",
+            "steps",
+            "bin",
+            "bin_lo",
+            "bin_hi",
+            "n_pos",
+            "tie_pos",
+            "correct_pos",
+            "n_neg",
+            "tie_neg",
+            "correct_neg",
+            "correct_pooled",
+        )  # fmt: skip
+        .sort("update", "lr", "bin", nulls_last=True)
+    )
+    return out.collect()
 
 
 def unreached(bound: pl.DataFrame) -> list[str]:

@@ -10,6 +10,7 @@ import math
 
 import polars as pl
 
+from tokendyn.analysis.tables import checks_violations
 from tokendyn.figures.data import MissingRecords, Records, bin_label, full_loss, one_point, run_order
 from tokendyn.figures.dynamics import _pooled_influence, pooled_change
 from tokendyn.figures.gradients import per_token_norms
@@ -210,7 +211,7 @@ def bound(records: Records) -> str:
     parts = []
     checks = records.get("checks")
     if checks is not None:
-        v = int(checks["logits_violations"].sum()) + int(checks["head_violations"].sum())
+        v = checks_violations(checks)
         n = int(checks["n_checked"].sum())
         parts.append(f"At the logits the exact bound √(V/(V−1))(1−π) ≤ ‖∂ℓ/∂z‖/|w| ≤ √2(1−π) was checked on {n} "
                      f"tokens with {v} violation{'s' * (v != 1)}")  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from tokendyn.analysis.tables import bin_table, bound_report, checks_summary
+from tokendyn.analysis.tables import bin_table, bound_report, checks_diagnostics, checks_summary
 from tokendyn.figures.data import MissingRecords, Records, bin_label, run_order
 from tokendyn.figures.dynamics import pooled_change
 from tokendyn.figures.training import accuracy_table
@@ -65,10 +65,18 @@ def bin_stats_table(records: Records, point: str | None = "final_norm.out") -> p
 
 
 def checks_table(records: Records) -> pl.DataFrame:
-    """Per run and stage: the exact LM-head and logits checks (max errors, violations)."""
+    """Per run and stage: the exact LM-head and logits checks that must hold (scaled errors, token counts,
+    violations)."""
     if records.get("checks") is None:
         raise MissingRecords("exact checks", ["checks"])
     return _per_run(records, ("checks",), checks_summary)
+
+
+def diagnostics_table(records: Records) -> pl.DataFrame:
+    """Per run and stage: the unscaled identity errors (`tokendyn.analysis.tables.DIAGNOSTICS_NOTE`)."""
+    if records.get("checks") is None:
+        raise MissingRecords("identity diagnostics", ["checks"])
+    return _per_run(records, ("checks",), checks_diagnostics)
 
 
 def shares_table(records: Records) -> pl.DataFrame:
@@ -174,5 +182,9 @@ TABLES = {
     "bins": ("Per-bin statistics at the final norm", bin_stats_table),
     "shares": ("Update shares per bin (all parameters)", shares_table),
     "correct": ("Correct ratios per bin after the full update", correct_table),
-    "checks": ("Exact checks at the LM head and logits", checks_table),
+    "checks": ("Exact checks at the LM head and logits (must hold for every token)", checks_table),
+    "diagnostics": (
+        "Diagnostics: unscaled identity errors (grow like eps / (1 - pi) as pi -> 1; not checks)",
+        diagnostics_table,
+    ),
 }

@@ -177,6 +177,10 @@ def default_points(points: Sequence[str], k: int = 3) -> list[str]:
 def envelope(bound: pl.DataFrame) -> pl.DataFrame:
     """Per (run, point): C = min and D = max of ||delta|| / (|w| (1 - pi)) over every recorded micro-batch, and the
     token-weighted mean Spearman correlation of ||delta|| / |w| with (1 - pi)."""
+    for c, t in (("direct_n", pl.Int64), ("direct_ratio_min", pl.Float64), ("direct_ratio_max", pl.Float64),
+                 ("direct_spearman", pl.Float64)):  # fmt: skip
+        if c not in bound.columns:  # records written before the direct envelope was kept
+            bound = bound.with_columns(pl.lit(None, dtype=t).alias(c))
     return bound.group_by("run", "point").agg(
         pl.col("n").sum(),
         pl.col("ratio_min").min().alias("C"),
@@ -185,6 +189,12 @@ def envelope(bound: pl.DataFrame) -> pl.DataFrame:
             (pl.col("spearman") * pl.col("n")).sum()
             / pl.col("n").filter(pl.col("spearman").is_not_null()).sum()
         ).alias("spearman"),
+        pl.col("direct_ratio_min").min().alias("C_direct"),
+        pl.col("direct_ratio_max").max().alias("D_direct"),
+        (
+            (pl.col("direct_spearman") * pl.col("direct_n")).sum()
+            / pl.col("direct_n").filter(pl.col("direct_spearman").is_not_null()).sum()
+        ).alias("spearman_direct"),
     )
 
 
@@ -195,12 +205,21 @@ def bound(
     *,
     points: Sequence[str] | None = None,
     max_tokens: int = 4000,
+    gradient: str = "direct",
 ) -> Figure:
     """||delta_l|| / |w| against pi for each chosen probe point (columns) and run (rows), from the token sample, with
     the measured envelope C_l (1 - pi) .. D_l (1 - pi) (min / max of the ratio in the ``bound`` records; from the
     sample when absent) and the theoretical lines: at the logits sqrt(V/(V-1)) (1 - pi) .. sqrt(2) (1 - pi) (exact;
     first column, when the tokens carry ``logits_ratio``), at the final norm sigma_max(W) sqrt(2) / T (1 - pi)
-    (``checks``). Tokens with a "direct" gradient (their own loss term only) are drawn apart."""
+    (``checks``).
+
+    ``gradient``: what the inner-layer panels show. "direct" (default): each token's own gradient ||dl_t/dh_l|| (the
+    sampled tokens that have one), with its envelope: the quantity the paper's Proposition bounds. "total": the
+    training backward's ||dL/dh_l[p(t)]||, which at inner layers also carries later tokens' losses through attention,
+    so a token with pi -> 1 keeps a finite gradient and D can be ~1e12; its axis is clipped with a note. At the final
+    norm both are the same (exact) and the total is drawn."""
+    if gradient not in ("direct", "total"):
+        raise ValueError(f"bound figure: gradient must be 'direct' or 'total', got {gradient!r}")
     tk = need(tokens, "the (1 - pi) bound", ["tokens"])
     bound, checks = optional(bound), optional(checks)
     tk = tk.filter(pl.col("w").is_not_null() & (pl.col("w") != 0) & pl.col("norm").is_not_null())
@@ -228,7 +247,7 @@ def bound(
                 rt = rt.sample(max_tokens * len(cols), seed=0)
             for j, col in enumerate(cols):
                 ax = axes[i, j]
-                note = ""
+                note, c_d = "", None
                 if col == "logits":
                     d = one_point(rt).drop_nulls("logits_ratio")
                     x = d["pi"].to_numpy()
@@ -248,9 +267,15 @@ def bound(
                     note = f"{len(x)} tokens, {bad} outside"
                 else:
                     d = rt.filter(pl.col("point") == col)
+                    direct = (
+                        gradient == "direct" and col != "final_norm.out" and "direct_norm" in d.columns
+                        and d["direct_norm"].drop_nulls().len() > 0
+                    )  # fmt: skip
+                    if direct:
+                        d = d.drop_nulls("direct_norm")
                     x = d["pi"].to_numpy()
-                    y = (d["norm"] / d["w"].abs()).to_numpy()
-                    c_d = _cd(env, run, col, d)
+                    y = ((d["direct_norm"] if direct else d["norm"]) / d["w"].abs()).to_numpy()
+                    c_d = _cd(env, run, col, d, direct=direct)
                     if c_d is not None:
                         c, dd = c_d
                         handles["measured"] = ax.fill_between(
@@ -260,13 +285,13 @@ def bound(
                         for v in (c, dd):
                             ax.plot(pi_line, v * omp, color="#b2182b", lw=1.2, ls="--")
                         note = f"C = {c:.3g}, D = {dd:.3g}"
-                        rho = _rho(env, run, col)
+                        rho = _rho(env, run, col, direct=direct)
                         if rho is not None:
                             note += f"\nSpearman ρ = {rho:.2f}"
                     head = _head_bound(checks, run) if col == "final_norm.out" else None
                     if head is not None:
                         ax.plot(pi_line, head * omp, color="#2166ac", lw=1.5)
-                    if "direct_norm" in d.columns:
+                    if "direct_norm" in d.columns and not direct:
                         dr = d.drop_nulls("direct_norm")
                         if dr.height:
                             handles["direct"] = ax.scatter(
@@ -275,6 +300,14 @@ def bound(
                                 label="direct gradient (the token's own loss term only)",
                             )  # fmt: skip
                     title, ylab = short_point(col), "‖δ_l‖ / |w|"
+                    if direct:
+                        title += " (direct)"
+                    elif col != "final_norm.out":
+                        title += " (total)"
+                label = (
+                    "sampled tokens: the token's own gradient (direct) at inner layers, training gradient at the "
+                    "final norm" if gradient == "direct" else "sampled tokens (training gradient)"
+                )  # fmt: skip
                 handles["tokens"] = ax.scatter(
                     x,
                     y,
@@ -283,7 +316,7 @@ def bound(
                     color="0.15",
                     lw=0,
                     zorder=3,
-                    label="sampled tokens (training gradient)",
+                    label=label,
                 )
                 # the scale follows the tokens with pi < 0.95, where the (1 - pi) law can be seen: at inner layers
                 # a token with pi -> 1 keeps later tokens' gradients (attention), and D can be ~1e12 off scale
@@ -294,6 +327,8 @@ def bound(
                 above = int(np.sum(y > top))
                 if above:
                     note += f"\n{above} token{'s' * (above > 1)} above the axis"
+                if col != "logits" and c_d is not None and c_d[1] > top:
+                    note += f"\nD above the axis (clipped at {top:.3g})"
                 ax.set_xlim(0, 1)
                 if note:
                     ax.text(0.97, 0.95, note, transform=ax.transAxes, ha="right", va="top", fontsize=8,
@@ -308,20 +343,23 @@ def bound(
     return fig
 
 
-def _rho(env: pl.DataFrame | None, run: str, point: str) -> float | None:
+def _rho(env: pl.DataFrame | None, run: str, point: str, direct: bool = False) -> float | None:
     if env is None:
         return None
     row = env.filter((pl.col("run") == run) & (pl.col("point") == point))
-    v = row["spearman"][0] if row.height else None
+    v = row["spearman_direct" if direct else "spearman"][0] if row.height else None
     return None if v is None or not math.isfinite(v) else float(v)
 
 
-def _cd(env: pl.DataFrame | None, run: str, point: str, d: pl.DataFrame) -> tuple[float, float] | None:
+def _cd(
+    env: pl.DataFrame | None, run: str, point: str, d: pl.DataFrame, direct: bool = False
+) -> tuple[float, float] | None:
+    c, dd, col = ("C_direct", "D_direct", "direct_ratio") if direct else ("C", "D", "ratio")
     if env is not None:
         row = env.filter((pl.col("run") == run) & (pl.col("point") == point))
-        if row.height and row["C"][0] is not None and row["D"][0] is not None:
-            return float(row["C"][0]), float(row["D"][0])
-    r = d.get_column("ratio").drop_nulls() if "ratio" in d.columns else None
+        if row.height and row[c][0] is not None and row[dd][0] is not None:
+            return float(row[c][0]), float(row[dd][0])
+    r = d.get_column(col).drop_nulls() if col in d.columns else None
     if r is not None and r.len():
         return float(r.min()), float(r.max())
     return None

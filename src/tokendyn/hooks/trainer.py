@@ -81,10 +81,7 @@ class TrainerProbe(TrainerCallback):
                 lr=float(args.probe_lr),
                 seed=args.seed,
             )
-            eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon  # as TRL
-            self.objective = Objective(
-                eps_low=args.epsilon, eps_high=eps_high, delta=args.delta, beta=args.beta
-            )
+            self.objective = Objective.from_config(args)  # the trained loss, or an error naming what is not
             edges = self.probe.bins.edges
             self.edges = list(edges) if edges is not None else None  # quantile bins: the paper's edges here
 

@@ -33,7 +33,7 @@ from tokendyn.probe.tokenloss import (
     ProbeBatch,
     completion_logp,
     eval_mode,
-    loss_terms,
+    token_loss,
     trainable_parameters,
 )
 
@@ -89,7 +89,7 @@ class ParamCopy:
         """One optimizer step on L_mask = sum_{t in mask} l_t (mask None: every token). Returns L_mask."""
         tensors = list(self.params.values())
         with eval_mode(self.model):
-            terms = loss_terms(completion_logp(self.model, batch, self.params), batch, self.objective)
+            terms = token_loss(self.model, batch, self.objective, self.params).terms
             loss = terms.sum() if mask is None else (terms * mask.to(terms.device, terms.dtype)).sum()
             grads = torch.autograd.grad(loss, tensors, allow_unused=True)
         for p, g in zip(tensors, grads, strict=True):

@@ -279,6 +279,9 @@ def _checks(d: StepData, ratio, keep, wflat, ompflat):
     head_viol = int((head_ratio[finite] > head_bound * (1 + tol)).sum())
     fin_ident = ident[torch.isfinite(ident)]
     fin_scaled = scaled[torch.isfinite(scaled)]
+    ident_viol = int(
+        (fin_scaled > tol).sum()
+    )  # the identity must hold on the scale that does not grow as pi -> 1
     lr_fin = lr[lr_ok]
     cols = {
         "vocab_size": [vocab],
@@ -289,6 +292,7 @@ def _checks(d: StepData, ratio, keep, wflat, ompflat):
         "identity_max_rel_err": [float(fin_ident.max()) if fin_ident.numel() else math.nan],
         "identity_mean_rel_err": [float(fin_ident.mean()) if fin_ident.numel() else math.nan],
         "identity_max_scaled_err": [float(fin_scaled.max()) if fin_scaled.numel() else math.nan],
+        "identity_violations": [ident_viol],
         "identity_logits_max_rel_err": [ident_logits],
         "logits_lo": [lo_b],
         "logits_hi": [hi_b],

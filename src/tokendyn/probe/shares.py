@@ -32,9 +32,7 @@ from tokendyn.probe.tokenloss import (
     Objective,
     ProbeBatch,
     bin_index,
-    completion_logp,
     eval_mode,
-    loss_terms,
     token_loss,
     trainable_parameters,
 )
@@ -308,7 +306,7 @@ def token_shares(
         raise ValueError("shares: the direction is zero (no advantage on any token?); shares are undefined")
 
     def terms(*ps: torch.Tensor) -> torch.Tensor:
-        return loss_terms(completion_logp(model, batch, dict(zip(names, ps, strict=True))), batch, objective)
+        return token_loss(model, batch, objective, dict(zip(names, ps, strict=True))).terms
 
     with eval_mode(model), jvp_attention(model), _no_input_require_grads(model):
         _, dterms = torch.func.jvp(terms, primals, tangents)

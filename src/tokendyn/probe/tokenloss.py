@@ -20,27 +20,45 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+IS_LEVELS = ("token", "sequence")
+
 
 @dataclass(frozen=True)
 class Objective:
-    """The per-token loss l_t (token-mean GRPO / DAPO style, as TRL's ``loss_type="dapo"`` and the paper's code).
+    """The per-token loss l_t, TRL's GRPO loss (trl 1.16 ``GRPOTrainer._compute_loss``) written per token.
 
-    With r_t = exp(log pi_t - log pi_old,t) and N the normalizer (default: the number of completion tokens)::
+    With w_t = log pi_t - log pi_old,t (``importance_sampling_level="token"``) or the sequence's masked mean of it
+    (``"sequence"``, GSPO), r_t = exp(w_t), m_t the completion mask, A_t the advantage::
 
-        r'_t = min(r_t, delta)                                   (if delta is set: TRL's two-sided ratio cap)
-        pg_t = -min(r'_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)   (if eps_low/eps_high are set)
-        pg_t = -r'_t A_t                                        (no clipping: the plain surrogate, the default)
-        kl_t = exp(ref_t - log pi_t) - (ref_t - log pi_t) - 1   (k3, only if beta > 0; needs batch.ref_logp)
-        l_t  = m_t (pg_t + beta kl_t) / N,        L = sum_t l_t
+        pg_t = -min(min(r_t, delta) A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)    (eps set; delta optional)
+        pg_t = -r_t A_t                                                              (eps None: plain surrogate)
+        pg_t = pg_t * e_t          e_t = 1 if H_t >= the (1 - top_entropy_quantile)-quantile of the batch's H
+        kl_t = exp(ref_t - log pi_t) - (ref_t - log pi_t) - 1  (k3),  kl_t *= r_t if bias_correction_kl
+        p_t  = m_t (pg_t + beta kl_t)
 
-    Zeroing A_t (and the KL term) outside a token set makes l_t = 0 there: the loss restricted to a set of
-    tokens is the sum of their l_t, and the normalizer still counts all tokens.
+    and the aggregation of ``loss_type`` over the analysed batch (B rows, n_i tokens in row i, N tokens in all):
+    grpo  l_t = p_t / (n_i B);   bnpo  l_t = p_t / N;   dr_grpo  l_t = p_t / (B max_completion_length);
+    dapo  l_t = p_t / N (N = batch.normalizer when given). An entropy bonus (``entropy_coef`` c, H_t the entropy
+    of pi at position p(t), at the temperature) adds  -c m_t e_t H_t / sum_u m_u e_u.  L = sum_t l_t.
+
+    The batch is taken as one micro-batch on one process: TRL's 1/gradient_accumulation_steps (and DAPO's
+    accumulation-window normalizer) is a constant factor and left out, so with gradient_accumulation_steps = 1
+    the gradient of L is the training step's own (tests/test_one_loss.py). Zeroing A_t (and the KL term) outside a
+    token set makes p_t = 0 there: the loss restricted to a set of tokens is the sum of their l_t, and the
+    normalizers still count all tokens. `Objective.from_config` builds it from a `GRPOConfig`.
     """
 
     eps_low: float | None = None
     eps_high: float | None = None
     delta: float | None = None
     beta: float = 0.0
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    bias_correction_kl: bool = False
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    max_completion_length: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("eps_low", "eps_high"):
@@ -56,6 +74,63 @@ class Objective:
             raise ValueError(f"objective: delta (ratio cap) must be None or > 1, got {self.delta!r}")
         if not float(self.beta) >= 0.0:
             raise ValueError(f"objective: beta must be >= 0, got {self.beta!r}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(
+                f"objective: loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}"
+            )
+        if self.importance_sampling_level not in IS_LEVELS:
+            raise ValueError(
+                f"objective: importance_sampling_level must be one of {', '.join(IS_LEVELS)}, "
+                f"got {self.importance_sampling_level!r}"
+            )
+        if not 0.0 < float(self.top_entropy_quantile) <= 1.0:
+            raise ValueError(
+                f"objective: top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile!r}"
+            )
+        if self.loss_type == "dr_grpo" and not (
+            isinstance(self.max_completion_length, int) and self.max_completion_length > 0
+        ):
+            raise ValueError(
+                f"objective: loss_type dr_grpo needs max_completion_length > 0, got {self.max_completion_length!r}"
+            )
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.entropy_coef != 0.0 or self.top_entropy_quantile < 1.0
+
+    @classmethod
+    def from_config(cls, args) -> Objective:
+        """The objective a TRL `GRPOConfig` (or `TokendynGRPOConfig`) trains. An option the analyses cannot
+        reproduce raises ValueError naming it (checked when a trainer with analyses starts)."""
+        unsupported = []
+        loss_type = getattr(args, "loss_type", "dapo")
+        if loss_type not in LOSS_TYPES:
+            unsupported.append(f"loss_type={loss_type!r} (supported: {', '.join(LOSS_TYPES)})")
+        if getattr(args, "off_policy_mask_threshold", None) is not None:
+            unsupported.append("off_policy_mask_threshold")
+        if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
+            unsupported.append("vllm_importance_sampling_correction with use_vllm (set it False)")
+        if getattr(args, "use_adaptive_entropy", False):
+            unsupported.append("use_adaptive_entropy (a fixed entropy_coef is supported)")
+        if unsupported:
+            raise ValueError(
+                "probe analyses: the loss option(s) " + "; ".join(unsupported) + " are not reproduced by the "
+                "analyses' loss; switch them off or run with probe_analyses='none'"
+            )
+        eps = args.epsilon
+        eps_high = args.epsilon_high if getattr(args, "epsilon_high", None) is not None else eps  # as TRL
+        return cls(
+            eps_low=eps,
+            eps_high=eps_high,
+            delta=getattr(args, "delta", None),
+            beta=float(getattr(args, "beta", 0.0)),
+            loss_type=loss_type,
+            importance_sampling_level=getattr(args, "importance_sampling_level", "token"),
+            bias_correction_kl=bool(getattr(args, "use_bias_correction_kl", False)),
+            top_entropy_quantile=float(getattr(args, "top_entropy_quantile", 1.0)),
+            entropy_coef=float(getattr(args, "entropy_coef", 0.0) or 0.0),
+            max_completion_length=getattr(args, "max_completion_length", None),
+        )
 
 
 def _as_2d(name: str, value: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -221,10 +296,21 @@ def completion_logp(
     so a change of pi of 1e-12 still has its sign. What remains is the model's own forward precision: a change of
     the logits below their rounding (float32: ~1e-7 of |z|) is noise.
     """
+    z = _completion_logits(model, batch, params)
+    ids = batch.completion_ids.to(z.device).unsqueeze(-1)
+    if float64:
+        z = z.to(torch.float64)
+        return z.gather(-1, ids).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    return torch.log_softmax(z, dim=-1).gather(-1, ids).squeeze(-1)
+
+
+def _completion_logits(
+    model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """z = logits[p(t)] / T for every completion position, (B, C, V), float32 or wider."""
     c = batch.n_completion
     kwargs: dict = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
-    keep = _accepts_logits_to_keep(model)
-    if keep:
+    if _accepts_logits_to_keep(model):
         kwargs["logits_to_keep"] = c + 1
     if params is None:
         out = model(**kwargs)
@@ -232,24 +318,41 @@ def completion_logp(
         out = torch.func.functional_call(model, params, (), kwargs)
     logits = out.logits if hasattr(out, "logits") else out[0]
     logits = logits[:, -(c + 1) : -1, :]
-    ids = batch.completion_ids.to(logits.device).unsqueeze(-1)
-    if float64:
-        z = logits.to(torch.float64) / batch.temperature
-        return z.gather(-1, ids).squeeze(-1) - torch.logsumexp(z, dim=-1)
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / batch.temperature
-    return torch.log_softmax(z, dim=-1).gather(-1, ids).squeeze(-1)
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)) / batch.temperature
 
 
-def loss_terms(logp: torch.Tensor, batch: ProbeBatch, objective: Objective | None = None) -> torch.Tensor:
+def completion_logp_entropy(
+    model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi_t(o_t), H_t) for every completion token, (B, C) each, differentiable: H_t = -sum_k pi_k log pi_k,
+    the entropy of the temperature-scaled distribution at p(t) (what TRL's entropy bonus and entropy mask use)."""
+    z = _completion_logits(model, batch, params)
+    lsm = torch.log_softmax(z, dim=-1)
+    ids = batch.completion_ids.to(z.device).unsqueeze(-1)
+    return lsm.gather(-1, ids).squeeze(-1), -(lsm.exp() * lsm).sum(-1)
+
+
+def loss_terms(
+    logp: torch.Tensor,
+    batch: ProbeBatch,
+    objective: Objective | None = None,
+    entropy: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The per-token terms l_t, (B, C), zero on padding, sum = L (formula: `Objective`).
 
     ``logp`` is log pi_t (B, C); pi_old is batch.old_logp, or logp.detach() when None (ratio 1, gradient of the
-    plain surrogate -A_t log pi_t)."""
+    plain surrogate -A_t log pi_t). ``entropy``: H_t (B, C), needed when the objective has an entropy bonus or an
+    entropy mask (`completion_logp_entropy`)."""
     objective = objective or Objective()
+    if objective.needs_entropy and entropy is None:
+        raise ValueError("objective: an entropy bonus or top_entropy_quantile < 1 needs the entropies H_t")
     mask = batch.completion_mask.to(logp.device)
+    m = mask.to(logp.dtype)
     adv = batch.advantages.to(device=logp.device, dtype=logp.dtype)
     old = logp.detach() if batch.old_logp is None else batch.old_logp.to(device=logp.device, dtype=logp.dtype)
     log_ratio = torch.where(mask, logp - old, torch.zeros_like(logp))
+    if objective.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
     capped = ratio if objective.delta is None else torch.clamp(ratio, max=objective.delta)
     if objective.eps_low is None:
@@ -257,13 +360,40 @@ def loss_terms(logp: torch.Tensor, batch: ProbeBatch, objective: Objective | Non
     else:
         clipped = torch.clamp(ratio, 1.0 - objective.eps_low, 1.0 + objective.eps_high)
         pg = -torch.minimum(capped * adv, clipped * adv)
+    keep = m
+    if objective.top_entropy_quantile < 1.0:
+        keep = m * _high_entropy_mask(entropy.detach(), mask, objective.top_entropy_quantile).to(m.dtype)
+        pg = pg * keep
     if objective.beta > 0:
         if batch.ref_logp is None:
             raise ValueError("objective: beta > 0 needs batch.ref_logp (log pi_ref of the completion tokens)")
         ref = batch.ref_logp.to(device=logp.device, dtype=logp.dtype)
         d = torch.where(mask, ref - logp, torch.zeros_like(logp))
-        pg = pg + objective.beta * (torch.exp(d) - d - 1.0)
-    return torch.where(mask, pg, torch.zeros_like(pg)) / batch.norm
+        kl = torch.exp(d) - d - 1.0
+        pg = pg + objective.beta * (kl * ratio if objective.bias_correction_kl else kl)
+    per_token = torch.where(mask, pg, torch.zeros_like(pg))
+    b = logp.size(0)
+    if objective.loss_type == "grpo":
+        terms = per_token / (m.sum(-1, keepdim=True).clamp(min=1.0) * b)
+    elif objective.loss_type == "bnpo":
+        terms = per_token / m.sum().clamp(min=1.0)
+    elif objective.loss_type == "dr_grpo":
+        terms = per_token / (b * objective.max_completion_length)
+    else:  # dapo
+        terms = per_token / batch.norm
+    if objective.entropy_coef:
+        terms = terms - objective.entropy_coef * keep * entropy / keep.sum().clamp(min=1.0)
+    return terms
+
+
+def _high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top: float) -> torch.Tensor:
+    """e_t = H_t >= the (1 - top)-quantile of H over the batch's completion tokens (TRL's get_high_entropy_mask on
+    one process), and 0 on padding."""
+    valid = entropy[mask].float()
+    if valid.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(valid, 1.0 - top)
+    return ((entropy * mask) >= threshold) & mask
 
 
 @dataclass
@@ -282,9 +412,13 @@ def token_loss(
     params: dict[str, torch.Tensor] | None = None,
 ) -> TokenLoss:
     """Forward the batch and return log pi_t, the per-token loss terms l_t and L = sum_t l_t
-    (`completion_logp` then `loss_terms`)."""
-    logp = completion_logp(model, batch, params)
-    terms = loss_terms(logp, batch, objective)
+    (`completion_logp` or `completion_logp_entropy`, then `loss_terms`): the one loss every analysis uses."""
+    objective = objective or Objective()
+    if objective.needs_entropy:
+        logp, entropy = completion_logp_entropy(model, batch, params)
+    else:
+        logp, entropy = completion_logp(model, batch, params), None
+    terms = loss_terms(logp, batch, objective, entropy)
     return TokenLoss(logp, terms, terms.sum())
 
 

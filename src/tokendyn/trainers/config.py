@@ -216,6 +216,12 @@ class TokendynGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"temperature must be a number > 0 (the sampling temperature), got {self.temperature!r}"
             )
+        if self.probe_every and self.probe_analysis_set:
+            from tokendyn.probe.tokenloss import Objective
+
+            Objective.from_config(
+                self
+            )  # the analyses must reproduce the trained loss: else fail now, naming it
         if not _is_number(self.probe_lr) or self.probe_lr <= 0:
             raise ValueError(f"probe_lr must be a number > 0, got {self.probe_lr!r}")
         if self.probe_every:
