@@ -42,7 +42,7 @@ def run_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("figure_runs")
     out = {}
     for name, extra in METHODS.items():
-        cfg = _config(root / name, max_steps=4, probe_every=1, **extra)
+        cfg = _config(root / name, max_steps=4, probe_every=1, probe_lr_sweep=[1e-3, 1.0], **extra)
         trainer = _trainer(tiny_model_dir, cfg)
         run_dir = Path(cfg.output_dir)
         trainer.add_callback(ParquetLogCallback(run_dir / "metrics.parquet", method=method_name(cfg)))
@@ -318,3 +318,26 @@ def test_bound_figure_layer_panels_show_the_direct_gradient_by_default(records):
     assert any(ax.get_title().endswith("(total)") for ax in fig_total.axes)
     with pytest.raises(ValueError, match="gradient must be"):
         F.bound(tk, gradient="both")
+
+
+def test_step_size_sweep_records(records):
+    """The sweep's lr = 1e-3 rows are the main counterfactual update (same correct ratios, same ties); one SGD
+    step's ||delta theta|| grows exactly with lr (GRPO, one stage); the table has every bin at every lr."""
+    pc = records.get("prob_change").filter(pl.col("source_bin") == -1)
+    grpo = pc.filter(pl.col("run") == records.labels[0])
+    key = ["step", "bin", "update_stage"]
+    main = grpo.filter(pl.col("update") == "counterfactual").select(*key, "correct_pos", "tie_pos", "n_pos")
+    sw = grpo.filter((pl.col("update") == "sweep") & (pl.col("lr") == 1e-3))
+    both = main.join(sw.select(*key, "correct_pos", "tie_pos", "n_pos"), on=key, suffix="_sweep")
+    assert both.height == main.height > 0
+    assert (both["tie_pos"] == both["tie_pos_sweep"]).all() and (both["n_pos"] == both["n_pos_sweep"]).all()
+    a, b = both["correct_pos"].fill_nan(-1), both["correct_pos_sweep"].fill_nan(-1)
+    assert (a == b).all()
+    steps = grpo.filter((pl.col("update") == "sweep") & (pl.col("bin") == -1)).pivot(
+        on="lr", index="step", values="param_step", aggregate_function="first"
+    )
+    ratio = (steps["1.0"] / steps["0.001"]).to_numpy()
+    assert abs(ratio - 1000).max() < 1e-3 * 1000
+    table = tables.sweep_correct_table(records)
+    assert set(table["lr"].unique().to_list()) == {1e-3, 1.0}
+    assert table.filter(pl.col("bin") >= 0).group_by("run", "lr").len()["len"].min() == 4

@@ -163,7 +163,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "share": pl.Float64,
         "delta_pi": pl.Float64,
     },
-    # distribution of delta pi per bin of pi_old after one update; update: counterfactual | real;
+    # distribution of delta pi per bin of pi_old after one update; update: counterfactual | sweep | real;
     # update_stage: all | stage1 | stage2 | total (Lopti); source_bin: the bin the update used (-1 all tokens)
     "prob_change": {
         **_REBALANCE_KEY,
@@ -174,6 +174,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "bin_lo": pl.Float64,
         "bin_hi": pl.Float64,
         "lr": pl.Float64,
+        "param_step": pl.Float64,
         **_DELTA,
     },
     # M[source, target]: mean |delta pi| (and the distribution of delta pi, correct ratios) over target-bin tokens after an update with only

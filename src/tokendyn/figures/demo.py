@@ -36,12 +36,13 @@ class DemoSize:
     eval_every: int  # evaluation every this many rollouts
     probe_every: int  # optimizer steps between probed steps (analyses run on probed rollout starts)
     probe_sample_sequences: int  # sequences of a probed rollout the rebalancing analyses use
+    lr_sweep: tuple[float, ...] = ()  # step sizes of the counterfactual SGD sweep (probe_lr_sweep)
 
 
 FULL = DemoSize(rollouts=15, people=(3, 4, 5), eval_people=(3, 4, 5, 6, 7), eval_n=20, eval_every=5,
-                probe_every=2, probe_sample_sequences=8)  # fmt: skip
+                probe_every=2, probe_sample_sequences=8, lr_sweep=(1e-3, 1e-2, 1e-1, 0.3, 1.0, 3.0, 10.0))  # fmt: skip
 QUICK = DemoSize(rollouts=3, people=(3, 4), eval_people=(3, 4), eval_n=5, eval_every=3, probe_every=2,
-                 probe_sample_sequences=4)  # fmt: skip
+                 probe_sample_sequences=4, lr_sweep=(1e-3, 1.0))  # fmt: skip
 
 
 def _configs(out: Path, size: DemoSize, model: str | None, overrides: dict):
@@ -66,6 +67,7 @@ def _configs(out: Path, size: DemoSize, model: str | None, overrides: dict):
             eval_steps=size.eval_every,
             probe_every=size.probe_every,
             probe_sample_sequences=size.probe_sample_sequences,
+            probe_lr_sweep=list(size.lr_sweep) or None,
             use_cpu=not torch.cuda.is_available(),
         )
         fields.update(method)

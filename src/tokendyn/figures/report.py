@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 import polars as pl
 from matplotlib.figure import Figure
 
-from tokendyn.figures import dynamics, gradients, readings, tokens, training
+from tokendyn.figures import dynamics, gradients, readings, sweep, tokens, training
 from tokendyn.figures.data import ANALYSIS_KINDS, MissingRecords, Records, load_runs
 from tokendyn.figures.tables import TABLES
 
@@ -76,6 +76,10 @@ FIGURES: tuple[FigureSpec, ...] = (
     FigureSpec("g_correct_ratio", "Correct ratio per interval", "Fig. 2b", ("prob_change",),
                "Share of tokens moved in the direction of their advantage after the full update, per run.",
                lambda r: dynamics.correct_ratio(_g(r, "prob_change")), readings.correct_ratio),
+    FigureSpec("g_correct_sweep", "Correct ratio against the step size", "Fig. 2b, along lr", ("prob_change",),
+               "The correct ratio of positive-advantage tokens per interval as the counterfactual SGD step grows from "
+               "the paper's lr = 1e-3 (dashed) to clearly non-linear steps; ties left out.",
+               lambda r: sweep.correct_vs_step(_g(r, "prob_change")), sweep.reading),
     FigureSpec("h_update_shares", "Update shares per interval", "new", ("shares",),
                "Projection shares s_b of the update, per parameter group and over training steps; a Lopti run shows "
                "its two stages apart: each stage loss's gradient at the start of the stage.",

@@ -172,6 +172,17 @@ def correct_table(records: Records) -> pl.DataFrame:
     )
 
 
+def sweep_correct_table(records: Records) -> pl.DataFrame:
+    """Per run, step size and bin: ||delta theta|| / ||theta|| and the correct ratios with ties
+    (`tokendyn.figures.sweep.sweep_table`)."""
+    from tokendyn.figures.sweep import sweep_table
+
+    pc = records.get("prob_change")
+    if pc is None:
+        raise MissingRecords("correct ratios along the step-size sweep", ["prob_change"])
+    return sweep_table(pc)
+
+
 def accuracy(records: Records) -> pl.DataFrame:
     return accuracy_table(records.get("metrics"))
 
@@ -182,6 +193,7 @@ TABLES = {
     "bins": ("Per-bin statistics at the final norm", bin_stats_table),
     "shares": ("Update shares per bin (all parameters)", shares_table),
     "correct": ("Correct ratios per bin after the full update", correct_table),
+    "sweep": ("Correct ratios along the counterfactual step-size sweep", sweep_correct_table),
     "checks": ("Exact checks at the LM head and logits (must hold for every token)", checks_table),
     "diagnostics": (
         "Diagnostics: unscaled identity errors (grow like eps / (1 - pi) as pi -> 1; not checks)",

@@ -79,6 +79,7 @@ class TrainerProbe(TrainerCallback):
                 prob_change="prob_change" in self.analyses,
                 influence="influence" in self.analyses,
                 lr=float(args.probe_lr),
+                lr_sweep=tuple(args.probe_lr_sweep or ()),
                 seed=args.seed,
             )
             self.objective = Objective.from_config(args)  # the trained loss, or an error naming what is not

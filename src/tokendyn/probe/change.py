@@ -102,6 +102,14 @@ class ParamCopy:
     def probs(self, batch: ProbeBatch) -> torch.Tensor:
         return completion_probs(self.model, batch, self.params)
 
+    def relative_step(self, start: dict[str, torch.Tensor]) -> float:
+        """||theta_copy - theta_start|| / ||theta_start|| over every parameter of the copy (float64 sums)."""
+        num = sum(
+            float((p.detach() - start[n]).to(torch.float64).pow(2).sum()) for n, p in self.params.items()
+        )
+        den = sum(float(start[n].to(torch.float64).pow(2).sum()) for n in self.params)
+        return (num / den) ** 0.5 if den > 0 else float("nan")
+
 
 @dataclass
 class ChangeResult:
@@ -112,6 +120,9 @@ class ChangeResult:
     pi_after: dict[str, torch.Tensor] = field(default_factory=dict)
     delta: dict[str, torch.Tensor] = field(default_factory=dict)
     losses: dict[str, float] = field(default_factory=dict)
+    param_step: dict[str, float] = field(
+        default_factory=dict
+    )  # ||theta - theta_0|| / ||theta_0|| after each stage
 
 
 def fix_pi_old(model: nn.Module, batch: ProbeBatch) -> tuple[ProbeBatch, torch.Tensor]:
@@ -147,16 +158,19 @@ def counterfactual_change(
         raise ValueError(f"change: stage names must be distinct and not 'total', got {names}")
     batch, pi0 = fix_pi_old(model, batch)
     copy = ParamCopy(model, optimizer or sgd(lr), objective)
+    start = {n: p.detach() for n, p in trainable_parameters(model).items()}
     result = ChangeResult(pi0)
     before = pi0
     for name, mask in stages:
         result.losses[name] = copy.step(batch, mask)
+        result.param_step[name] = copy.relative_step(start)
         after = copy.probs(batch)
         result.pi_after[name] = after
         result.delta[name] = _masked(after - before, batch.completion_mask)
         before = after
     if len(stages) > 1:
         result.delta["total"] = _masked(before - pi0, batch.completion_mask)
+        result.param_step["total"] = result.param_step[stages[-1][0]]
     return result
 
 
@@ -242,10 +256,13 @@ def change_frame(
     update_stage: str = "all",
     source_bin: int = -1,
     lr: float | None = None,
+    param_step: float | None = None,
 ):
     """The `prob_change` record of one delta pi: one row per bin of pi_old (``bins``: (B, C), -1 on padding) and
-    one for all tokens (bin -1). ``update``: "counterfactual" or "real"; ``update_stage``: "all", "stage1",
-    "stage2", "total"; ``source_bin``: the bin the update was restricted to (-1: all tokens)."""
+    one for all tokens (bin -1). ``update``: "counterfactual", "sweep" (the counterfactual step at another step size,
+    `tokendyn.probe.rebalance.RebalanceOptions.lr_sweep`) or "real"; ``update_stage``: "all", "stage1", "stage2",
+    "total"; ``source_bin``: the bin the update was restricted to (-1: all tokens); ``param_step``: the update's
+    ||delta theta|| / ||theta||."""
     from tokendyn.probe.analysis_records import to_frame
 
     rows = []
@@ -263,6 +280,7 @@ def change_frame(
             "bin_lo": lo,
             "bin_hi": hi,
             "lr": lr,
+            "param_step": param_step,
         }
         row.update(delta_summary(delta, batch.advantages, mask))
         rows.append(row)

@@ -31,17 +31,24 @@ class RebalanceOptions:
     """Which analyses run. shares: per-bin gradients, norms per layer, projection shares (one forward + one batched
     backward); token_shares: tokens per bin kept from the per-token JVP shares (0: no JVP); prob_change: the
     counterfactual update (lr, plain SGD); influence: one counterfactual update per source bin (and per Lopti
-    stage)."""
+    stage); lr_sweep: further step sizes of the counterfactual update (with prob_change), recorded as update
+    "sweep" with the update's ||delta theta|| / ||theta||, to see where the first-order picture of the paper's
+    lr = 1e-3 step stops holding (list the main lr too to have it on the same curve)."""
 
     shares: bool = True
     token_shares: int = 64
     prob_change: bool = True
     influence: bool = True
     lr: float = 1e-3
+    lr_sweep: tuple[float, ...] = ()
     share_method: str = "loop"
     seed: int = 0
 
     def __post_init__(self) -> None:
+        sweep = tuple(float(x) for x in (self.lr_sweep or ()))
+        if any(not x > 0 for x in sweep):
+            raise ValueError(f"rebalance: every lr_sweep value must be > 0, got {list(self.lr_sweep)!r}")
+        object.__setattr__(self, "lr_sweep", tuple(sorted(set(sweep))))
         if not isinstance(self.token_shares, int) or self.token_shares < 0:
             raise ValueError(f"rebalance: token_shares must be an integer >= 0, got {self.token_shares!r}")
         if not float(self.lr) > 0:
@@ -82,19 +89,29 @@ def analyze_batch(
         deltas = {name: inf.deltas[(name, -1)] for name, _ in stages}
         if len(stages) > 1:
             deltas["total"] = sum(deltas.values())
+        main = None
     elif opts.prob_change:
-        deltas = counterfactual_change(model, batch, stages, lr=opts.lr, objective=objective).delta
+        main = counterfactual_change(model, batch, stages, lr=opts.lr, objective=objective)
+        deltas = main.delta
     else:
-        deltas = {}
+        deltas, main = {}, None
     if deltas:
         all_delta = deltas["all"] if stage_masks is None else deltas["total"]
     if opts.prob_change:
-        frames["prob_change"] = pl.concat(
-            [
-                change_frame(d, batch, bins, edges_t, step=step, stage=stage, update_stage=name, lr=opts.lr)
-                for name, d in deltas.items()
-            ]
-        )
+        steps_of = main.param_step if main is not None else {}
+        parts = [
+            change_frame(d, batch, bins, edges_t, step=step, stage=stage, update_stage=name, lr=opts.lr,
+                         param_step=steps_of.get(name))
+            for name, d in deltas.items()
+        ]  # fmt: skip
+        full = "all" if stage_masks is None else "total"
+        for lr in opts.lr_sweep:
+            res = counterfactual_change(model, batch, stages, lr=lr, objective=objective)
+            parts.append(
+                change_frame(res.delta[full], batch, bins, edges_t, step=step, stage=stage, update="sweep",
+                             update_stage=full, lr=lr, param_step=res.param_step[full])
+            )  # fmt: skip
+        frames["prob_change"] = pl.concat(parts)
     if opts.shares or opts.token_shares:
         res = gradient_shares(
             model,

@@ -157,6 +157,13 @@ class TokendynGRPOConfig(GRPOConfig):
         default=1e-3,
         metadata={"help": "Learning rate of the counterfactual SGD updates (the paper's diagnostic: 1e-3)."},
     )
+    probe_lr_sweep: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Step sizes of an extra counterfactual SGD sweep (with the prob_change analysis), e.g. "
+            "1e-3 1e-2 1e-1 1: the correct ratio per bin as a curve of the step size (update 'sweep')."
+        },
+    )
 
     def __post_init__(self):
         self._validate_tokendyn_fields()
@@ -224,6 +231,11 @@ class TokendynGRPOConfig(GRPOConfig):
             )  # the analyses must reproduce the trained loss: else fail now, naming it
         if not _is_number(self.probe_lr) or self.probe_lr <= 0:
             raise ValueError(f"probe_lr must be a number > 0, got {self.probe_lr!r}")
+        if self.probe_lr_sweep is not None and (
+            not isinstance(self.probe_lr_sweep, list | tuple)
+            or not all(_is_number(x) and x > 0 for x in self.probe_lr_sweep)
+        ):
+            raise ValueError(f"probe_lr_sweep must be a list of numbers > 0, got {self.probe_lr_sweep!r}")
         if self.probe_every:
             from tokendyn.probe.bins import BinSpec
 
