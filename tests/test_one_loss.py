@@ -108,9 +108,10 @@ def test_the_analysis_loss_has_the_training_steps_gradient(tiny_model_dir, tmp_p
     assert (num / den) ** 0.5 < 1e-5, f"{name}: relative gradient error {(num / den) ** 0.5:.2e}"
 
 
-def test_a_loss_the_analyses_cannot_reproduce_fails_at_start(tiny_model_dir, tmp_path):
-    args = _config(tmp_path, loss_type="cispo", probe_every=1, probe_sample_sequences=2)
+def test_a_loss_the_analyses_cannot_reproduce_fails_at_start(tmp_path):
+    """At config time (before any model loads), naming the option; without analyses the same loss trains."""
     with pytest.raises(ValueError, match="loss_type='cispo'"):
-        Objective.from_config(args)
-    with pytest.raises(ValueError, match="loss_type='cispo'"):
-        _trainer(tiny_model_dir, args)
+        _config(tmp_path, loss_type="cispo", probe_every=1, probe_sample_sequences=2)
+    with pytest.raises(ValueError, match="use_adaptive_entropy"):
+        _config(tmp_path, use_adaptive_entropy=True, probe_every=1, probe_sample_sequences=2)
+    _config(tmp_path, loss_type="cispo", probe_every=1, probe_sample_sequences=0)

@@ -215,7 +215,7 @@ def test_cli_analyze(tmp_path, capsys):
     assert args.steps == (0, 5)
     assert analysis_cli.run(args) == 0
     out = capsys.readouterr().out
-    assert "violations of the exact bounds: 0" in out and "wrote" in out
+    assert "violations of the exact checks: 0" in out and "wrote" in out
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "bins.parquet",
         "bound.parquet",

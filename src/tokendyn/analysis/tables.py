@@ -212,7 +212,7 @@ def checks_summary(checks: pl.LazyFrame) -> pl.DataFrame:
             pl.col("identity_n").sum(),
             pl.col("identity_max_scaled_err").max(),
             pl.col("identity_violations").fill_null(0).sum(),
-            pl.col("n_checked").sum().alias("logits_n"),
+            pl.col("n_checked").sum(),
             pl.col("logits_lo").min(),
             pl.col("logits_ratio_min").min(),
             pl.col("logits_ratio_max").max(),

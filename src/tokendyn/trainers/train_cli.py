@@ -105,7 +105,14 @@ def parse(argv: list[str]):
     try:
         run_args, cfg = parser.parse_args_into_dataclasses(args=argv)
     except (ValueError, TypeError) as exc:
-        _fail(str(exc) or type(exc).__name__)
+        text = str(exc) or type(exc).__name__
+        if "generation_batch_size" in text and "per_device_train_batch_size" not in text:
+            # TRL names the derived size only: say which fields make it
+            text += (
+                " (generation_batch_size = per_device_train_batch_size x steps_per_generation x processes; set "
+                "per_device_train_batch_size, steps_per_generation or num_generations accordingly)"
+            )
+        _fail(text)
     return run_args, cfg
 
 
