@@ -220,6 +220,7 @@ def test_cli_analyze(tmp_path, capsys):
         "bins.parquet",
         "bound.parquet",
         "checks.parquet",
+        "diagnostics.parquet",
     ]
     with pytest.raises(SystemExit):
         parser.parse_args(["analyze", str(tmp_path), "--steps", "x"])
