@@ -18,8 +18,8 @@ PAPER_LR = 1e-3
 
 
 def sweep_table(prob_change: pl.DataFrame) -> pl.DataFrame:
-    """Per run, step size and bin (-1: all tokens): ||delta theta|| / ||theta|| of the step and the correct ratios
-    (ties apart, `tokendyn.analysis.tables.correct_summary`) over the probed steps."""
+    """Per run, step size and bin (-1: all tokens): the median over the probed steps of the step's ||delta theta|| /
+    ||theta|| and the correct ratios (ties apart, `tokendyn.analysis.tables.correct_summary`) over those steps."""
     pc = prob_change.filter(pl.col("update") == "sweep")
     if not pc.height:
         raise MissingRecords("correct ratio along the step-size sweep", ["prob_change"], reason="no 'sweep' rows "
@@ -27,7 +27,7 @@ def sweep_table(prob_change: pl.DataFrame) -> pl.DataFrame:
     out = []
     for run in run_order(pc):
         r = pc.filter(pl.col("run") == run)
-        steps = r.group_by("lr").agg(pl.col("param_step").mean())
+        steps = r.group_by("lr").agg(pl.col("param_step").median())  # a diverging step would swamp a mean
         summary = correct_summary(r.lazy()).join(steps, on="lr", how="left")
         out.append(summary.with_columns(pl.lit(run).alias("run")))
     cols = ["run", "lr", "param_step", "bin", "bin_lo", "bin_hi", "n_pos", "tie_pos", "correct_pos", "n_neg",
@@ -73,14 +73,15 @@ def correct_vs_step(prob_change: pl.DataFrame | None) -> Figure:
         first = (
             table.filter(pl.col("run") == runs[0]).group_by("lr").agg(pl.col("param_step").first()).sort("lr")
         )
-        steps = ", ".join(f"{lr:g}: {s:.1e}" for lr, s in first.rows() if s is not None)
+        steps = ", ".join(f"lr {lr:g}: {s:.1e}" for lr, s in first.rows() if s is not None)
         handles, labels = axes[0, 0].get_legend_handles_labels()
         fig.legend(
             handles, labels, loc="outside lower center", ncol=min(4, len(runs)), fontsize=9, frameon=False
         )
-        fig.suptitle("Correct ratio against the counterfactual step size", fontweight="bold")
+        title = "Correct ratio against the counterfactual step size"
         if steps:
-            fig.text(0.5, 0.93, f"‖Δθ‖/‖θ‖ ({runs[0]}) — {steps}", ha="center", fontsize=8, color="0.3")
+            title += f"\nmedian ‖Δθ‖/‖θ‖ of the step ({runs[0]}): {steps}"
+        fig.suptitle(title, fontweight="bold", fontsize=10)
     return fig
 
 

@@ -247,7 +247,7 @@ def bound(
                 rt = rt.sample(max_tokens * len(cols), seed=0)
             for j, col in enumerate(cols):
                 ax = axes[i, j]
-                note, c_d = "", None
+                note, c_d, direct = "", None, False
                 if col == "logits":
                     d = one_point(rt).drop_nulls("logits_ratio")
                     x = d["pi"].to_numpy()
@@ -323,6 +323,8 @@ def bound(
                 core = y[x < 0.95] if np.any(x < 0.95) else y
                 ymax = float(np.nanquantile(core, 0.995)) if core.size else 1.0
                 top = ymax * 1.3 if ymax > 0 else 1.0
+                if col != "logits" and direct and c_d is not None:  # the direct envelope is the panel's subject
+                    top = max(top, c_d[1] * 1.05)
                 ax.set_ylim(0, top)
                 above = int(np.sum(y > top))
                 if above:
