@@ -265,6 +265,9 @@ def _with_columns(frame: pl.LazyFrame, columns: dict[str, pl.DataType]) -> pl.La
     return frame.with_columns(missing) if missing else frame
 
 
+CORRECT_COLUMNS = ("n_pos", "tie_pos", "correct_pos", "n_neg", "tie_neg", "correct_neg", "correct_pooled")
+
+
 def correct_summary(prob_change: pl.LazyFrame) -> pl.DataFrame:
     """Per kind of update (counterfactual, real), step size and bin of pi_old (-1: all tokens), over the steps of the
     full update (update_stage "all", or Lopti's "total"): the correct ratios from the summed counts, ties apart:
@@ -314,14 +317,8 @@ def correct_summary(prob_change: pl.LazyFrame) -> pl.DataFrame:
             "bin",
             "bin_lo",
             "bin_hi",
-            "n_pos",
-            "tie_pos",
-            "correct_pos",
-            "n_neg",
-            "tie_neg",
-            "correct_neg",
-            "correct_pooled",
-        )  # fmt: skip
+            *CORRECT_COLUMNS,
+        )
         .sort("update", "lr", "bin", nulls_last=True)
     )
     return out.collect()

@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 from matplotlib.figure import Figure
 
-from tokendyn.analysis.tables import correct_summary
+from tokendyn.analysis.tables import CORRECT_COLUMNS, correct_summary
 from tokendyn.figures.data import MissingRecords, need, run_order
 from tokendyn.figures.style import new_figure, run_colors, run_markers, themed
 
@@ -30,8 +30,7 @@ def sweep_table(prob_change: pl.DataFrame) -> pl.DataFrame:
         steps = r.group_by("lr").agg(pl.col("param_step").median())  # a diverging step would swamp a mean
         summary = correct_summary(r.lazy()).join(steps, on="lr", how="left")
         out.append(summary.with_columns(pl.lit(run).alias("run")))
-    cols = ["run", "lr", "param_step", "bin", "bin_lo", "bin_hi", "n_pos", "tie_pos", "correct_pos", "n_neg",
-            "tie_neg", "correct_neg", "correct_pooled"]  # fmt: skip
+    cols = ["run", "lr", "param_step", "bin", "bin_lo", "bin_hi", *CORRECT_COLUMNS]
     return pl.concat(out, how="diagonal_relaxed").select(cols)
 
 

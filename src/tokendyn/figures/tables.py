@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import polars as pl
 
-from tokendyn.analysis.tables import bin_table, bound_report, checks_diagnostics, checks_summary
+from tokendyn.analysis.tables import (
+    CORRECT_COLUMNS,
+    bin_table,
+    bound_report,
+    checks_diagnostics,
+    checks_summary,
+)
 from tokendyn.figures.data import MissingRecords, Records, bin_label, run_order
 from tokendyn.figures.dynamics import pooled_change
 from tokendyn.figures.training import accuracy_table
@@ -160,13 +166,7 @@ def correct_table(records: Records) -> pl.DataFrame:
             "steps",
             "interval",
             "tokens",
-            "n_pos",
-            "tie_pos",
-            "correct_pos",
-            "n_neg",
-            "tie_neg",
-            "correct_neg",
-            "correct_pooled",
+            *CORRECT_COLUMNS,
             "mean_abs",
         )  # fmt: skip
     )

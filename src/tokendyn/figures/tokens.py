@@ -323,7 +323,9 @@ def bound(
                 core = y[x < 0.95] if np.any(x < 0.95) else y
                 ymax = float(np.nanquantile(core, 0.995)) if core.size else 1.0
                 top = ymax * 1.3 if ymax > 0 else 1.0
-                if col != "logits" and direct and c_d is not None:  # the direct envelope is the panel's subject
+                if (
+                    col != "logits" and direct and c_d is not None
+                ):  # the direct envelope is the panel's subject
                     top = max(top, c_d[1] * 1.05)
                 ax.set_ylim(0, top)
                 above = int(np.sum(y > top))
