@@ -357,3 +357,21 @@ def test_watch_logps_and_custom_token_positions_align_like_the_default_layout():
     valid = batch.completion_mask.bool()
     torch.testing.assert_close(moved.norms[:, valid], ref.norms[:, valid], rtol=1e-5, atol=1e-8)
     assert moved.records["checks"]["identity_max_rel_err"][0] < 1e-5
+
+
+def test_a_second_probe_on_the_same_model_raises():
+    """Two attached probes would read every gradient twice: the second attach is refused until the first
+    detaches; the first can re-attach itself."""
+    from _models import tiny_qwen2
+
+    from tokendyn.probe import GradientProbe
+
+    model = tiny_qwen2(0)
+    first = GradientProbe(model).attach()
+    with pytest.raises(RuntimeError, match="already has an attached GradientProbe"):
+        GradientProbe(model).attach()
+    assert first.attach() is first
+    first.detach()
+    with GradientProbe(model) as second:
+        assert second.attached
+    assert not hasattr(model, "_tokendyn_probe")

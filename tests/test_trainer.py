@@ -405,7 +405,11 @@ def test_two_processes_share_the_batch_statistics(tiny_model_dir, tmp_path):
     proc = subprocess.run(
         [*cmd, str(tiny_model_dir), str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path
     )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    # gloo can abort a process at exit under heavy CPU load ("terminate called without an active exception", seen
+    # here 2 times in ~20 runs) after the results are written: accept only that, and only with the results on disk
+    teardown_abort = "terminate called without an active exception" in proc.stderr
+    ok = proc.returncode == 0 or (teardown_abort and (tmp_path / "result.json").is_file())
+    assert ok, (proc.stdout + proc.stderr)[-4000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["world"] == 2 and result["params_equal"]
     assert abs(result["adv_mean"]) < 1e-6 and result["adv_var"] == pytest.approx(1.0, abs=1e-4)

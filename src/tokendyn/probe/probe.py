@@ -53,6 +53,9 @@ from tokendyn.probe.stats import LogHistogram, bottom_k_sample
 Sink = Callable[[dict[str, dict[str, list]]], None]
 
 
+_ATTACHED = "_tokendyn_probe"  # the model's attribute naming its attached probe
+
+
 class GradientProbe:
     """Probe per-token activation gradients of a causal LM during training; see the module docstring.
 
@@ -139,8 +142,17 @@ class GradientProbe:
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def attach(self) -> GradientProbe:
+        """Register the hooks. A model carries at most one attached probe: a second one would read every gradient
+        twice, so attaching it raises."""
         if self._handles:
             return self
+        other = getattr(self.model, _ATTACHED, None)
+        if other is not None and other is not self and other.attached:
+            raise RuntimeError(
+                "probe: this model already has an attached GradientProbe; detach it (or leave its `with` block) "
+                "before attaching another"
+            )
+        setattr(self.model, _ATTACHED, self)
         self._handles.append(self.model.register_forward_pre_hook(self._on_root_pre))
         self._handles.append(self.model.register_forward_hook(self._on_root_post))
         for p in self.points:
@@ -158,6 +170,8 @@ class GradientProbe:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if getattr(self.model, _ATTACHED, None) is self:
+            delattr(self.model, _ATTACHED)
         if self._pass is not None:
             self._pass.release()
         self._pass, self._pending, self._forwarding = None, None, False
