@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tokendyn.cli import main
+from tokendyn.policy import load_policy, save_policy
 from tokendyn.tasks.kk.datasets import heldout
 from tokendyn.tasks.kk.prompts import render_prompt
-from tokendyn.trainers.policy import load_policy, save_policy
 from tokendyn.trainers.warmstart import train_policy
 
 

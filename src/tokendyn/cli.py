@@ -21,7 +21,7 @@ COMMANDS = {
     "analyze": "tokendyn.analysis.cli",
     "figures": "tokendyn.figures.cli",
     "probe": "tokendyn.hooks.offline_cli",
-    "demo": "tokendyn.figures.demo_cli",
+    "demo": "tokendyn.commands.demo_cli",
 }
 
 

@@ -71,15 +71,15 @@ def run(args: argparse.Namespace) -> int:
     validate(args)
     out = check_writable(args.out, "out")
     if args.model is not None:
-        from .policy import check_model_source
+        from ..policy import check_model_source
 
         check_model_source(args.model, "model")
 
     import polars as pl
     from rich.console import Console
 
+    from ..policy import default_policy_dir, load_policy
     from .evaluate import evaluate
-    from .policy import default_policy_dir, load_policy
 
     model, tok = load_policy(args.model)
     name = args.model or str(default_policy_dir())

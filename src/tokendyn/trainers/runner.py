@@ -209,7 +209,7 @@ def prepare(run: RunArguments, cfg) -> Path | None:
     """Everything checked before any work (nothing is created or changed): the checkpoint cadence, the resume
     checkpoint, that a fresh run does not land on an earlier one (its records would be mixed in), and the model
     source. Returns the checkpoint to resume from (None: a fresh run)."""
-    from .policy import check_model_source
+    from ..policy import check_model_source
     from .resume import ResumeError, check_save_steps, checkpoint_step, resolve_checkpoint
 
     check_save_steps(cfg)
@@ -269,9 +269,9 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
     import torch
 
     from ..common import write_json
+    from ..policy import MARKER, default_policy_dir, load_policy
     from .callbacks import HeldoutEvalCallback, ParquetLogCallback
     from .grpo import TokendynGRPOTrainer
-    from .policy import MARKER, default_policy_dir, load_policy
     from .resume import ResumeCallback, checkpoint_step, kept_metrics, truncate_records
 
     out = Path(cfg.output_dir)
