@@ -60,7 +60,13 @@ class RunArguments:
         },
     )
 
+    threads: int | None = field(
+        default=None, metadata={"help": "CPU threads of torch and polars (default: every core)."}
+    )
+
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads: must be an integer >= 1, got {self.threads}")
         for name in ("people", "eval_people"):
             sizes = getattr(self, name)
             if sizes is None:
@@ -270,7 +276,7 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
 
     from ..common import write_json
     from ..policy import MARKER, default_policy_dir, load_policy
-    from .callbacks import HeldoutEvalCallback, ParquetLogCallback
+    from .callbacks import HeldoutEvalCallback, ParquetLogCallback, use_reward_bar
     from .grpo import TokendynGRPOTrainer
     from .resume import ResumeCallback, checkpoint_step, kept_metrics, truncate_records
 
@@ -291,6 +297,7 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
         train_dataset=train_ds,
         callbacks=list(callbacks),
     )
+    use_reward_bar(trainer, progress and not cfg.disable_tqdm, method_name(cfg))
     trainer.args.reward_weights = None
     trainer.reward_weights = torch.tensor([1.0, 0.0])
     marker = Path(model_path) / MARKER  # keep the tokendyn tokenizer marker (see load_tokenizer)
