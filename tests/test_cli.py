@@ -131,5 +131,21 @@ def test_train_shows_one_bar_with_the_reward_and_no_log_dicts(tiny_model_dir, tm
         torch.set_num_threads(before)
     captured = capfd.readouterr()
     assert "{'loss'" not in captured.out + captured.err
+    assert "Loading weights" not in captured.err  # transformers' per-file bars are off
     assert "reward=" in captured.err and "acc=" in captured.err and "2/2" in captured.err
     assert f"run directory: {out}" in captured.out
+
+
+def test_dependency_warnings_are_dropped_and_tokendyns_shown_on_one_line():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        cli.quiet_dependencies()
+        warnings.warn_explicit("renamed", FutureWarning, "x.py", 1, module="transformers.configuration_utils")
+        warnings.warn_explicit("experimental", UserWarning, "y.py", 2, module="trl.trainer.grpo_trainer")
+        warnings.warn_explicit(
+            "too long\n  for the model", UserWarning, "r.py", 3, module="tokendyn.trainers.runner"
+        )
+    assert [str(w.message) for w in seen] == ["too long\n  for the model"]
+    shown = cli.one_line_warning(seen[0].message, UserWarning, "r.py", 3)
+    assert shown == "warning: too long for the model\n"

@@ -104,15 +104,24 @@ def set_threads(n: int | None) -> None:
 
 def quiet_dependencies() -> None:
     """Dependency warnings a user cannot act on (deprecations inside transformers/TRL/torch, TRL's experimental
-    notices) are dropped; tokendyn's own warnings still show."""
+    notices) and transformers' per-file loading bars are dropped; tokendyn's own warnings and bars still show."""
     import warnings
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # "Loading weights", "Writing model shards"
     for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
     for module in ("transformers", "trl", "torch", "accelerate", "datasets", "huggingface_hub", "matplotlib"):
         warnings.filterwarnings("ignore", module=rf"{module}(\.|$)")
+    warnings.formatwarning = one_line_warning
+    if "transformers" in sys.modules:  # imported already (in a test): its bars read the variable at import
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+
+
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as the CLI prints it: ``warning: <message>`` on one line (no file name and source line)."""
+    return f"warning: {' '.join(str(message).split())}\n"
 
 
 def build_parser() -> argparse.ArgumentParser:

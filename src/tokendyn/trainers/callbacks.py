@@ -129,9 +129,11 @@ def _bar_class():
             self.shown: dict[str, str] = {}
 
         def on_train_begin(self, args, state, control, **kwargs):
-            super().on_train_begin(args, state, control, **kwargs)
-            if self.training_bar is not None:
-                self.training_bar.set_description(self.description)
+            from tqdm.auto import tqdm
+
+            if state.is_world_process_zero:
+                self.training_bar = tqdm(total=state.max_steps, desc=self.description, dynamic_ncols=True)
+            self.current_step = 0
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero or self.training_bar is None or not logs:
