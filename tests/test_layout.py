@@ -23,10 +23,9 @@ ALLOWED = {
     "trainers": {"__init__", "common", "records", "remedies", "policy", "probe", "hooks", "tasks"},
     "analysis": {"common", "records"},
     "figures": {"common", "records", "analysis"},
-    "api": {"common", "records", "analysis"},
     "commands": {"common", "records", "policy", "trainers", "figures", "analysis"},
     "cli": {"__init__", "common"},  # commands are found by name (importlib), not imported
-    "__init__": {"api"},
+    "__init__": {"analysis"},  # load_run, imported on first use
     "__main__": {"cli"},
 }
 

@@ -9,7 +9,8 @@ import polars as pl
 from rich.console import Console
 from rich.table import Table
 
-from tokendyn.analysis.load import check_run_dir, check_selection, load, select_steps
+from tokendyn.analysis.load import check_run_dir, check_selection, select_steps
+from tokendyn.analysis.run import load_run
 from tokendyn.analysis.tables import bin_table, bound_report, checks_summary, unreached
 from tokendyn.records import write_atomic
 
@@ -31,10 +32,8 @@ def analyze_run(
     to RUN_DIR/analysis (an empty table is not written: an earlier file of that name is left as it was)."""
     path = check_run_dir(run_dir)
     check_selection(path, steps, stage)
-    lf = {
-        k: select_steps(load(path, k), steps, stage)
-        for k in ("binstats", "hist", "bound", "checks", "tokens")
-    }
+    run = load_run(path)
+    lf = {k: select_steps(run[k], steps, stage) for k in ("binstats", "hist", "bound", "checks", "tokens")}
     tables = {
         "bins": bin_table(lf["binstats"], lf["hist"], by_step=by_step),
         "bound": bound_report(lf["bound"], lf["binstats"], lf["tokens"]),
