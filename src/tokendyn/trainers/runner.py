@@ -312,6 +312,10 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
             import json
 
             meta_before = json.loads((out / "run.json").read_text())
+    if [r for r in (trainer.args.report_to or []) if r != "none"]:  # the probe's numbers live, as TRL's are
+        from ..hooks.live import attach_live_metrics
+
+        attach_live_metrics(trainer)
     logger = ParquetLogCallback(out / "metrics.parquet", method=method_name(cfg), rows=rows)
     trainer.add_callback(logger)
     if run.eval_n:
