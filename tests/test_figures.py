@@ -304,3 +304,36 @@ def test_analyze_prints_the_rebalancing_tables_side_by_side(run_dirs, capsys):
     want = float((top["mean_abs"] * top["count"]).sum() / top["count"].sum())
     col = next(c for c in iso.columns if c.startswith("lopti") and c.endswith("high (stage 2)"))
     assert iso[col][1] == pytest.approx(want)
+
+
+def test_influence_matrix_shares_one_colour_scale_and_leaves_no_empty_cell(records):
+    from matplotlib.collections import QuadMesh
+
+    fig = F.influence_matrix(records.get("influence"))
+    bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    panels = [
+        ax for ax in fig.axes if ax not in bars and any(isinstance(c, QuadMesh) for c in ax.collections)
+    ]
+    limits = {next(c for c in ax.collections if isinstance(c, QuadMesh)).get_clim() for ax in panels}
+    assert len(panels) == 4 and len(bars) == 1  # GRPO, Reweight, Lopti's two stages; one colour bar
+    assert len(limits) == 1 and next(iter(limits))[0] == 0.0
+    assert all(ax.axison for ax in panels)  # no panel left blank in the grid
+    matplotlib.pyplot.close(fig)
+
+
+def test_grid_shape_leaves_the_fewest_empty_cells():
+    from tokendyn.figures.dynamics import grid_shape
+
+    assert [grid_shape(n) for n in (1, 2, 3, 4, 5, 6)] == [(1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (2, 3)]
+
+
+def test_four_bins_get_four_colour_blind_safe_colours_everywhere(records):
+    from matplotlib.colors import to_hex
+
+    from tokendyn.figures.style import OKABE_ITO, bin_colors
+
+    assert bin_colors(4) == list(OKABE_ITO[:4]) and len(set(bin_colors(4))) == 4
+    fig = F.update_shares(records.get("shares"))
+    used = {to_hex(p.get_facecolor()) for ax in fig.axes for p in ax.patches if p.get_height() != 0}
+    assert {c.lower() for c in OKABE_ITO[:4]} <= used
+    matplotlib.pyplot.close(fig)
