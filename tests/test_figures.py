@@ -48,7 +48,8 @@ def run_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
         trainer.add_callback(ParquetLogCallback(run_dir / "metrics.parquet", method=method_name(cfg)))
         trainer.add_callback(HeldoutEvalCallback(trainer, [3, 4], 2, 2, cfg.temperature, "qwen-instruct"))
         trainer.train()
-        write_json(run_dir / "run.json", {"method": method_name(cfg), "config": cfg.to_dict()})
+        meta = {"method": method_name(cfg), "config": cfg.to_dict(), "run": {"eval_n": 2}}  # as tokendyn train
+        write_json(run_dir / "run.json", meta)
         out[name] = run_dir
     return out
 
@@ -337,3 +338,25 @@ def test_four_bins_get_four_colour_blind_safe_colours_everywhere(records):
     used = {to_hex(p.get_facecolor()) for ax in fig.axes for p in ax.patches if p.get_height() != 0}
     assert {c.lower() for c in OKABE_ITO[:4]} <= used
     matplotlib.pyplot.close(fig)
+
+
+def test_wilson_interval_matches_the_formula():
+    from tokendyn.figures.training import wilson
+
+    lo, hi = wilson(0.5, 100)
+    assert lo == pytest.approx(0.40383, abs=1e-5) and hi == pytest.approx(0.59617, abs=1e-5)
+    assert wilson(0.0, 20)[0] == 0.0 and 0 < wilson(0.0, 20)[1] < 0.17  # no zero-width interval at 0 / 20
+
+
+def test_accuracy_table_has_the_starting_policy_and_intervals(records):
+    from tokendyn.figures.training import wilson
+
+    acc = tables.accuracy(records)
+    assert acc["run"][0] == "starting policy" and acc["evaluations"][0] == 1
+    m = records.get("metrics")
+    start = m.filter(pl.col("heldout/accuracy_3ppl").is_not_null() & (pl.col("rollout") == 0))
+    assert acc["3 people"][0] == pytest.approx(float(start["heldout/accuracy_3ppl"].mean()))
+    n = int(m["heldout_n"].max())
+    for row in acc.iter_rows(named=True):
+        lo, hi = wilson(row["mean"], n * 2 * row["evaluations"])  # two sizes (3 and 4 people)
+        assert row["mean 95% CI"] == f"[{lo:.2f}, {hi:.2f}]"

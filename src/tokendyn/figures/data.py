@@ -140,7 +140,11 @@ def _with_rollout(metrics: pl.DataFrame, run: RunInfo) -> pl.DataFrame:
         per = 1
     if cfg.get("lopti_eta") is not None or cfg.get("lopti_quantile") is not None:
         per *= 2
-    return metrics.with_columns((pl.col("step") / per).ceil().alias("rollout"))
+    eval_n = (run.meta.get("run") or {}).get("eval_n")  # held-out puzzles per size per evaluation
+    n = int(eval_n) if isinstance(eval_n, int) and eval_n > 0 else None
+    return metrics.with_columns(
+        (pl.col("step") / per).ceil().alias("rollout"), pl.lit(n, dtype=pl.Int64).alias("heldout_n")
+    )
 
 
 def _with_in_stage(tokens: pl.DataFrame, run: RunInfo) -> pl.DataFrame:
