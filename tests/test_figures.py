@@ -48,7 +48,11 @@ def run_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
         trainer.add_callback(ParquetLogCallback(run_dir / "metrics.parquet", method=method_name(cfg)))
         trainer.add_callback(HeldoutEvalCallback(trainer, [3, 4], 2, 2, cfg.temperature, "qwen-instruct"))
         trainer.train()
-        meta = {"method": method_name(cfg), "config": cfg.to_dict(), "run": {"eval_n": 2}}  # as tokendyn train
+        meta = {
+            "method": method_name(cfg),
+            "config": cfg.to_dict(),
+            "run": {"eval_n": 2},
+        }  # as tokendyn train
         write_json(run_dir / "run.json", meta)
         out[name] = run_dir
     return out
@@ -360,3 +364,18 @@ def test_accuracy_table_has_the_starting_policy_and_intervals(records):
     for row in acc.iter_rows(named=True):
         lo, hi = wilson(row["mean"], n * 2 * row["evaluations"])  # two sizes (3 and 4 people)
         assert row["mean 95% CI"] == f"[{lo:.2f}, {hi:.2f}]"
+
+
+def test_the_provable_head_bound_is_on_scale_or_a_number(records):
+    from tokendyn.figures.report import FIGURES
+
+    fig = next(s for s in FIGURES if s.name == "f_bound").draw(records)
+    heads = [ax for ax in fig.axes if ax.get_title().startswith("final norm")]
+    assert heads
+    for ax in heads:
+        top = ax.get_ylim()[1]
+        drawn = [line for line in ax.get_lines() if line.get_color() == "#2166ac"]
+        noted = any("provable: ≤" in t.get_text() for t in ax.texts)
+        assert drawn or noted  # the bound is shown one way or the other
+        assert all(max(line.get_ydata()) <= top * (1 + 1e-9) for line in drawn)  # never a stroke off the axis
+    matplotlib.pyplot.close(fig)

@@ -263,9 +263,6 @@ def bound(
                         rho = _rho(env, run, col)
                         if rho is not None:
                             note += f"\nSpearman ρ = {rho:.2f}"
-                    head = _head_bound(checks, run) if col == "final_norm.out" else None
-                    if head is not None:
-                        ax.plot(pi_line, head * omp, color="#2166ac", lw=1.5)
                     if "direct_norm" in d.columns:
                         dr = d.drop_nulls("direct_norm")
                         if dr.height:
@@ -291,6 +288,11 @@ def bound(
                 ymax = float(np.nanquantile(core, 0.995)) if core.size else 1.0
                 top = ymax * 1.3 if ymax > 0 else 1.0
                 ax.set_ylim(0, top)
+                head = _head_bound(checks, run) if col == "final_norm.out" else None
+                if head is not None and head <= top:  # the provable bound sigma_max(W) sqrt(2) / T (1 - pi)
+                    ax.plot(pi_line, head * omp, color="#2166ac", lw=1.5)
+                elif head is not None:  # far above the tokens: a number, not a near-vertical stroke at pi ~ 1
+                    note += f"\nprovable: ≤ {head:.3g}(1−π), off scale"
                 above = int(np.sum(y > top))
                 if above:
                     note += f"\n{above} token{'s' * (above > 1)} above the axis"
