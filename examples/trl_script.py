@@ -1,7 +1,7 @@
 """A plain TRL GRPO script with tokendyn's trainer swapped in: two lines change (the config class and the trainer
 class), and the run gains Advantage Reweighting, Lopti and the gradient probe.
 
-    python examples/trl_script.py --out runs/trl_script     # ~30 s on 2 CPU cores
+    python examples/trl_script.py --out runs/trl_script     # ~25 s on 2 CPU cores
     tokendyn analyze runs/trl_script && tokendyn figures runs/trl_script
 
 The policy is tokendyn's embedded default (a 1.1 M-parameter Qwen2 shipped with the package: no download); any
