@@ -23,8 +23,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
 
 bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -21,10 +21,10 @@ def measure(extra: dict, rollouts: int, people: list[int], max_completion_length
     import torch
     from transformers import TrainerCallback
 
+    from tokendyn.policy import load_policy
     from tokendyn.tasks.kk.reward import kk_reward
     from tokendyn.trainers.config import TokendynGRPOConfig
     from tokendyn.trainers.grpo import TokendynGRPOTrainer
-    from tokendyn.trainers.policy import load_policy
     from tokendyn.trainers.runner import (
         EMBEDDED_DEFAULTS,
         RunArguments,

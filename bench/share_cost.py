@@ -35,7 +35,7 @@ def timed(fn, repeats: int, warmup: bool = True) -> float:
 
 def build():
     """The embedded default policy (shipped as package data)."""
-    from tokendyn.trainers.policy import load_policy
+    from tokendyn.policy import load_policy
 
     model, _ = load_policy()
     return model, "embedded default policy"

@@ -277,7 +277,7 @@ def test_on_a_saved_model_with_generated_completions(tiny_model_dir, tmp_path):
     advantages from rewards, every analysis written as records and read back."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from tokendyn.trainers.functional import grpo_advantages
+    from tokendyn.remedies import grpo_advantages
 
     tok = PreTrainedTokenizerFast.from_pretrained(str(tiny_model_dir))
     lm = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))

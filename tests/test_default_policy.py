@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tokendyn.trainers.policy import EMBEDDED_DIR, load_policy
+from tokendyn.policy import EMBEDDED_DIR, load_policy
 from tokendyn.trainers.warmstart import check_slice
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tokendyn.figures.demo import QUICK, demo, with_size
+from tokendyn.commands.demo import QUICK, demo, with_size
 
 torch.set_num_threads(1)
 

@@ -48,7 +48,12 @@ def run_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
         trainer.add_callback(ParquetLogCallback(run_dir / "metrics.parquet", method=method_name(cfg)))
         trainer.add_callback(HeldoutEvalCallback(trainer, [3, 4], 2, 2, cfg.temperature, "qwen-instruct"))
         trainer.train()
-        write_json(run_dir / "run.json", {"method": method_name(cfg), "config": cfg.to_dict()})
+        meta = {
+            "method": method_name(cfg),
+            "config": cfg.to_dict(),
+            "run": {"eval_n": 2},
+        }  # as tokendyn train
+        write_json(run_dir / "run.json", meta)
         out[name] = run_dir
     return out
 
@@ -341,3 +346,73 @@ def test_step_size_sweep_records(records):
     table = tables.sweep_correct_table(records)
     assert set(table["lr"].unique().to_list()) == {1e-3, 1.0}
     assert table.filter(pl.col("bin") >= 0).group_by("run", "lr").len()["len"].min() == 4
+
+
+def test_influence_matrix_shares_one_colour_scale_and_leaves_no_empty_cell(records):
+    from matplotlib.collections import QuadMesh
+
+    fig = F.influence_matrix(records.get("influence"))
+    bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    panels = [
+        ax for ax in fig.axes if ax not in bars and any(isinstance(c, QuadMesh) for c in ax.collections)
+    ]
+    limits = {next(c for c in ax.collections if isinstance(c, QuadMesh)).get_clim() for ax in panels}
+    assert len(panels) == 4 and len(bars) == 1  # GRPO, Reweight, Lopti's two stages; one colour bar
+    assert len(limits) == 1 and next(iter(limits))[0] == 0.0
+    assert all(ax.axison for ax in panels)  # no panel left blank in the grid
+    matplotlib.pyplot.close(fig)
+
+
+def test_grid_shape_leaves_the_fewest_empty_cells():
+    from tokendyn.figures.dynamics import grid_shape
+
+    assert [grid_shape(n) for n in (1, 2, 3, 4, 5, 6)] == [(1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (2, 3)]
+
+
+def test_four_bins_get_four_colour_blind_safe_colours_everywhere(records):
+    from matplotlib.colors import to_hex
+
+    from tokendyn.figures.style import OKABE_ITO, bin_colors
+
+    assert bin_colors(4) == list(OKABE_ITO[:4]) and len(set(bin_colors(4))) == 4
+    fig = F.update_shares(records.get("shares"))
+    used = {to_hex(p.get_facecolor()) for ax in fig.axes for p in ax.patches if p.get_height() != 0}
+    assert {c.lower() for c in OKABE_ITO[:4]} <= used
+    matplotlib.pyplot.close(fig)
+
+
+def test_wilson_interval_matches_the_formula():
+    from tokendyn.figures.training import wilson
+
+    lo, hi = wilson(0.5, 100)
+    assert lo == pytest.approx(0.40383, abs=1e-5) and hi == pytest.approx(0.59617, abs=1e-5)
+    assert wilson(0.0, 20)[0] == 0.0 and 0 < wilson(0.0, 20)[1] < 0.17  # no zero-width interval at 0 / 20
+
+
+def test_accuracy_table_has_the_starting_policy_and_intervals(records):
+    from tokendyn.figures.training import wilson
+
+    acc = tables.accuracy(records)
+    assert acc["run"][0] == "starting policy" and acc["evaluations"][0] == 1
+    m = records.get("metrics")
+    start = m.filter(pl.col("heldout/accuracy_3ppl").is_not_null() & (pl.col("rollout") == 0))
+    assert acc["3 people"][0] == pytest.approx(float(start["heldout/accuracy_3ppl"].mean()))
+    n = int(m["heldout_n"].max())
+    for row in acc.iter_rows(named=True):
+        lo, hi = wilson(row["mean"], n * 2 * row["evaluations"])  # two sizes (3 and 4 people)
+        assert row["mean 95% CI"] == f"[{lo:.2f}, {hi:.2f}]"
+
+
+def test_the_provable_head_bound_is_on_scale_or_a_number(records):
+    from tokendyn.figures.report import FIGURES
+
+    fig = next(s for s in FIGURES if s.name == "f_bound").draw(records)
+    heads = [ax for ax in fig.axes if ax.get_title().startswith("final norm")]
+    assert heads
+    for ax in heads:
+        top = ax.get_ylim()[1]
+        drawn = [line for line in ax.get_lines() if line.get_color() == "#2166ac"]
+        noted = any("provable: ≤" in t.get_text() for t in ax.texts)
+        assert drawn or noted  # the bound is shown one way or the other
+        assert all(max(line.get_ydata()) <= top * (1 + 1e-9) for line in drawn)  # never a stroke off the axis
+    matplotlib.pyplot.close(fig)

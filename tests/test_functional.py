@@ -1,4 +1,4 @@
-"""The pure advantage/mask functions of tokendyn.trainers.functional, checked against the formulas and the paper."""
+"""The pure advantage/mask functions of tokendyn.remedies, checked against the formulas and the paper."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tokendyn.trainers.functional import (
+from tokendyn.remedies import (
     grpo_advantages,
     lopti_masks,
     lopti_threshold,

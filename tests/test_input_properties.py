@@ -73,7 +73,7 @@ def _jsonl(rows) -> str:
 
 @pytest.fixture(scope="module")
 def limits(tiny_model_dir):
-    from tokendyn.trainers.policy import check_model_source
+    from tokendyn.policy import check_model_source
 
     return model_limits(check_model_source(tiny_model_dir))
 

@@ -18,7 +18,7 @@ from tokendyn.cli import main
 from tokendyn.hooks.offline import probe_rollouts
 from tokendyn.hooks.rollouts import RolloutsError, dump_rollouts, read_rollouts
 from tokendyn.probe.tokenloss import Objective
-from tokendyn.trainers.functional import grpo_advantages
+from tokendyn.remedies import grpo_advantages
 from tokendyn.trainers.grpo import TokendynGRPOTrainer
 
 torch.set_num_threads(1)

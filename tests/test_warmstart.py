@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tokendyn.cli import main
+from tokendyn.policy import load_policy, save_policy
 from tokendyn.tasks.kk.datasets import heldout
 from tokendyn.tasks.kk.prompts import render_prompt
-from tokendyn.trainers.policy import load_policy, save_policy
 from tokendyn.trainers.warmstart import train_policy
 
 
@@ -66,7 +66,7 @@ def test_cli_tiny_end_to_end(tmp_path, capsys):
     [
         (["--preset", "huge"], "preset: must be one of ['cpu', 'gpu', 'tiny']"),
         (["--preset", "tiny", "--seed", "-1"], "seed: must be >= 0"),
-        (["--preset", "tiny", "--threads", "0"], "threads: must be > 0"),
+        (["--preset", "tiny", "--threads", "0"], "--threads: must be an integer >= 1, got 0"),
     ],
 )
 def test_cli_rejects_bad_input(argv, message, tmp_path, capsys):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -57,3 +58,15 @@ def write_json(path: str | os.PathLike, obj) -> Path:
             f.write("\n")
 
     return atomic_write(path, _w)
+
+
+@contextmanager
+def progress_bar(description: str, total: int | None) -> Iterator[Callable[[str], None]]:
+    """A rich bar on stderr; yields ``tick(text)``, which advances it by one and shows ``text`` (the last result)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, TextColumn("{task.fields[last]}"), console=Console(stderr=True)) as bar:
+        task = bar.add_task(description, total=total, last="")
+        yield lambda text: bar.update(task, advance=1, last=text)

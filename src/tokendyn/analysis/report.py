@@ -9,7 +9,8 @@ import polars as pl
 from rich.console import Console
 from rich.table import Table
 
-from tokendyn.analysis.load import check_run_dir, check_selection, load, select_steps
+from tokendyn.analysis.load import check_run_dir, check_selection, select_steps
+from tokendyn.analysis.run import load_run
 from tokendyn.analysis.tables import (
     DIAGNOSTICS_NOTE,
     bin_table,
@@ -36,24 +37,21 @@ def analyze_run(
 ) -> dict[str, pl.DataFrame]:
     """{"bins": per-bin table, "bound": per-layer bound report, "checks": the must-hold exact checks, "diagnostics":
     their unscaled errors, and "correct": the correct ratios with tie counts when the run has `prob_change`
-    records}, from the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError` naming what the run holds.
-    With write=True each non-empty table is also written (atomically) to OUT_DIR/{name}.parquet, OUT_DIR defaulting
+    records}, from the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError`
+    naming what the run holds. With write=True each non-empty table is also written (atomically) to OUT_DIR/{name}.parquet, OUT_DIR defaulting
     to RUN_DIR/analysis (an empty table is not written: an earlier file of that name is left as it was)."""
     path = check_run_dir(run_dir)
     check_selection(path, steps, stage)
-    lf = {
-        k: select_steps(load(path, k), steps, stage)
-        for k in ("binstats", "hist", "bound", "checks", "tokens")
-    }
+    run = load_run(path)
+    lf = {k: select_steps(run[k], steps, stage) for k in ("binstats", "hist", "bound", "checks", "tokens")}
     tables = {
         "bins": bin_table(lf["binstats"], lf["hist"], by_step=by_step),
         "bound": bound_report(lf["bound"], lf["binstats"], lf["tokens"]),
         "checks": checks_summary(lf["checks"]),
         "diagnostics": checks_diagnostics(lf["checks"]),
     }
-    prob_change = _optional(path, "prob_change", steps)
-    if prob_change is not None:
-        tables["correct"] = correct_summary(prob_change)
+    if "prob_change" in run.kinds:
+        tables["correct"] = correct_summary(select_steps(run["prob_change"], steps))
     if write:
         out = Path(out_dir) if out_dir is not None else path / ANALYSIS_DIR
         out.mkdir(parents=True, exist_ok=True)
@@ -194,10 +192,3 @@ def print_correct(console: Console, correct: pl.DataFrame) -> None:
             _fmt(r["correct_pooled"]),
         )
     console.print(table)
-
-
-def _optional(path: Path, kind: str, steps) -> pl.LazyFrame | None:
-    """The run's ``kind`` records in the selected steps (every stage), or None when it has none."""
-    if not list((path / "records").glob(f"{kind}-*.parquet")):
-        return None
-    return select_steps(load(path, kind), steps)

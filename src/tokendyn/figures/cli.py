@@ -1,10 +1,12 @@
-"""`tokendyn figures RUN_DIR [RUN_DIR ...] --out DIR [--format png|svg|pdf]`: every figure the records allow, the
+"""`tokendyn figures RUN_DIR [RUN_DIR ...] [--out DIR] [--format png|svg|pdf]`: every figure the records allow, the
 tables, and one self-contained report.html; several runs are drawn side by side / overlaid."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from tokendyn.figures.report import FORMATS, REPORT
 
@@ -21,12 +23,25 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (written by tokendyn train)"
     )
-    p.add_argument("--out", required=True, help="output folder (created)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output folder, created (default: RUN_DIR/figures for one run; for several, figures/ in the folder "
+        "that holds them all)",
+    )
     p.add_argument(
         "--format", default="png", choices=FORMATS, help="file format of the figures (default png)"
     )
     p.set_defaults(func=run)
     return p
+
+
+def default_out(run_dirs: list[str]) -> Path:
+    """RUN_DIR/figures for one run; for several, figures/ in their deepest common folder."""
+    paths = [Path(d).resolve() for d in run_dirs]
+    if len(paths) == 1:
+        return paths[0] / "figures"
+    return Path(os.path.commonpath(paths)) / "figures"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,30 +50,26 @@ def run(args: argparse.Namespace) -> int:
     from tokendyn.common import check_writable
     from tokendyn.figures.data import RunDirError, check_run_dir
 
-    err = Console(stderr=True)
     for d in args.run_dirs:  # all of them, before any work
         try:
             check_run_dir(d)
         except RunDirError as exc:
             print(f"tokendyn figures: error: {exc}", file=sys.stderr)
             return 2
+    if args.out is None:
+        args.out = str(default_out(args.run_dirs))
     try:
         check_writable(args.out, "--out")
     except ValueError as exc:
         print(f"tokendyn figures: error: {exc}", file=sys.stderr)
         return 2
 
+    from tokendyn.common import progress_bar
     from tokendyn.figures.report import FIGURES, TABLES, build_report
 
     console = Console()
-    total = len(FIGURES) + len(TABLES)
-    done = [0]
-
-    def progress(msg: str) -> None:
-        done[0] += 1
-        err.print(f"[{done[0]}/{total}] {msg}", highlight=False)
-
-    result = build_report(args.run_dirs, args.out, fmt=args.format, progress=progress)
+    with progress_bar("figures", len(FIGURES) + len(TABLES)) as tick:
+        result = build_report(args.run_dirs, args.out, fmt=args.format, progress=tick)
     for name, note in result.notes.items():
         console.print(f"[yellow]{name}[/yellow]: {note}", highlight=False)
     console.print(

@@ -8,7 +8,6 @@ name when two runs share a method. Every record kind present in ``RUN_DIR/record
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -16,8 +15,8 @@ from pathlib import Path
 
 import polars as pl
 
-from tokendyn.analysis.load import load
-from tokendyn.records import SCHEMAS, records_dir, shard_files
+from tokendyn.analysis.run import RunDirError, load_run
+from tokendyn.records import SCHEMAS, shard_files
 
 PROBE_KINDS = ("binstats", "hist", "bound", "checks", "tokens")
 ANALYSIS_KINDS = ("shares", "token_shares", "prob_change", "influence")
@@ -36,22 +35,10 @@ class MissingRecords(LookupError):
         super().__init__(text + (f" ({hint})" if hint else ""))
 
 
-class RunDirError(ValueError):
-    """A path given as a run directory is not one."""
-
-
 def check_run_dir(path: str | os.PathLike) -> Path:
-    """The path as a run directory: it must exist and hold run.json, metrics.parquet or record files."""
-    p = Path(path)
-    if not p.is_dir():
-        raise RunDirError(f"run directory {str(p)!r} does not exist or is not a directory")
-    has_records = records_dir(p).is_dir() and any(records_dir(p).glob("*.parquet"))
-    if not ((p / "run.json").is_file() or (p / "metrics.parquet").is_file() or has_records):
-        raise RunDirError(
-            f"{str(p)!r} is not a run directory: no run.json, metrics.parquet or records/*.parquet in it "
-            "(train with `tokendyn train ... --probe_every N`)"
-        )
-    return p
+    """The path as a run directory (`tokendyn.load_run`'s check): it must exist and hold run.json,
+    metrics.parquet or record files."""
+    return load_run(path).path
 
 
 @dataclass
@@ -66,16 +53,6 @@ class RunInfo:
     @property
     def config(self) -> dict:
         return self.meta.get("config") or {}
-
-
-def _read_meta(path: Path) -> dict:
-    f = path / "run.json"
-    if not f.is_file():
-        return {}
-    try:
-        return json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def _labels(paths: Sequence[Path], methods: Sequence[str]) -> list[str]:
@@ -125,23 +102,21 @@ class Records:
 
 def load_runs(run_dirs: Iterable[str | os.PathLike]) -> Records:
     """Read every record kind and the metrics of each run directory (validated first, in order)."""
-    paths = [check_run_dir(p) for p in run_dirs]
-    if not paths:
+    loaded = [load_run(p) for p in run_dirs]  # every directory checked before any is read
+    if not loaded:
         raise RunDirError("no run directory given")
-    metas = [_read_meta(p) for p in paths]
-    methods = [m.get("method") or p.name for p, m in zip(paths, metas, strict=True)]
-    labels = _labels(paths, methods)
-    runs = [RunInfo(p, lab, m, meta) for p, lab, m, meta in zip(paths, labels, methods, metas, strict=True)]
+    paths = [r.path for r in loaded]
+    labels = _labels(paths, [r.method for r in loaded])
+    runs = [RunInfo(r.path, lab, r.method, r.meta) for r, lab in zip(loaded, labels, strict=True)]
     parts: dict[str, list[pl.DataFrame]] = {k: [] for k in KINDS}
-    for run in runs:
+    for run, source in zip(runs, loaded, strict=True):
         for kind in KINDS:
-            if kind == METRICS:
-                f = run.path / "metrics.parquet"
-                df = pl.read_parquet(f) if f.is_file() else pl.DataFrame()
-            elif kind in SCHEMAS:
-                df = load(run.path, kind).collect() if shard_files(run.path, kind) else pl.DataFrame()
-            else:  # a kind this version does not know the schema of
+            if kind in source.kinds:
+                df = source[kind].collect()
+            elif kind not in SCHEMAS and kind != METRICS:  # a kind this version does not know the schema of
                 df = _scan(shard_files(run.path, kind))
+            else:
+                df = pl.DataFrame()
             if df.height:
                 df = df.with_columns(pl.lit(run.label).alias("run")).select("run", pl.exclude("run"))
                 if kind == METRICS:
@@ -165,7 +140,11 @@ def _with_rollout(metrics: pl.DataFrame, run: RunInfo) -> pl.DataFrame:
         per = 1
     if cfg.get("lopti_eta") is not None or cfg.get("lopti_quantile") is not None:
         per *= 2
-    return metrics.with_columns((pl.col("step") / per).ceil().alias("rollout"))
+    eval_n = (run.meta.get("run") or {}).get("eval_n")  # held-out puzzles per size per evaluation
+    n = int(eval_n) if isinstance(eval_n, int) and eval_n > 0 else None
+    return metrics.with_columns(
+        (pl.col("step") / per).ceil().alias("rollout"), pl.lit(n, dtype=pl.Int64).alias("heldout_n")
+    )
 
 
 def _with_in_stage(tokens: pl.DataFrame, run: RunInfo) -> pl.DataFrame:

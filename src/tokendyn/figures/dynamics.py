@@ -283,39 +283,54 @@ def influence_matrix(influence: pl.DataFrame | None) -> Figure:
     panels = sorted(
         pooled.select("run", "update_stage").unique().rows(), key=lambda p: (order.index(p[0]), p[1])
     )
-    ncols = min(3, len(panels))
-    nrows = math.ceil(len(panels) / ncols)
+    nrows, ncols = grid_shape(len(panels))
+    mats = [_influence_panel(pooled, run, stage) for run, stage in panels]
+    top = max((float(np.nanmax(m)) for m, _, _ in mats if np.isfinite(m).any()), default=0.0)
+    exp = math.floor(math.log10(top)) if top > 0 else 0
     with themed():
-        fig, axes = new_figure(nrows, ncols, w=4.6, h=3.8)
-        for k, (run, stage) in enumerate(panels):
+        fig, axes = new_figure(nrows, ncols, w=4.2, h=3.6)
+        for k, ((run, stage), (m, slab, tlab)) in enumerate(zip(panels, mats, strict=True)):
             ax = axes[k // ncols, k % ncols]
-            r = pooled.filter(
-                (pl.col("run") == run) & (pl.col("update_stage") == stage) & (pl.col("target_bin") >= 0)
-            )
-            tl = r.select("target_bin", "target_lo", "target_hi").unique().sort("target_bin")
-            sl = r.select("source_bin", "source_lo", "source_hi").unique().sort("source_bin")
-            nt = tl.height
-            tlab = [bin_label(a, b, i == nt - 1) for i, (_, a, b) in enumerate(tl.iter_rows())]
-            every = "all" if stage == "all" else "all of the stage"
-            slab = [every if s < 0 else bin_label(a, b, b >= 1) for s, a, b in sl.iter_rows()]
-            m = np.full((sl.height, nt), np.nan)
-            si = {s: i for i, s in enumerate(sl["source_bin"].to_list())}
-            ti = {t: i for i, t in enumerate(tl["target_bin"].to_list())}
-            for s, t, v in r.select("source_bin", "target_bin", "mean_abs").iter_rows():
-                m[si[s], ti[t]] = v
-            exp = math.floor(math.log10(np.nanmax(m))) if np.nanmax(m) > 0 else 0
             sns.heatmap(m / 10.0**exp, ax=ax, annot=True, fmt=".2g", cmap="rocket_r", xticklabels=tlab,
-                        yticklabels=slab, linewidths=0.5, linecolor="white",
-                        cbar_kws={"label": "mean |Δπ|" + (f" (×$10^{{{exp}}}$)" if exp else "")})  # fmt: skip
+                        yticklabels=slab, linewidths=0.5, linecolor="white", vmin=0.0, vmax=top / 10.0**exp,
+                        cbar=False)  # fmt: skip
             ax.set_xlabel("measured tokens (target), π_old")
             ax.set_ylabel("updated tokens (source)")
             ax.set_title(run if stage == "all" else f"{run}: {_stage_title(stage)}", fontsize=10)
             ax.tick_params(axis="x", rotation=0, labelsize=8)
             ax.tick_params(axis="y", rotation=0, labelsize=8)
         for k in range(len(panels), nrows * ncols):
-            axes[k // ncols, k % ncols].set_axis_off()
-        fig.suptitle("Influence matrix: who moves whom", fontweight="bold")
+            fig.delaxes(axes[k // ncols, k % ncols])
+        used = [axes[k // ncols, k % ncols] for k in range(len(panels))]
+        label = "mean |Δπ|" + (f" (×$10^{{{exp}}}$)" if exp else "")
+        fig.colorbar(used[0].collections[0], ax=used, label=label, shrink=0.9)
+        fig.suptitle("Influence matrix: who moves whom (one colour scale)", fontweight="bold")
     return fig
+
+
+def grid_shape(n: int, max_cols: int = 3) -> tuple[int, int]:
+    """(rows, cols) for n panels: the fewest rows, then the fewest empty cells (4 panels: 2 x 2, not 2 x 3)."""
+    best = min(range(1, min(max_cols, n) + 1), key=lambda c: (math.ceil(n / c), -n % c))
+    return math.ceil(n / best), best
+
+
+def _influence_panel(pooled: pl.DataFrame, run: str, stage: str) -> tuple[np.ndarray, list[str], list[str]]:
+    """M[source, target] of one run and stage, with the row (source) and column (target) labels."""
+    r = pooled.filter(
+        (pl.col("run") == run) & (pl.col("update_stage") == stage) & (pl.col("target_bin") >= 0)
+    )
+    tl = r.select("target_bin", "target_lo", "target_hi").unique().sort("target_bin")
+    sl = r.select("source_bin", "source_lo", "source_hi").unique().sort("source_bin")
+    nt = tl.height
+    tlab = [bin_label(a, b, i == nt - 1) for i, (_, a, b) in enumerate(tl.iter_rows())]
+    every = "all" if stage == "all" else "all of the stage"
+    slab = [every if s < 0 else bin_label(a, b, b >= 1) for s, a, b in sl.iter_rows()]
+    m = np.full((sl.height, nt), np.nan)
+    si = {s: i for i, s in enumerate(sl["source_bin"].to_list())}
+    ti = {t: i for i, t in enumerate(tl["target_bin"].to_list())}
+    for s, t, v in r.select("source_bin", "target_bin", "mean_abs").iter_rows():
+        m[si[s], ti[t]] = v
+    return m, slab, tlab
 
 
 def correct_ratio(prob_change: pl.DataFrame | None, *, update: str | None = "counterfactual") -> Figure:

@@ -78,9 +78,18 @@ def run_markers(labels: Sequence[str]) -> dict[str, str]:
     return {lab: marks[i % len(marks)] for i, lab in enumerate(labels)}
 
 
+# Okabe & Ito's colour-blind-safe set (Color Universal Design): the paper's four bins, low pi to high pi, as
+# vermillion, reddish purple, bluish green and blue, apart in hue and lightness for every common colour-vision type
+OKABE_ITO = ("#D55E00", "#CC79A7", "#009E73", "#0072B2", "#E69F00", "#56B4E9", "#F0E442", "#000000")
+
+
 def bin_colors(n: int) -> list:
-    """Sequential colours for n probability bins, light (low pi) to dark (high pi), as the paper's Fig. 1a."""
-    return sns.color_palette("crest", n_colors=max(n, 1))
+    """One colour per probability bin, the same in every figure: four bins get four clearly different colour-blind-
+    safe colours (Okabe-Ito); up to 8 bins continue that set, more fall back to seaborn's "colorblind" palette."""
+    n = max(n, 1)
+    if n <= len(OKABE_ITO):
+        return list(OKABE_ITO[:n])
+    return sns.color_palette("colorblind", n_colors=n)
 
 
 def offsets(n: int, width: float) -> list[float]:

@@ -288,9 +288,6 @@ def bound(
                         rho = _rho(env, run, col, direct=direct)
                         if rho is not None:
                             note += f"\nSpearman ρ = {rho:.2f}"
-                    head = _head_bound(checks, run) if col == "final_norm.out" else None
-                    if head is not None:
-                        ax.plot(pi_line, head * omp, color="#2166ac", lw=1.5)
                     if "direct_norm" in d.columns and not direct:
                         dr = d.drop_nulls("direct_norm")
                         if dr.height:
@@ -328,6 +325,11 @@ def bound(
                 ):  # the direct envelope is the panel's subject
                     top = max(top, c_d[1] * 1.05)
                 ax.set_ylim(0, top)
+                head = _head_bound(checks, run) if col == "final_norm.out" else None
+                if head is not None and head <= top:  # the provable bound sigma_max(W) sqrt(2) / T (1 - pi)
+                    ax.plot(pi_line, head * omp, color="#2166ac", lw=1.5)
+                elif head is not None:  # far above the tokens: a number, not a near-vertical stroke at pi ~ 1
+                    note += f"\nprovable: ≤ {head:.3g}(1−π), off scale"
                 above = int(np.sum(y > top))
                 if above:
                     note += f"\n{above} token{'s' * (above > 1)} above the axis"

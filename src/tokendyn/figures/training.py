@@ -37,6 +37,24 @@ def ema(y: np.ndarray, smoothing: float) -> np.ndarray:
     return out
 
 
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion p observed on n trials (95% for z = 1.96): (lo, hi)."""
+    if n <= 0:
+        return (math.nan, math.nan)
+    den = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _puzzles(m: pl.DataFrame) -> int | None:
+    """Held-out puzzles per size per evaluation (run.json's eval_n, a ``heldout_n`` column of the loaded metrics)."""
+    if "heldout_n" not in m.columns:
+        return None
+    n = m["heldout_n"].drop_nulls()
+    return int(n.max()) if n.len() else None
+
+
 def _smoothing(n: int) -> float:
     return 0.95 if n >= 100 else 0.8 if n >= 20 else 0.0
 
@@ -101,6 +119,13 @@ def training_curves(metrics: pl.DataFrame | None) -> Figure:
                     ax.plot(
                         xs, ys, "-", marker=marks[run], color=colors[run], lw=1.8, ms=5, alpha=0.9, label=run
                     )
+                    n = _puzzles(d)
+                    if (
+                        col.startswith("heldout/") and n
+                    ):  # 95% Wilson band: n puzzles per size (x sizes: mean)
+                        n_all = n * (len(sizes) if col == "heldout/accuracy" else 1)
+                        band = np.array([wilson(float(y), n_all) for y in ys])
+                        ax.fill_between(xs, band[:, 0], band[:, 1], color=colors[run], alpha=0.12, lw=0)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("rollout batch (RL step)" if x == "rollout" else "optimizer step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -164,6 +189,14 @@ def accuracy_table(metrics: pl.DataFrame | None, last: int = LAST_EVALS) -> pl.D
         )
     x = _x(m)
     rows = []
+    start = m.filter(pl.col(f"heldout/accuracy_{sizes[0]}ppl").is_not_null() & (pl.col(x) == 0))
+    if start.height:  # the evaluation before the first update: every run starts from the same policy
+        row = {"run": "starting policy"}
+        for k in sizes:
+            v = start[f"heldout/accuracy_{k}ppl"].drop_nulls()
+            row[f"{k} people"] = float(v.mean()) if v.len() else None
+        row["evaluations"] = 1
+        rows.append(row)
     for run in run_order(m):
         d = m.filter(pl.col("run") == run)
         row: dict = {"run": run}
@@ -176,7 +209,17 @@ def accuracy_table(metrics: pl.DataFrame | None, last: int = LAST_EVALS) -> pl.D
         row["evaluations"] = evals.height
         row["at rollout" if x == "rollout" else "at step"] = float(evals[x].max()) if evals.height else None
         rows.append(row)
-    table = pl.DataFrame(rows)
+    n = _puzzles(m)
+    for row in rows:
+        vals = [row[f"{k} people"] for k in sizes if row.get(f"{k} people") is not None]
+        row["mean"] = sum(vals) / len(vals) if vals else None
+        if n and row["mean"] is not None:  # 95% Wilson interval over every puzzle the mean pools
+            lo, hi = wilson(row["mean"], n * len(vals) * max(1, row["evaluations"]))
+            row["mean 95% CI"] = f"[{lo:.2f}, {hi:.2f}]"
+    table = pl.DataFrame(rows, infer_schema_length=None)
+    first = ["run", *(f"{k} people" for k in sizes), "mean", "mean 95% CI"]
+    present = [c for c in first if c in table.columns]
+    table = table.select(*(pl.col(c) for c in present), pl.exclude(present))
     base = [r for r in rows if r["run"].strip().upper() == "GRPO"]
     if base and base[0]["mean"]:
         b = base[0]["mean"]

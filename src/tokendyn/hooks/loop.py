@@ -1,4 +1,6 @@
-"""`instrument`: the probe for any training loop, writing records to RUN_DIR/records/."""
+"""`instrument`: the probe for any training loop, writing records to RUN_DIR/records/; with ``analyses=True`` also
+the rebalancing analyses of a batch (`Recorder.analyze`) and the training log (`Recorder.log`), so that a custom
+loop's run directory feeds every figure of `tokendyn figures`."""
 
 from __future__ import annotations
 
@@ -6,10 +8,85 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import polars as pl
 from torch import nn
 
 from tokendyn.hooks.records import RecordWriter
 from tokendyn.probe import BinSpec, GradientProbe
+
+
+class Recorder:
+    """What ``instrument(..., analyses=True)`` yields: the probe (every GradientProbe call, e.g. ``tokens``,
+    ``end_step``, is passed through) plus
+
+    - ``analyze(batch, step=...)``: the rebalancing analyses of one `ProbeBatch` (per-bin gradient norms and update
+      shares s_b = <g_b, g>/||g||^2, per-token shares, the counterfactual probability change and the influence
+      matrix; `tokendyn.probe.rebalance.analyze_batch`), written as records. Call it before the optimizer step
+      (it leaves the model as it was).
+    - ``log(step, reward=..., accuracy=..., **more)``: one row of RUN_DIR/metrics.parquet, the training log the
+      training-curve figure reads (``accuracy`` is stored as ``rewards/accuracy/mean``; a key like
+      ``heldout/accuracy_3ppl`` adds a held-out panel).
+    """
+
+    def __init__(
+        self, probe: GradientProbe, model: nn.Module, run_dir: str | os.PathLike, options, method: str
+    ):
+        from pathlib import Path
+
+        self.probe, self.model, self.run_dir = probe, model, Path(run_dir)
+        self.options, self.method = options, method
+        self.rows: list[dict] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.probe, name)
+
+    def analyze(self, batch, *, step: int, stage: str = "train", stage_masks=None, objective=None) -> dict:
+        """The analyses' record frames of ``batch`` at ``step`` (also written to RUN_DIR/records/)."""
+        from tokendyn.probe.rebalance import analyze_batch
+        from tokendyn.records import write_frames
+
+        edges = (
+            self.probe.bins.edges if self.probe.bins.kind != "quantiles" else None
+        )  # (quantiles: the default)
+        self.probe.enabled = False  # the analyses' own forwards and backwards are not training passes
+        try:
+            frames = analyze_batch(
+                self.model,
+                batch,
+                step=step,
+                stage=stage,
+                edges=edges,
+                options=self.options,
+                objective=objective,
+                stage_masks=stage_masks,
+            )
+        finally:
+            self.probe.enabled = True
+        write_frames(self.run_dir, frames, rank=self.probe.rank)
+        return frames
+
+    def log(self, step: int, **metrics: float) -> None:
+        """Append one row (step, method and the given numbers) to RUN_DIR/metrics.parquet (rewritten atomically)."""
+        from tokendyn.records import write_atomic
+
+        row: dict = {"step": int(step), "method": self.method}
+        for key, value in metrics.items():
+            row["rewards/accuracy/mean" if key == "accuracy" else key] = float(value)
+        self.rows.append(row)
+        if self.probe.rank == 0:
+            frame = pl.DataFrame(self.rows, infer_schema_length=None)
+            write_atomic(frame, self.run_dir / "metrics.parquet")
+
+
+def _write_run_json(run_dir, method: str, temperature: float) -> None:
+    """A run.json for a custom loop (kept if one exists): the method's name labels the run in the figures."""
+    from pathlib import Path
+
+    from tokendyn.common import write_json
+
+    path = Path(run_dir) / "run.json"
+    if not path.is_file():
+        write_json(path, {"method": method, "config": {"temperature": temperature}, "source": "instrument"})
 
 
 @contextmanager
@@ -30,7 +107,9 @@ def instrument(
     auto: bool = True,
     rank: int | None = None,
     data_parallel_size: int | None = None,
-) -> Iterator[GradientProbe]:
+    analyses=False,
+    method: str = "custom loop",
+) -> Iterator[GradientProbe | Recorder]:
     """Probe `model` inside the block; every finished micro-batch goes to RUN_DIR/records/ (one file per kind per
     `flush_every` steps, and at least every `flush_seconds`: a kill loses at most that many seconds of records; one
     shard per rank). Hooks are removed on exit, also on exceptions; records of finished
@@ -46,6 +125,9 @@ def instrument(
                              temperature=T)
                 loss = grpo_loss(logps, ...); loss.backward(); opt.step(); opt.zero_grad()
                 probe.end_step()   # optional: the next forward or the end of the block ends the step too
+
+    ``analyses``: True (or a `RebalanceOptions`) yields a `Recorder`, which adds ``analyze`` and ``log`` to the
+    probe and writes a run.json naming ``method``. examples/custom_loop.py is a complete loop.
     """
     probe = GradientProbe(
         model,
@@ -63,8 +145,16 @@ def instrument(
     )
     writer = RecordWriter(run_dir, rank=probe.rank, flush_every=flush_every, flush_seconds=flush_seconds)
     probe.sink = writer.add
+    yielded: GradientProbe | Recorder = probe
+    if analyses:
+        from tokendyn.probe.rebalance import RebalanceOptions
+
+        options = analyses if isinstance(analyses, RebalanceOptions) else RebalanceOptions(seed=seed)
+        yielded = Recorder(probe, model, run_dir, options, method)
+        if probe.rank == 0:
+            _write_run_json(run_dir, method, temperature)
     try:
         with probe:
-            yield probe
+            yield yielded
     finally:
         writer.flush()

@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tokendyn.hooks.model_fit import check_fits, model_limits
     from tokendyn.hooks.offline import probe_rollouts
-    from tokendyn.trainers.policy import check_model_source, default_policy_dir, load_tokenizer
+    from tokendyn.policy import check_model_source, default_policy_dir, load_tokenizer
 
     model_path = args.model or str(default_policy_dir())
     config = check_model_source(model_path, "--model")  # the config only: no weights yet

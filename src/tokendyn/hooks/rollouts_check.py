@@ -74,7 +74,7 @@ def _pick_advantage(t: Table) -> str:
 
 def _grpo(rewards: np.ndarray, groups: list, source: str) -> np.ndarray:
     """`grpo_advantages` per group, whatever the row order: rows are gathered by group and scattered back."""
-    from tokendyn.trainers.functional import grpo_advantages
+    from tokendyn.remedies import grpo_advantages
 
     members: dict = {}
     for i, g in enumerate(groups):

@@ -37,9 +37,9 @@ def lopti_stage_masks(
     order: str = "low_first",
     pi_old: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two Lopti stage masks of the batch's tokens (`tokendyn.trainers.functional.lopti_masks`, the trainer's
+    """The two Lopti stage masks of the batch's tokens (`tokendyn.remedies.lopti_masks`, the trainer's
     own rule: low = pi_old < eta). ``pi_old`` is needed only for an on-policy batch (old_logp None)."""
-    from tokendyn.trainers.functional import lopti_masks
+    from tokendyn.remedies import lopti_masks
 
     if batch.old_logp is not None:
         old = batch.old_logp

@@ -112,3 +112,49 @@ class HeldoutEvalCallback(TrainerCallback):
             return
         if state.global_step % self.every == 0 or state.global_step >= state.max_steps:
             self._evaluate(state)
+
+
+def _bar_class():
+    from transformers.trainer_callback import ProgressCallback
+
+    class RewardProgressCallback(ProgressCallback):
+        """transformers' training bar with the numbers a K&K run is watched by on it (mean reward, training
+        accuracy, the last held-out accuracy) instead of one raw ``{'loss': ...}`` dict printed per step."""
+
+        SHOWN = (("reward", "reward"), ("rewards/kk_accuracy/mean", "acc"), ("heldout/accuracy", "heldout"))
+
+        def __init__(self, description: str = "train"):
+            super().__init__()
+            self.description = description
+            self.shown: dict[str, str] = {}
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            from tqdm.auto import tqdm
+
+            if state.is_world_process_zero:
+                self.training_bar = tqdm(total=state.max_steps, desc=self.description, dynamic_ncols=True)
+            self.current_step = 0
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or self.training_bar is None or not logs:
+                return
+            for key, short in self.SHOWN:
+                v = logs.get(key)
+                if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+                    self.shown[short] = f"{v:.3f}"
+            if self.shown:
+                self.training_bar.set_postfix(self.shown, refresh=True)
+
+    return RewardProgressCallback
+
+
+def use_reward_bar(trainer, show: bool = True, description: str = "train") -> None:
+    """Replace the trainer's log printers (transformers' ProgressCallback / PrinterCallback) by one progress bar
+    that shows reward and accuracy; ``show=False``: no bar and no printed logs (the metrics still reach
+    ``report_to`` and metrics.parquet)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    if show:
+        trainer.add_callback(_bar_class()(description))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .functional import LOPTI_ORDERS
+from ..remedies import LOPTI_ORDERS
 
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp")
 PROBE_ANALYSES = ("shares", "token_shares", "prob_change", "influence", "real_change")

@@ -66,33 +66,35 @@ def accuracy_table(rows: list[dict], title: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..common import atomic_write, check_writable
+    from ..common import atomic_write, check_writable, progress_bar
 
     validate(args)
     out = check_writable(args.out, "out")
     if args.model is not None:
-        from .policy import check_model_source
+        from ..policy import check_model_source
 
         check_model_source(args.model, "model")
 
     import polars as pl
     from rich.console import Console
 
+    from ..policy import default_policy_dir, load_policy
     from .evaluate import evaluate
-    from .policy import default_policy_dir, load_policy
 
     model, tok = load_policy(args.model)
     name = args.model or str(default_policy_dir())
-    results = evaluate(
-        model,
-        tok,
-        args.people,
-        n=args.n,
-        temperature=args.temperature,
-        modes=tuple(args.modes),
-        seed=args.seed,
-        batch_size=args.batch_size,
-    )
+    with progress_bar("eval", len(args.people) * len(args.modes)) as tick:
+        results = evaluate(
+            model,
+            tok,
+            args.people,
+            n=args.n,
+            temperature=args.temperature,
+            modes=tuple(args.modes),
+            seed=args.seed,
+            batch_size=args.batch_size,
+            on_result=lambda r: tick(f"{r.people} people, {r.mode}: accuracy {r.accuracy:.2f}"),
+        )
     rows = [{"model": name, **r.row()} for r in results]
     Console().print(accuracy_table(rows, f"K&K accuracy (reward == 3) of {name}, n={args.n} per size"))
     atomic_write(out, lambda tmp: pl.DataFrame(rows).write_parquet(tmp))

@@ -108,9 +108,11 @@ def evaluate(
     seed: int = 0,
     template: str = "qwen-instruct",
     batch_size: int = 64,
+    on_result=None,
 ) -> list[EvalResult]:
     """Accuracy (reward == 3), format-valid rate and mean reward on the first ``n`` held-out
-    puzzles of each size, greedy and/or sampled at ``temperature``."""
+    puzzles of each size, greedy and/or sampled at ``temperature``. ``on_result(result)`` is called after each
+    (size, mode) (a progress bar)."""
     from ..tasks.kk.datasets import heldout
     from ..tasks.kk.prompts import render_prompt
     from ..tasks.kk.reward import compute_score
@@ -137,4 +139,6 @@ def evaluate(
                     token_probs=probs,
                 )
             )
+            if on_result is not None:
+                on_result(results[-1])
     return results

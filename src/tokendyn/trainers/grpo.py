@@ -27,7 +27,7 @@ import torch
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from .functional import lopti_masks, reinforce_pp_advantages, reweight_advantages
+from ..remedies import lopti_masks, reinforce_pp_advantages, reweight_advantages
 
 STAGE_MASK_KEYS = {1: "lopti_stage1_mask", 2: "lopti_stage2_mask"}
 

@@ -60,7 +60,13 @@ class RunArguments:
         },
     )
 
+    threads: int | None = field(
+        default=None, metadata={"help": "CPU threads of torch and polars (default: every core)."}
+    )
+
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads: must be an integer >= 1, got {self.threads}")
         for name in ("people", "eval_people"):
             sizes = getattr(self, name)
             if sizes is None:
@@ -209,7 +215,7 @@ def prepare(run: RunArguments, cfg) -> Path | None:
     """Everything checked before any work (nothing is created or changed): the checkpoint cadence, the resume
     checkpoint, that a fresh run does not land on an earlier one (its records would be mixed in), and the model
     source. Returns the checkpoint to resume from (None: a fresh run)."""
-    from .policy import check_model_source
+    from ..policy import check_model_source
     from .resume import ResumeError, check_save_steps, checkpoint_step, resolve_checkpoint
 
     check_save_steps(cfg)
@@ -269,9 +275,9 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
     import torch
 
     from ..common import write_json
-    from .callbacks import HeldoutEvalCallback, ParquetLogCallback
+    from ..policy import MARKER, default_policy_dir, load_policy
+    from .callbacks import HeldoutEvalCallback, ParquetLogCallback, use_reward_bar
     from .grpo import TokendynGRPOTrainer
-    from .policy import MARKER, default_policy_dir, load_policy
     from .resume import ResumeCallback, checkpoint_step, kept_metrics, truncate_records
 
     out = Path(cfg.output_dir)
@@ -291,6 +297,7 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
         train_dataset=train_ds,
         callbacks=list(callbacks),
     )
+    use_reward_bar(trainer, progress and not cfg.disable_tqdm, method_name(cfg))
     trainer.args.reward_weights = None
     trainer.reward_weights = torch.tensor([1.0, 0.0])
     marker = Path(model_path) / MARKER  # keep the tokendyn tokenizer marker (see load_tokenizer)
@@ -305,6 +312,10 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
             import json
 
             meta_before = json.loads((out / "run.json").read_text())
+    if [r for r in (trainer.args.report_to or []) if r != "none"]:  # the probe's numbers live, as TRL's are
+        from ..hooks.live import attach_live_metrics
+
+        attach_live_metrics(trainer)
     logger = ParquetLogCallback(out / "metrics.parquet", method=method_name(cfg), rows=rows)
     trainer.add_callback(logger)
     if run.eval_n:

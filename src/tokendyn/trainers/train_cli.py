@@ -102,6 +102,10 @@ def parse(argv: list[str]):
         del argv[i : i + 2]
         known = {a.dest for a in parser._actions}
         argv = config_flags(path, known) + argv
+    if "--help-all" not in argv:
+        short_help(parser)
+    else:
+        argv = ["--help" if a == "--help-all" else a for a in argv]
     try:
         run_args, cfg = parser.parse_args_into_dataclasses(args=argv)
     except (ValueError, TypeError) as exc:
@@ -114,6 +118,63 @@ def parse(argv: list[str]):
             )
         _fail(text)
     return run_args, cfg
+
+
+# TRL/transformers fields a K&K run commonly sets: listed by the short `--help` next to tokendyn's own
+COMMON_TRL_FIELDS = (
+    "output_dir",
+    "report_to",
+    "learning_rate",
+    "per_device_train_batch_size",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "beta",
+    "seed",
+    "save_steps",
+    "resume_from_checkpoint",
+)
+
+
+def own_fields() -> set[str]:
+    """The fields tokendyn adds: every RunArguments field and what TokendynGRPOConfig adds to TRL's GRPOConfig."""
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    from .config import TokendynGRPOConfig
+    from .runner import RunArguments
+
+    trl = {f.name for f in fields(GRPOConfig)}
+    return {f.name for f in fields(RunArguments)} | {f.name for f in fields(TokendynGRPOConfig)} - trl
+
+
+def short_help(parser) -> None:
+    """`tokendyn train --help` lists tokendyn's flags and a few common TRL ones; `--help-all` lists every flag
+    (TRL's ~200 fields are accepted either way)."""
+    import argparse as ap
+
+    keep = own_fields() | set(COMMON_TRL_FIELDS) | {"help", "config"}
+    hidden = 0
+    for action in parser._actions:
+        if action.dest not in keep and action.help != ap.SUPPRESS:
+            action.help = ap.SUPPRESS
+            hidden += 1
+
+    def rank(action) -> int:  # tokendyn's own first, then the common TRL fields (each in its declared order)
+        return 0 if action.dest in own_fields() or action.dest in ("help", "config") else 1
+
+    parser._actions.sort(key=rank)
+    for group in parser._action_groups:
+        group._group_actions.sort(key=rank)
+    parser.description = (
+        "GRPO (+Reweight, +Lopti) on K&K. Flags below: tokendyn's own, then the TRL fields a run usually sets; "
+        "`--config run.yaml` sets any of them (flags win)."
+    )
+    parser.epilog = (
+        f"{hidden} more TRL GRPOConfig / transformers TrainingArguments flags are accepted: "
+        "`tokendyn train --help-all` lists them."
+    )
 
 
 def run(args: argparse.Namespace) -> int:

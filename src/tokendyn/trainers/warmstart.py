@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .policy import EOS, ModelPreset
+from ..policy import EOS, ModelPreset
 
 
 @dataclass(frozen=True)
@@ -146,9 +146,9 @@ def train_policy(preset_name: str, seed: int = 0, threads: int | None = None, pr
     import numpy as np
     import torch
 
+    from ..policy import build_model, train_tokenizer
     from ..tasks.kk.prompts import SYSTEM_BLOCK, render_prompt
     from .completions import completion
-    from .policy import build_model, train_tokenizer
 
     preset = check_preset(preset_name)
     if threads:
@@ -283,8 +283,8 @@ def warmstart(
     import numpy as np
 
     from ..common import write_json
+    from ..policy import load_policy, save_policy
     from .evaluate import PAPER_BINS, bin_shares, evaluate
-    from .policy import load_policy, save_policy
 
     preset = check_preset(preset_name)
     out = Path(out_dir)

@@ -12,7 +12,6 @@ def register(sub) -> None:
     )
     p.add_argument("--out", required=True, help="output directory (model, tokenizer, warmstart.json)")
     p.add_argument("--seed", type=int, default=0, help="training seed (>= 0)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -26,8 +25,6 @@ def run(args: argparse.Namespace) -> int:
     check_preset(args.preset)
     if args.seed < 0:
         raise ValueError(f"seed: must be >= 0, got {args.seed}")
-    if args.threads is not None and args.threads <= 0:
-        raise ValueError(f"threads: must be > 0, got {args.threads}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out: {str(out)!r} exists and is not a directory")
@@ -35,7 +32,13 @@ def run(args: argparse.Namespace) -> int:
 
     from .warmstart import warmstart
 
-    report = warmstart(args.preset, out, seed=args.seed, threads=args.threads, progress=not args.no_progress)
+    report = warmstart(
+        args.preset,
+        out,
+        seed=args.seed,
+        threads=getattr(args, "threads", None),
+        progress=not args.no_progress,
+    )
     _print_report(report)
     print(f"policy and warmstart.json written to {out}")
     return 0

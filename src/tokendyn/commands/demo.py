@@ -1,7 +1,7 @@
 """The demo: GRPO, +Reweight (alpha = 0.3) and +Lopti (eta = 0.5) on K&K from the embedded default policy, with the
 probe and the rebalancing analyses on, then every figure and report.html for the three runs side by side.
 
-    from tokendyn.figures.demo import demo
+    from tokendyn.commands.demo import demo
     report = demo("runs/demo", quick=True)
 
 Every run starts from the same policy and seed and sees the same number of rollout batches (``rollouts``; Lopti
@@ -101,7 +101,7 @@ def demo(
     say = say or (lambda msg: console.print(msg, highlight=False))
     size = size or (QUICK if quick else FULL)
     if model is None:
-        from tokendyn.trainers.policy import default_policy_dir
+        from tokendyn.policy import default_policy_dir
 
         default_policy_dir()  # fail now, with its message, if the embedded default is missing
     runs = _configs(out, size, model, dict(overrides or {}))  # every config validated before any training

@@ -1,0 +1,138 @@
+"""Live probe metrics: at every probed step, the numbers a user watches go through the Trainer's own ``report_to``
+(TensorBoard, W&B, ...), in the same log row as TRL's reward and loss.
+
+Read from the records themselves, so that nothing is computed twice: the probe's step records as they are handed to
+the record writer (``binstats``, ``checks``), and the rebalancing analyses' files as they land in RUN_DIR/records
+(``shares``, ``prob_change``). Keys (b: the π_old bin; definitions in docs/definitions.md):
+
+- ``probe/token_share/bin{b}``: the share of the step's scored completion tokens in bin b (final probe point);
+- ``probe/grad_norm_rel/bin{b}``: ‖g_b‖ / ‖g‖ over every parameter; ``probe/update_share/bin{b}``: s_b = ⟨g_b, g⟩/‖g‖²
+  (a Lopti run's stage decompositions as ``probe/update_share/{low|high}/bin{b}``);
+- ``probe/correct_pos/bin{b}``, ``probe/correct_neg/bin{b}``: correct ratios after the counterfactual all-token
+  update, and the tie counts ``tie_pos``, ``tie_neg`` as ``probe/{column}/bin{b}``;
+- ``probe/bound_violations``: logits-bound + head-bound violations (must be 0); ``probe/identity_max_rel_err``: the
+  LM-head identity's largest relative error.
+
+Rank 0's records only (the other ranks' shards are merged on disk, not live).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import polars as pl
+from transformers import TrainerCallback
+
+from tokendyn.records import shard_files
+
+ANALYSIS_KINDS = ("shares", "prob_change")
+
+
+def _frame(cols) -> pl.DataFrame:
+    return cols if isinstance(cols, pl.DataFrame) else pl.DataFrame(cols)
+
+
+def _finite(x) -> bool:
+    return x is not None and isinstance(x, int | float) and math.isfinite(x)
+
+
+def step_metrics(records: dict) -> dict[str, float]:
+    """The live metrics of one probe step's records (kind -> columns): token shares per bin, bound violations and
+    the identity error."""
+    out: dict[str, float] = {}
+    if "binstats" in records:
+        b = _frame(records["binstats"]).filter((pl.col("quantity") == "norm") & (pl.col("bin") >= 0))
+        if b.height:
+            points = b["point"].unique().to_list()
+            last = "final_norm.out" if "final_norm.out" in points else max(points)
+            counts = b.filter(pl.col("point") == last).group_by("bin").agg(pl.col("count").sum()).sort("bin")
+            total = counts["count"].sum()
+            if total:
+                out.update({f"probe/token_share/bin{k}": c / total for k, c in counts.iter_rows()})
+    if "checks" in records:
+        c = _frame(records["checks"])
+        if c.height:
+            out["probe/bound_violations"] = float(c["logits_violations"].sum() + c["head_violations"].sum())
+            err = c["identity_max_rel_err"].drop_nulls().drop_nans()
+            if err.len():
+                out["probe/identity_max_rel_err"] = float(err.max())
+    return out
+
+
+def analysis_metrics(kind: str, df: pl.DataFrame) -> dict[str, float]:
+    """The live metrics of one analyses file: update shares and relative norms (``shares``), correct ratios and tie
+    counts after the counterfactual all-token update (``prob_change``)."""
+    out: dict[str, float] = {}
+    if kind == "shares":
+        rows = df.filter((pl.col("layer") == "all") & (pl.col("bin") >= 0))
+        for stage, b, share, norm, total in rows.select(
+            "stage", "bin", "share", "grad_norm", "total_norm"
+        ).rows():
+            tag = "" if stage == "train" else f"{stage}/"
+            if _finite(share):
+                out[f"probe/update_share/{tag}bin{b}"] = float(share)
+            if _finite(norm) and _finite(total) and total > 0:
+                out[f"probe/grad_norm_rel/{tag}bin{b}"] = float(norm) / float(total)
+    elif kind == "prob_change":
+        rows = df.filter(
+            (pl.col("update") == "counterfactual")
+            & (pl.col("source_bin") == -1)
+            & pl.col("update_stage").is_in(["all", "total"])
+            & (pl.col("bin") >= 0)
+        )
+        ties = [c for c in ("tie_pos", "tie_neg") if c in df.columns]
+        for row in rows.iter_rows(named=True):
+            for col in ("correct_pos", "correct_neg", *ties):
+                if _finite(row[col]):
+                    out[f"probe/{col}/bin{row['bin']}"] = float(row[col])
+    return out
+
+
+class LiveProbeMetrics(TrainerCallback):
+    """Adds the probe's live metrics to the next log row of the trainer (first among the callbacks, so that the
+    report_to integrations and metrics.parquet see them). Attach with `attach_live_metrics`."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.pending: dict[str, float] = {}
+        self.seen: set[Path] = set()
+
+    def collect(self, records: dict) -> None:
+        self.pending.update(step_metrics(records))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.seen = {
+            f for kind in ANALYSIS_KINDS for f in shard_files(self.run_dir, kind)
+        }  # earlier (resumed)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or not state.is_world_process_zero:
+            return
+        for kind in ANALYSIS_KINDS:
+            for f in shard_files(self.run_dir, kind):
+                if f not in self.seen:
+                    self.seen.add(f)
+                    self.pending.update(analysis_metrics(kind, pl.read_parquet(f)))
+        logs.update(self.pending)
+        self.pending = {}
+
+
+def attach_live_metrics(trainer) -> LiveProbeMetrics | None:
+    """Log the probe's live metrics through ``trainer``'s ``report_to`` (a `TokendynGRPOTrainer` with the probe on;
+    None otherwise). `tokendyn train` does this whenever ``--report_to`` names an integration."""
+    owner = getattr(trainer, "probe", None)
+    probe = getattr(owner, "probe", None)
+    if probe is None:
+        return None
+    live = LiveProbeMetrics(trainer.args.output_dir)
+    sink = probe.sink
+
+    def both(records: dict) -> None:
+        live.collect(records)
+        if sink is not None:
+            sink(records)
+
+    probe.sink = both
+    trainer.callback_handler.callbacks.insert(0, live)  # before the integrations read the row
+    return live

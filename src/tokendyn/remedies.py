@@ -1,0 +1,170 @@
+"""Pure advantage and masking functions of the paper's two remedies, usable from any RL stack.
+
+Notation (DESIGN.md): ``old_logp[b, t] = log pi_old(o_t)``, the log-probability of the sampled token under the
+policy that generated the batch, at the sampling temperature; ``completion_mask[b, t]`` is 1 on scored completion
+tokens and 0 on padding. Every function is side-effect free and never builds an autograd graph through
+``old_logp``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOPTI_ORDERS = ("low_first", "high_first")
+
+
+def _check_unit_interval(name: str, value: float, *, closed: bool) -> float:
+    interval = "[0, 1]" if closed else "(0, 1)"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
+    inside = 0.0 <= value <= 1.0 if closed else 0.0 < value < 1.0
+    if not inside:
+        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+    return float(value)
+
+
+def _check_token_tensors(old_logp: torch.Tensor, completion_mask: torch.Tensor) -> None:
+    if old_logp.dim() != 2:
+        raise ValueError(f"old_logp must have shape (B, T), got {tuple(old_logp.shape)}")
+    if completion_mask.shape != old_logp.shape:
+        raise ValueError(
+            f"completion_mask must have the shape of old_logp {tuple(old_logp.shape)}, got {tuple(completion_mask.shape)}"
+        )
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised outcome advantages, as the official code computes them.
+
+    ``rewards`` has shape (N,), laid out as N / group_size consecutive groups of completions of one prompt. For
+    completion i of group g::
+
+        A_i = (r_i - mean_g) / (std_g + eps)
+
+    with ``std_g`` the unbiased (N-1) standard deviation. A group of size 1 uses mean 0 and std 1. Returns shape (N,).
+    (TRL's own GRPOTrainer uses eps = 1e-4; the paper's code 1e-6.)
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must have shape (N,), got {tuple(rewards.shape)}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(f"group_size ({group_size}) must divide the number of rewards ({rewards.numel()})")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    grouped = rewards.detach().reshape(-1, group_size).to(torch.float64)
+    if group_size == 1:
+        mean = torch.zeros_like(grouped)
+        std = torch.ones_like(grouped)
+    else:
+        mean = grouped.mean(dim=1, keepdim=True)
+        std = grouped.std(dim=1, unbiased=True, keepdim=True)
+    return ((grouped - mean) / (std + eps)).reshape(-1).to(rewards.dtype)
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, completion_mask: torch.Tensor, eps: float = 1e-8
+) -> torch.Tensor:
+    """REINFORCE++ outcome advantages: batch-whitened returns, no group baseline (the paper's second baseline).
+
+    With gamma = 1 and the outcome reward on the last token, every valid token t of completion b has the return
+    ``R_bt = r_b``. The returns are whitened over all valid tokens of the batch (longer completions weigh more)::
+
+        mu  = sum_bt m_bt R_bt / sum_bt m_bt
+        var = sum_bt m_bt (R_bt - mu)^2 / sum_bt m_bt * n / (n - 1),   n = sum_bt m_bt
+        A_bt = m_bt (R_bt - mu) / sqrt(var + eps)
+
+    ``rewards`` (B,), ``completion_mask`` (B, T); returns (B, T), zero on padding. Needs at least 2 valid tokens.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must have shape (B,), got {tuple(rewards.shape)}")
+    if completion_mask.dim() != 2 or completion_mask.size(0) != rewards.size(0):
+        raise ValueError(
+            f"completion_mask must have shape (B, T) with B = {rewards.size(0)}, got {tuple(completion_mask.shape)}"
+        )
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    mask = completion_mask.detach().to(torch.float64)
+    n = mask.sum()
+    if n < 2:
+        raise ValueError(
+            f"completion_mask must contain at least 2 valid tokens to whiten, got {int(n.item())}"
+        )
+    returns = rewards.detach().to(torch.float64).unsqueeze(1).expand_as(mask)
+    mean = (returns * mask).sum() / n
+    var = ((returns - mean) ** 2 * mask).sum() / n * (n / (n - 1))
+    adv = (returns - mean) * torch.rsqrt(var + eps) * mask
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+    return adv.to(dtype)
+
+
+def reweight_advantages(adv: torch.Tensor, old_logp: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Advantage Reweighting (paper Eq. 4, official ``both_linear_normal``)::
+
+        A_t <- (alpha * pi_old(o_t) + 1 - alpha) * A_t,    pi_old = exp(old_logp), detached
+
+    the same rule for both signs of A. ``adv`` is (B,) (one advantage per completion, broadcast over tokens) or
+    (B, T); ``old_logp`` is (B, T). Returns (B, T). alpha = 0 returns the advantages unchanged (broadcast).
+    """
+    alpha = _check_unit_interval("alpha", alpha, closed=True)
+    if old_logp.dim() != 2:
+        raise ValueError(f"old_logp must have shape (B, T), got {tuple(old_logp.shape)}")
+    if adv.dim() == 1:
+        if adv.size(0) != old_logp.size(0):
+            raise ValueError(f"adv of shape (B,) must have B = {old_logp.size(0)}, got {tuple(adv.shape)}")
+        adv = adv.unsqueeze(1)
+    elif adv.shape != old_logp.shape:
+        raise ValueError(
+            f"adv must have shape (B,) or the shape of old_logp {tuple(old_logp.shape)}, got {tuple(adv.shape)}"
+        )
+    weight = alpha * torch.exp(old_logp.detach()) + (1.0 - alpha)
+    return weight * adv
+
+
+def lopti_threshold(old_logp: torch.Tensor, completion_mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """Empirical ``quantile`` of pi_old = exp(old_logp) over the valid tokens only (linear interpolation, as
+    ``torch.quantile``). Returns a 0-d tensor; NaN when there is no valid token."""
+    quantile = _check_unit_interval("quantile", quantile, closed=False)
+    _check_token_tensors(old_logp, completion_mask)
+    probs = torch.exp(old_logp.detach())[completion_mask.bool()]
+    if probs.numel() == 0:
+        return torch.tensor(float("nan"), dtype=torch.float64, device=old_logp.device)
+    ordered, _ = torch.sort(probs.to(torch.float64))
+    pos = quantile * (ordered.numel() - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def lopti_masks(
+    old_logp: torch.Tensor,
+    completion_mask: torch.Tensor,
+    eta: float | None = None,
+    quantile: float | None = None,
+    order: str = "low_first",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lopti (Low-Probability Token Isolation) stage masks, as the official code splits the tokens::
+
+        low  = valid & (pi_old <  eta)        (strict, official code)
+        high = valid & (pi_old >= eta)
+
+    with pi_old = exp(old_logp). Exactly one of ``eta`` in (0, 1) (fixed threshold) and ``quantile`` in (0, 1)
+    (threshold = that empirical quantile of pi_old over the valid tokens, see :func:`lopti_threshold`) is given.
+    ``order="low_first"`` (the method) returns ``(low, high)``; ``"high_first"`` (the paper's ablation) returns
+    ``(high, low)``. Masks are bool (B, T), disjoint, and their union is ``completion_mask``.
+    """
+    if (eta is None) == (quantile is None):
+        raise ValueError(
+            f"exactly one of eta and quantile must be given, got eta={eta!r}, quantile={quantile!r}"
+        )
+    if order not in LOPTI_ORDERS:
+        raise ValueError(f"order must be one of {LOPTI_ORDERS}, got {order!r}")
+    _check_token_tensors(old_logp, completion_mask)
+    valid = completion_mask.bool()
+    pi_old = torch.exp(old_logp.detach())  # in old_logp's dtype, as the official code compares
+    if eta is not None:
+        below = pi_old < _check_unit_interval("eta", eta, closed=False)
+    else:
+        below = pi_old.to(torch.float64) < lopti_threshold(old_logp, completion_mask, quantile)
+    low, high = valid & below, valid & ~below
+    return (low, high) if order == "low_first" else (high, low)
