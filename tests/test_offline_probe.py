@@ -31,9 +31,19 @@ T_PROBE = 1.1
 
 
 class _FirstBatch(TokendynGRPOTrainer):
-    """Keeps a copy of the loss inputs of the first training micro-step (step 0, micro-batch 0)."""
+    """Keeps a copy of the loss inputs of the first training micro-step (step 0, micro-batch 0) and of the first
+    rollout batch as generated (before TRL shuffles it into micro-batches)."""
 
     first_inputs: dict | None = None
+    first_rollout: dict | None = None
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.first_rollout is None and self.model.training:
+            self.first_rollout = {
+                k: v.detach().clone() if torch.is_tensor(v) else v for k, v in output.items()
+            }
+        return output
 
     def _compute_loss(self, model, inputs):
         if self.first_inputs is None and model.training:
@@ -45,7 +55,8 @@ class _FirstBatch(TokendynGRPOTrainer):
 
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, tmp_path_factory):
-    """One probed GRPO step (analyses on), its first micro-batch dumped as a rollouts file."""
+    """One probed GRPO step (analyses on), its first micro-batch dumped as a rollouts file, and the sequences its
+    analyses ran on (the first 8 of the rollout batch as generated) as another."""
     tmp = tmp_path_factory.mktemp("offline")
     trainer = _trainer(
         tiny_model_dir, _config(tmp, max_steps=1, probe_every=1, temperature=T_PROBE), cls=_FirstBatch
@@ -53,7 +64,9 @@ def trained(tiny_model_dir, tmp_path_factory):
     trainer.train()
     inputs = trainer.first_inputs
     path = dump_rollouts(inputs, tmp / "batch.parquet", temperature=T_PROBE)
-    return inputs, path, tmp / "run" / "records", trainer.args
+    rollout = {k: v[:8] if torch.is_tensor(v) and v.dim() else v for k, v in trainer.first_rollout.items()}
+    sample = dump_rollouts(rollout, tmp / "sample.parquet", temperature=T_PROBE)
+    return inputs, path, tmp / "run" / "records", trainer.args, sample
 
 
 def _load(model_dir):
@@ -70,7 +83,7 @@ def _rel(a: float, b: float) -> float:
 
 
 def test_dump_rebuilds_the_training_micro_batch(trained):
-    inputs, path, _, _ = trained
+    inputs, path, _, _, _ = trained
     r = read_rollouts(path)
     assert r.n == inputs["completion_ids"].shape[0] and r.temperature == T_PROBE
     batch = r.batch(range(r.n), pad_id=0)
@@ -85,7 +98,7 @@ def test_dump_rebuilds_the_training_micro_batch(trained):
 
 
 def test_offline_probe_matches_the_in_training_probe(trained, tiny_model_dir, tmp_path):
-    inputs, path, train_records, args = trained
+    inputs, path, train_records, args, sample = trained
     model, tok = _load(tiny_model_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model.train()
@@ -99,7 +112,7 @@ def test_offline_probe_matches_the_in_training_probe(trained, tiny_model_dir, tm
         path,
         tmp_path / "off",
         batch_size=64,
-        sample_sequences=8,
+        analyses="none",
         objective=objective,
         positions="model",
     )
@@ -138,6 +151,12 @@ def test_offline_probe_matches_the_in_training_probe(trained, tiny_model_dir, tm
     assert checked >= 2 * 3 * 3 * 2  # at least two non-empty bins at every point
 
     # the same record kinds as training (less the real update's change), the same analyses on the same sample
+    off_records = tmp_path / "sample" / "records"
+    probe_rollouts(
+        model, tok, sample, off_records.parent, batch_size=64, sample_sequences=8, objective=objective,
+        positions="model",
+    )  # fmt: skip
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the analyses left it too
     kinds = {p.name.split("-rank")[0] for p in off_records.glob("*.parquet")}
     assert kinds == {p.name.split("-rank")[0] for p in train_records.glob("*.parquet")}
     key = ["bin", "layer"]

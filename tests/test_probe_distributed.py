@@ -146,6 +146,60 @@ def trl_worker(model_dir: str, out_dir: str) -> None:
     torch.distributed.barrier()
 
 
+ANALYSED = ("shares", "token_shares", "prob_change", "influence")
+
+
+def sampled_rollouts(prompts: list[str], trainer) -> dict:
+    """A TRL ``rollout_func``: completions sampled from the policy at the training temperature, each with a generator
+    seeded by its index in the global generation batch (process r holds the prompts r * n .. (r + 1) * n - 1 of it),
+    so one process and two draw the same global batch."""
+    tok, model = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)
+    start = trainer.accelerator.process_index * len(prompts)
+    prompt_ids, completion_ids = [], []
+    for i, prompt in enumerate(prompts):
+        ids = tok(prompt)["input_ids"]
+        gen = torch.Generator().manual_seed(1000 * trainer.state.global_step + start + i)
+        out: list[int] = []
+        with torch.no_grad():
+            while len(out) < trainer.max_completion_length and (not out or out[-1] != tok.eos_token_id):
+                logits = (
+                    model(input_ids=torch.tensor([ids + out])).logits[0, -1].float() / trainer.temperature
+                )
+                out.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
+        prompt_ids.append(ids)
+        completion_ids.append(out)
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+def analysed_run(model_dir: str, out_dir: Path, per_device: int, probe_every: int = 1) -> list[torch.Tensor]:
+    """One Lopti rollout batch of 16 completions (2 micro-batches per stage, one SGD step per stage) of the TRL
+    trainer with every rebalancing analysis on 12 of its sequences; per_device 4 on 2 ranks or 8 on one process.
+    Returns the trained parameters."""
+    from datasets import Dataset
+    from test_trainer import PROMPTS, _config, vowel_reward
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from tokendyn.trainers.grpo import TokendynGRPOTrainer
+
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    args = _config(
+        out_dir, max_steps=2, per_device_train_batch_size=per_device, probe_every=probe_every,
+        probe_sample_sequences=12, lopti_eta=0.5, probe_lr_sweep=[1e-3, 1.0], ddp_find_unused_parameters=False,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    trainer = TokendynGRPOTrainer(
+        model=model,
+        reward_funcs=vowel_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=PreTrainedTokenizerFast.from_pretrained(model_dir),
+        optimizers=(torch.optim.SGD(model.parameters(), lr=0.05), None),
+        rollout_func=sampled_rollouts,
+    )
+    trainer.train()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def _launch(out: Path, *extra: str) -> None:
     env = {
         **os.environ,
@@ -246,9 +300,45 @@ def test_trl_trainer_under_ddp_records_the_global_loss_gradient(tiny_model_dir, 
     _launch(tmp_path, "trl", str(tiny_model_dir))
 
 
+def test_trl_rebalancing_analyses_under_ddp_equal_one_process_on_the_global_batch(tiny_model_dir, tmp_path):
+    """Two DDP ranks of 8 rollouts each against one process generating the same 16: the analysed sample is the first
+    12 rows of the global rollout batch (8 of rank 0's, 4 of rank 1's), analysed and written by rank 0 alone. The
+    analyses at the rollout start see the same rows and parameters (equal to rounding); the stage-2 shares and the
+    real change follow the real DDP vs one-process SGD steps (equal to float32 rounding of the averaged gradient).
+    On the ranks, training with the analyses is bitwise training without them."""
+    from tokendyn.hooks.records import shard_files
+
+    torch.set_num_threads(1)
+    _launch(tmp_path / "two", "trl_analyses", str(tiny_model_dir))
+    analysed_run(str(tiny_model_dir), tmp_path / "one", per_device=8)
+    diffs = {}
+    for kind in ANALYSED:
+        files = shard_files(tmp_path / "two" / "run", kind)
+        assert files and all("-rank000-" in f.name for f in files), [f.name for f in files]
+        one, two = (pl.read_parquet(shard_files(tmp_path / d / "run", kind)) for d in ("one", "two"))
+        floats = [c for c, t in one.schema.items() if t == pl.Float64 and c not in ("lr", "bin_lo", "bin_hi")]
+        keys = [c for c in one.columns if c not in floats]
+        one, two = one.sort(keys, nulls_last=True), two.sort(keys, nulls_last=True)
+        assert one.height > 0 and one.select(keys).equals(two.select(keys)), kind
+        by = [c for c in ("update", "stage") if c in one.columns]  # real / stage-2 rows come after SGD steps
+        for part in one.select(by).unique().sort(by).iter_rows():
+            rows = pl.all_horizontal(pl.col(c) == v for c, v in zip(by, part, strict=True))
+            a, b = one.filter(rows), two.filter(rows)
+            diffs[":".join([kind, *part])] = max(_max_rel(b[c], a[c]) for c in floats)
+    print(json.dumps(diffs))
+    assert all(v < 1e-5 for v in diffs.values()), diffs
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
-    if sys.argv[1] == "trl":
+    if sys.argv[1] == "trl_analyses":
+        torch.set_num_threads(1)
+        probed = analysed_run(sys.argv[2], Path(sys.argv[3]), per_device=4)
+        plain = analysed_run(sys.argv[2], Path(sys.argv[3]) / "plain", per_device=4, probe_every=0)
+        assert all(torch.equal(a, b) for a, b in zip(probed, plain, strict=True)), (
+            "the analyses changed training"
+        )
+    elif sys.argv[1] == "trl":
         from tokendyn.hooks.records import shard_files
 
         trl_worker(sys.argv[2], sys.argv[3])

@@ -8,8 +8,13 @@ forward or backward pass is made for these statistics: they are read from the tr
 
 The rebalancing analyses (`tokendyn.probe.rebalance`) are the one deliberate extra cost: on probed
 steps, at the first micro-step of each rollout batch, `analyze(inputs)` runs them on the first
-``probe_sample_sequences`` sequences (before any update of that batch; the model is not modified),
-and after the batch's last optimizer step the same sequences are re-scored for the real change. With Lopti, the
+``probe_sample_sequences`` sequences of the global rollout batch (before any update of that batch; the model is not
+modified), and after the batch's last optimizer step the same sequences are re-scored for the real change. The
+global rollout batch is the ranks' generation batches concatenated in rank order, in the sampler's order, before
+TRL shuffles it into micro-batches: the batch one process would generate from the same prompts (TRL hands process
+r the prompts r * n .. (r + 1) * n - 1 of it). `rollout(output)` gathers those rows on every rank (padded across
+processes as one process pads them); the analyses then run on rank 0 alone, on the unwrapped model (they make no
+collective call), and only rank 0 writes their records. With Lopti, the
 `shares` record also holds each stage's decomposition (stage "low" / "high", `stage_shares_frame`): the gradient of
 the stage's loss on the same sequences, at the parameters the stage starts from (stage 2: after the real stage-1
 optimizer steps), recorded at the global step where it is taken (stage 2: later than the rollout's other records).
@@ -20,11 +25,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from transformers import TrainerCallback
 
 from ..probe.parallel import is_fully_sharded
 from ..probe.probe import GradientProbe
 from .records import RecordWriter
+
+# the rows of a rollout batch the analyses read (TRL's keys, and the Lopti masks of `TokendynGRPOTrainer`)
+SAMPLE_KEYS = (
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "completion_mask",
+    "tool_mask",
+    "advantages",
+    "old_per_token_logps",
+    "ref_per_token_logps",
+    "lopti_stage1_mask",
+    "lopti_stage2_mask",
+)
 
 
 def stage_name(stage: int, order: str) -> str:
@@ -69,6 +89,7 @@ class TrainerProbe(TrainerCallback):
         self.sample = int(args.probe_sample_sequences)
         self._pending_real = None
         self._pending_stage2 = None  # (batch, stage-2 mask) of a Lopti rollout, for the stage-2 shares
+        self._sample_rows: dict | None = None  # the analysed rows of the global rollout batch (rank 0)
         if self.analyses:
             from ..probe.rebalance import RebalanceOptions
             from ..probe.tokenloss import Objective
@@ -89,6 +110,35 @@ class TrainerProbe(TrainerCallback):
     def _generate_every(self) -> int:
         return self.trainer.args.steps_per_generation * self.trainer.num_iterations
 
+    def rollout(self, output: dict) -> None:
+        """Called by the trainer with each rollout batch it generates (this rank's rows, before TRL's shuffle): on a
+        probed rollout, keep the analysed sample, the first ``probe_sample_sequences`` rows of the global batch
+        (a collective: every rank calls it)."""
+        t = self.trainer
+        if not self.analyses or not self.due() or t._step % self._generate_every():
+            return
+        acc = t.accelerator
+        # the first S global rows lie in the first min(S, n) rows of each rank's n
+        rows = slice(0, min(self.sample, output["completion_ids"].size(0)))
+        pad_id = t._tokenizer.pad_token_id  # (pad value, left side) as TRL pads each rank's batch
+        padding = {"prompt_ids": (pad_id, True), "prompt_mask": (0, True), "completion_ids": (pad_id, False)}
+        padding["tool_mask"] = (1, False)
+        sample = {}
+        for key in SAMPLE_KEYS:
+            value = output.get(key)
+            if value is None:
+                continue
+            value = value[rows]
+            if acc.num_processes > 1:
+                pad_index, first = padding.get(key, (0, False))
+                dtype = value.dtype
+                value = value.long() if dtype == torch.bool else value
+                if value.dim() > 1:
+                    value = acc.pad_across_processes(value, dim=1, pad_index=pad_index, pad_first=first)
+                value = acc.gather(value).to(dtype)
+            sample[key] = value[: self.sample]
+        self._sample_rows = sample if acc.is_main_process else None
+
     def analyze(self, inputs: dict) -> None:
         """The rebalancing analyses of a rollout batch (first micro-step of a probed rollout only); with Lopti also
         the update shares of each stage, at the start of that stage (stage 2 after the real stage-1 update)."""
@@ -107,33 +157,6 @@ class TrainerProbe(TrainerCallback):
             )
         if not self.analyses:
             return
-        import polars as pl
-        import torch
-
-        from ..probe.rebalance import analyze_batch
-        from ..probe.tokenloss import ProbeBatch
-        from ..records import write_frames
-
-        rows = slice(0, self.sample)
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
-        batch = ProbeBatch(
-            input_ids=torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)[rows],
-            attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)[rows],
-            completion_mask=mask[rows],
-            advantages=inputs["advantages"][rows],
-            old_logp=inputs["old_per_token_logps"][rows]
-            if inputs.get("old_per_token_logps") is not None
-            else None,
-            ref_logp=inputs["ref_per_token_logps"][rows]
-            if inputs.get("ref_per_token_logps") is not None
-            else None,
-            temperature=t.temperature,
-        )
-        stage_masks = None
-        if "lopti_stage1_mask" in inputs:
-            stage_masks = (inputs["lopti_stage1_mask"][rows], inputs["lopti_stage2_mask"][rows])
         model = t.accelerator.unwrap_model(t.model)
         if is_fully_sharded(model):
             raise ValueError(
@@ -141,6 +164,34 @@ class TrainerProbe(TrainerCallback):
                 "real_change) do not run on FSDP2-sharded parameters yet; set probe_analyses to none (the per-bin "
                 "gradient records work under FSDP2) or train with DDP"
             )
+        sample, self._sample_rows = self._sample_rows, None
+        if not t.accelerator.is_main_process:
+            return  # rank 0 analyses the global sample
+        if sample is None:
+            raise RuntimeError(
+                "probe: no rollout batch was handed to TrainerProbe.rollout before its analyses"
+            )
+        import polars as pl
+
+        from ..probe.rebalance import analyze_batch
+        from ..probe.tokenloss import ProbeBatch
+        from ..records import write_frames
+
+        mask = sample["completion_mask"]
+        if "tool_mask" in sample:
+            mask = mask * sample["tool_mask"]
+        batch = ProbeBatch(
+            input_ids=torch.cat([sample["prompt_ids"], sample["completion_ids"]], dim=1),
+            attention_mask=torch.cat([sample["prompt_mask"], sample["completion_mask"]], dim=1),
+            completion_mask=mask,
+            advantages=sample["advantages"],
+            old_logp=sample.get("old_per_token_logps"),
+            ref_logp=sample.get("ref_per_token_logps"),
+            temperature=t.temperature,
+        )
+        stage_masks = None
+        if "lopti_stage1_mask" in sample:
+            stage_masks = (sample["lopti_stage1_mask"], sample["lopti_stage2_mask"])
         step = t.state.global_step
         self.probe.enabled = False  # the analyses' own forwards are not training passes
         try:

@@ -136,7 +136,8 @@ class TokendynGRPOConfig(GRPOConfig):
         default=8,
         metadata={
             "help": "Rebalancing analyses (gradient shares per bin, per-token JVP shares, probability change, "
-            "influence matrix) run every probe_every steps on this many sequences of the rollout batch; 0 = off."
+            "influence matrix) run every probe_every steps on the first this many sequences of the rollout batch "
+            "(of all processes, in rank order, before TRL shuffles it; run and written by rank 0); 0 = off."
         },
     )
     probe_analyses: str = field(

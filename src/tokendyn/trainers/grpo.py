@@ -6,7 +6,8 @@ only where it plugs into TRL's loop:
 * ``_generate_and_score_completions`` (once per rollout batch, train mode only): makes sure ``old_per_token_logps``
   (pi_old at the sampling temperature) is present whenever Reweight or Lopti is on, swaps in REINFORCE++
   advantages, applies Reweight (advantages become (B, T)), and stores both Lopti stage masks in the batch. These are
-  then shuffled and split with the batch by TRL and fixed for every pass over it, both stages included.
+  then shuffled and split with the batch by TRL and fixed for every pass over it, both stages included. With the
+  probe on, the batch is handed to it there (``TrainerProbe.rollout``: the rebalancing analyses' sample).
 * Lopti runs as TRL's generation buffer with twice the passes: ``num_iterations`` is doubled internally, so the
   sampler's repeat count and ``_prepare_inputs``' regeneration period agree; passes 0..mu-1 are stage 1 and
   mu..2mu-1 stage 2 (``current_stage``). The optimizer and its state are simply TRL's, carried over.
@@ -88,6 +89,8 @@ class TokendynGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if not self.model.training or not self._modifies_batch:
+            if self.probe is not None and self.model.training:
+                self.probe.rollout(output)
             return output
         mask = output["completion_mask"]
         if "tool_mask" in output:
@@ -110,6 +113,8 @@ class TokendynGRPOTrainer(GRPOTrainer):
             output[STAGE_MASK_KEYS[1]], output[STAGE_MASK_KEYS[2]] = stage1, stage2
             self._log_global_mean("lopti/stage1_fraction", stage1.sum(), mask.sum())
             self._log_global_mean("lopti/stage2_fraction", stage2.sum(), mask.sum())
+        if self.probe is not None:
+            self.probe.rollout(output)
         return output
 
     def _sampling_logps(self, output: dict) -> torch.Tensor:
