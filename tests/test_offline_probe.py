@@ -375,3 +375,24 @@ def test_cli_end_to_end_then_analyze(tiny_model_dir, tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if "staging" in p.name]
     assert main(["analyze", str(out)]) == 0
     assert (out / "analysis" / "bins.parquet").is_file()
+
+
+def test_probe_cli_takes_the_trained_loss_options_and_names_a_bad_one(tmp_path, capsys):
+    """`tokendyn probe` builds the same Objective as the trainer: a bad loss option is one line naming the flag."""
+    import argparse
+
+    from tokendyn.hooks import offline_cli
+
+    parser = argparse.ArgumentParser()
+    offline_cli.register(parser.add_subparsers())
+    base = ["probe", "--model", "m", "--rollouts", "r.parquet", "--out", str(tmp_path / "o")]
+    args = parser.parse_args([*base, "--loss_type", "grpo", "--importance_sampling_level", "sequence",
+                              "--use_bias_correction_kl", "--beta", "0.1", "--lr_sweep", "1e-3", "1"])  # fmt: skip
+    _, objective = offline_cli._check_args(args)
+    assert (objective.loss_type, objective.importance_sampling_level, objective.bias_correction_kl) == (
+        "grpo", "sequence", True)  # fmt: skip
+    for flags, name in ((["--loss_type", "cispo"], "--loss_type"), (["--loss_type", "dr_grpo"], "--loss_type"),
+                        (["--top_entropy_quantile", "0"], "--top_entropy_quantile"),
+                        (["--lr_sweep", "0"], "--lr_sweep")):  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            offline_cli._check_args(parser.parse_args([*base, *flags]))

@@ -177,6 +177,7 @@ def probe_rollouts(
     sample_sequences: int = 8,
     analyses: str | Sequence[str] | None = ANALYSES,
     lr: float = 1e-3,
+    lr_sweep: Sequence[float] = (),
     objective: Objective | None = None,
     seed: int = 0,
     sample_tokens: int = 128,
@@ -190,7 +191,8 @@ def probe_rollouts(
     rollouts: a validated `Rollouts` or anything `read_rollouts` takes; tokenizer: needed for text rollouts (and
     for the pad id; None: 0). bins / points: as `GradientProbe` (default the paper's bins, every layer and the
     final norm). temperature: None = the file's, else 1.0. analyses: a subset of ANALYSES (or 'none');
-    objective: default `Objective(0.2, 0.28)` (TRL's clipped surrogate, beta 0). meta: extra run.json fields.
+    objective: default `Objective(0.2, 0.28)` (TRL's clipped surrogate, beta 0; any TRL loss option: `Objective`).
+    lr_sweep: step sizes of the counterfactual SGD sweep (records update "sweep"). meta: extra run.json fields.
     positions: "mask" (position ids from the attention masks, as the sampler had them) or "model" (the model's
     default; TRL's training forward passes none); see `positions_from_masks`.
     Everything is checked before any forward; on any error nothing is written."""
@@ -224,6 +226,7 @@ def probe_rollouts(
         prob_change="prob_change" in wanted,
         influence="influence" in wanted,
         lr=float(lr),
+        lr_sweep=tuple(lr_sweep),
         seed=seed,
     )
     if options.token_shares and n_analysed:

@@ -58,6 +58,34 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--beta", type=float, default=0.0, help="k3 KL coefficient (>= 0; > 0 needs a ref_logp column)"
     )
+    p.add_argument(
+        "--loss_type",
+        default="dapo",
+        help="the trained loss's aggregation (TRL's): grpo, bnpo, dr_grpo, dapo",
+    )
+    p.add_argument("--importance_sampling_level", default="token", help="token, or sequence (GSPO)")
+    p.add_argument(
+        "--use_bias_correction_kl",
+        action="store_true",
+        help="KL term times the ratio (TRL's default; off: plain k3)",
+    )
+    p.add_argument(
+        "--top_entropy_quantile", type=float, default=1.0, help="keep the top-entropy tokens (0, 1]"
+    )
+    p.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus coefficient")
+    p.add_argument(
+        "--max_completion_length",
+        type=int,
+        default=None,
+        help="dr_grpo's constant normaliser (> 0; dr_grpo only)",
+    )
+    p.add_argument(
+        "--lr_sweep",
+        type=float,
+        nargs="+",
+        default=None,
+        help="step sizes of a counterfactual SGD sweep (> 0)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the token samples")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")
@@ -105,7 +133,26 @@ def _check_args(args: argparse.Namespace):
         analyses = parse_analyses(args.analyses)
     except ValueError as exc:
         raise ValueError(f"--{exc}") from None
-    objective = Objective(eps_low=args.epsilon, eps_high=args.epsilon_high, delta=args.delta, beta=args.beta)
+    finite("top_entropy_quantile", args.top_entropy_quantile)
+    finite("entropy_coef", args.entropy_coef)
+    if args.lr_sweep is not None and not all(math.isfinite(x) and x > 0 for x in args.lr_sweep):
+        raise ValueError(f"--lr_sweep: every step size must be a finite number > 0, got {args.lr_sweep}")
+    try:
+        objective = Objective(
+            eps_low=args.epsilon,
+            eps_high=args.epsilon_high,
+            delta=args.delta,
+            beta=args.beta,
+            loss_type=args.loss_type,
+            importance_sampling_level=args.importance_sampling_level,
+            bias_correction_kl=args.use_bias_correction_kl,
+            top_entropy_quantile=args.top_entropy_quantile,
+            entropy_coef=args.entropy_coef,
+            max_completion_length=args.max_completion_length,
+        )
+    except ValueError as exc:  # "objective: <field> ..." -> the flag
+        field = str(exc).removeprefix("objective: ").split(" ", 1)
+        raise ValueError(f"--{field[0]}: {field[1] if len(field) > 1 else exc}") from None
     return analyses, objective
 
 
@@ -183,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
         sample_sequences=args.sample_sequences,
         analyses=analyses,
         lr=args.lr,
+        lr_sweep=tuple(args.lr_sweep or ()),
         objective=objective,
         seed=args.seed,
         progress=True,
