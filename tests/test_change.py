@@ -304,3 +304,11 @@ def test_on_a_saved_model_with_generated_completions(tiny_model_dir, tmp_path):
 
     for kind in frames:
         assert pl.read_parquet(shard_files(tmp_path, kind)[0]).equals(frames[kind])
+
+
+def test_rebalance_options_name_a_bad_field():
+    with pytest.raises(ValueError, match="share_method must be one of batched, loop"):
+        RebalanceOptions(share_method="jvp")
+    with pytest.raises(ValueError, match="lr_sweep"):
+        RebalanceOptions(lr_sweep=(1e-3, 0.0))
+    assert RebalanceOptions(lr_sweep=(1.0, 1e-3, 1.0)).lr_sweep == (1e-3, 1.0)

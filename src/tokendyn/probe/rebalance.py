@@ -22,7 +22,7 @@ from torch import nn
 from tokendyn.probe.analysis_records import token_shares_frame
 from tokendyn.probe.change import change_frame, counterfactual_change, fix_pi_old, real_change
 from tokendyn.probe.influence import influence
-from tokendyn.probe.shares import as_edges, gradient_shares
+from tokendyn.probe.shares import METHODS, as_edges, gradient_shares
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index
 
 
@@ -49,6 +49,10 @@ class RebalanceOptions:
         if any(not x > 0 for x in sweep):
             raise ValueError(f"rebalance: every lr_sweep value must be > 0, got {list(self.lr_sweep)!r}")
         object.__setattr__(self, "lr_sweep", tuple(sorted(set(sweep))))
+        if self.share_method not in METHODS:
+            raise ValueError(
+                f"rebalance: share_method must be one of {', '.join(METHODS)}, got {self.share_method!r}"
+            )
         if not isinstance(self.token_shares, int) or self.token_shares < 0:
             raise ValueError(f"rebalance: token_shares must be an integer >= 0, got {self.token_shares!r}")
         if not float(self.lr) > 0:
