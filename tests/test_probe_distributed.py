@@ -208,7 +208,11 @@ def _launch(out: Path, *extra: str) -> None:
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
     proc = subprocess.run([*cmd, *extra, str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # gloo can abort a process at exit under CPU load ("terminate called without an active exception", seen here a
+    # few times in ~30 runs) after its work is done: accept only that, and only when every rank marked its work done
+    teardown_abort = "terminate called without an active exception" in proc.stderr
+    done = all((out / f".done-rank{r}").is_file() for r in range(2))
+    assert proc.returncode == 0 or (teardown_abort and done), proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def _max_rel(a: pl.Series, b: pl.Series) -> float:
@@ -344,3 +348,6 @@ if __name__ == "__main__":
         trl_worker(sys.argv[2], sys.argv[3])
     else:
         worker(sys.argv[1])
+    out = Path(sys.argv[-1])  # every check of this rank passed: mark it (see _launch)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f".done-rank{os.environ.get('RANK', '0')}").write_text("ok")
