@@ -76,8 +76,8 @@ def analyze_batch(
     objective: Objective | None = None,
     stage_masks: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, pl.DataFrame]:
-    """The `shares`, `token_shares`, `prob_change` (counterfactual) and `influence` frames of one batch, for the
-    analyses switched on. ``stage_masks``: the two Lopti stage masks (then the counterfactual update and the
+    """The `shares`, `token_shares`, `prob_change` (counterfactual, and "sweep" rows for ``options.lr_sweep``) and
+    `influence` frames of one batch, for the analyses switched on. ``stage_masks``: the two Lopti stage masks (then the counterfactual update and the
     influence matrix run per stage), or None. The model is not modified."""
     opts = options or RebalanceOptions()
     edges_t = as_edges(edges)
