@@ -95,7 +95,7 @@ def correct_ratios(run_dirs, update: str = "counterfactual") -> pl.DataFrame:
         )
         if df.height == 0:
             continue
-        ties = pl.col("tie_pos").fill_null(0) if "tie_pos" in df.columns else pl.lit(0)
+        ties = pl.col("tie_pos").fill_null(0)  # null in records written before ties were counted
         df = (
             df.with_columns((pl.col("n_pos") - ties).alias("decided"), ties.alias("ties"))
             .group_by("bin", "bin_lo", "bin_hi")

@@ -203,7 +203,6 @@ def checks_summary(checks: pl.LazyFrame) -> pl.DataFrame:
     and violations. LM-head identity: grad at the head input = W^T (pi - e_o) w / T, its error on the scale
     |w| sigma_max / T (which does not shrink as pi -> 1), violated beyond the tolerance; logits bound: ||dl/dz|| /
     (|w|(1 - pi)) in [sqrt(V/(V-1)), sqrt(2)]; head bound: ||delta|| / (|w|(1 - pi)) <= sqrt(2) sigma_max / T."""
-    checks = _with_columns(checks, {"identity_violations": pl.Int64})
     return (
         checks.group_by("stage")
         .agg(
@@ -258,13 +257,6 @@ def checks_diagnostics(checks: pl.LazyFrame) -> pl.DataFrame:
     )
 
 
-def _with_columns(frame: pl.LazyFrame, columns: dict[str, pl.DataType]) -> pl.LazyFrame:
-    """Add the missing ``columns`` as nulls (records written before those columns existed)."""
-    have = frame.collect_schema().names()
-    missing = [pl.lit(None, dtype=t).alias(c) for c, t in columns.items() if c not in have]
-    return frame.with_columns(missing) if missing else frame
-
-
 CORRECT_COLUMNS = ("n_pos", "tie_pos", "correct_pos", "n_neg", "tie_neg", "correct_neg", "correct_pooled")
 
 
@@ -272,8 +264,7 @@ def correct_summary(prob_change: pl.LazyFrame) -> pl.DataFrame:
     """Per kind of update (counterfactual, real), step size and bin of pi_old (-1: all tokens), over the steps of the
     full update (update_stage "all", or Lopti's "total"): the correct ratios from the summed counts, ties apart:
     A > 0: rose / (rose + fell); A < 0: fell / (rose + fell); pooled; with n and the ties of each sign."""
-    pc = _with_columns(prob_change, {"tie_pos": pl.Int64, "tie_neg": pl.Int64, "lr": pl.Float64})
-    pc = pc.filter(pl.col("update_stage").is_in(["all", "total"]) & (pl.col("source_bin") == -1))
+    pc = prob_change.filter(pl.col("update_stage").is_in(["all", "total"]) & (pl.col("source_bin") == -1))
     pc = pc.with_columns(pl.col("tie_pos").fill_null(0), pl.col("tie_neg").fill_null(0)).with_columns(
         (pl.col("n_pos") - pl.col("tie_pos")).alias("d_pos"),
         (pl.col("n_neg") - pl.col("tie_neg")).alias("d_neg"),

@@ -48,11 +48,11 @@ def pooled_change(prob_change: pl.DataFrame, update: str | None = "counterfactua
     mean, mean |delta pi| and the quantiles, and the correct ratios pooled (correct counts summed over steps, each
     step weighted by its decided tokens: n - ties). Ties are summed beside them (records written before ties were
     counted have none: their ratios counted a tie as a failure)."""
-    full = full_update(prob_change, update).filter(pl.col("count") > 0)
-    for c in ("tie_pos", "tie_neg"):
-        full = full.with_columns(
-            (pl.col(c) if c in full.columns else pl.lit(None)).cast(pl.Int64).fill_null(0).alias(c)
-        )
+    full = (
+        full_update(prob_change, update)
+        .filter(pl.col("count") > 0)
+        .with_columns(pl.col("tie_pos", "tie_neg").fill_null(0))
+    )
     full = full.with_columns(
         (pl.col("n_pos") - pl.col("tie_pos")).alias("d_pos"),
         (pl.col("n_neg") - pl.col("tie_neg")).alias("d_neg"),

@@ -177,10 +177,6 @@ def default_points(points: Sequence[str], k: int = 3) -> list[str]:
 def envelope(bound: pl.DataFrame) -> pl.DataFrame:
     """Per (run, point): C = min and D = max of ||delta|| / (|w| (1 - pi)) over every recorded micro-batch, and the
     token-weighted mean Spearman correlation of ||delta|| / |w| with (1 - pi)."""
-    for c, t in (("direct_n", pl.Int64), ("direct_ratio_min", pl.Float64), ("direct_ratio_max", pl.Float64),
-                 ("direct_spearman", pl.Float64)):  # fmt: skip
-        if c not in bound.columns:  # records written before the direct envelope was kept
-            bound = bound.with_columns(pl.lit(None, dtype=t).alias(c))
     return bound.group_by("run", "point").agg(
         pl.col("n").sum(),
         pl.col("ratio_min").min().alias("C"),

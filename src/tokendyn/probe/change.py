@@ -33,6 +33,7 @@ from tokendyn.probe.tokenloss import (
     ProbeBatch,
     completion_logp,
     eval_mode,
+    loss_and_measured_logp,
     token_loss,
     trainable_parameters,
 )
@@ -128,11 +129,12 @@ class ChangeResult:
 def fix_pi_old(model: nn.Module, batch: ProbeBatch) -> tuple[ProbeBatch, torch.Tensor]:
     """(batch with old_logp set, pi_before): an on-policy batch gets pi_old = the current pi, fixed for every later
     stage (as the trainer does: pi_old is not recomputed between Lopti stages)."""
-    pi_before = completion_probs(model, batch)
-    if batch.old_logp is None:  # the loss's own log pi (float32 log-softmax): ratio exactly 1 at the start
-        with torch.no_grad(), eval_mode(model):
-            batch = batch.with_old_logp(completion_logp(model, batch))
-    return batch, pi_before
+    if batch.old_logp is not None:
+        return batch, completion_probs(model, batch)
+    logp, logp64 = loss_and_measured_logp(
+        model, batch
+    )  # pi_old: the loss's own log pi, ratio exactly 1 at start
+    return batch.with_old_logp(logp), torch.exp(logp64)
 
 
 def counterfactual_change(

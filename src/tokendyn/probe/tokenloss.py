@@ -304,6 +304,17 @@ def completion_logp(
     return torch.log_softmax(z, dim=-1).gather(-1, ids).squeeze(-1)
 
 
+def loss_and_measured_logp(model: nn.Module, batch: ProbeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi_t as the loss computes it, log pi_t in float64 for measuring changes), from one forward without
+    grad in eval mode: the same values as `completion_logp` without and with ``float64``."""
+    with torch.no_grad(), eval_mode(model):
+        z = _completion_logits(model, batch)
+    ids = batch.completion_ids.to(z.device).unsqueeze(-1)
+    z64 = z.to(torch.float64)
+    logp64 = z64.gather(-1, ids).squeeze(-1) - torch.logsumexp(z64, dim=-1)
+    return torch.log_softmax(z, dim=-1).gather(-1, ids).squeeze(-1), logp64
+
+
 def _completion_logits(
     model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tensor] | None = None
 ) -> torch.Tensor:

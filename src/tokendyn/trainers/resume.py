@@ -220,7 +220,6 @@ class ResumeCallback(TrainerCallback):
         holder = getattr(self.trainer, "probe", None)
         if holder is None:
             return
-        holder.end()  # the step's last micro-batch is recorded now, not at the next forward
         if control.should_save:
             holder.writer.flush()
 
