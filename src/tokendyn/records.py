@@ -104,6 +104,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "logits_ratio_max": pl.Float64,
         "logits_violations": pl.Int64,
         "head_sigma_max": pl.Float64,
+        "head_sigma_step": pl.Int64,
         "head_bound": pl.Float64,
         "head_ratio_max": pl.Float64,
         "head_n": pl.Int64,

@@ -62,40 +62,12 @@ def logits_ratio_from_logits(z: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return torch.sqrt(1.0 + (r * r).sum(-1))
 
 
-def head_direction(
-    weight: torch.Tensor, pi: torch.Tensor, target: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """d log pi_o / dh = W^T (e_o - pi) / T per row (h: the LM-head input; logits = h W^T + b), float64."""
-    d = -pi.to(torch.float64)
-    d = d.scatter_add(-1, target.long().unsqueeze(-1), torch.ones_like(d[..., :1]))
-    return (d @ weight.to(torch.float64)) / temperature
-
-
-def head_gradient(
-    weight: torch.Tensor, pi: torch.Tensor, target: torch.Tensor, w: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """The exact gradient at the LM-head input: dL/dh = w W^T (e_o - pi) / T (rows: tokens), float64.
-
-    With the paper's sign (w_paper = -dL/dlog pi) this is W^T (pi - e_o) w_paper / T."""
-    return head_direction(weight, pi, target, temperature) * w.to(torch.float64).unsqueeze(-1)
-
-
 def relative_error(measured: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     """||measured - expected|| / ||expected|| per row (float64); NaN where ||expected|| = 0."""
     m, e = measured.to(torch.float64), expected.to(torch.float64)
     den = torch.linalg.vector_norm(e, dim=-1)
     err = torch.linalg.vector_norm(m - e, dim=-1) / den
     return torch.where(den > 0, err, torch.full_like(err, float("nan")))
-
-
-def spectral_norm(weight: torch.Tensor, chunk_rows: int = 8192) -> float:
-    """sigma_max(W) = sqrt(lambda_max(W^T W)), exact (eigvalsh in float64; W^T W accumulated over row chunks)."""
-    w = weight.detach()
-    gram = torch.zeros(w.shape[1], w.shape[1], dtype=torch.float64, device=w.device)
-    for start in range(0, w.shape[0], chunk_rows):
-        block = w[start : start + chunk_rows].to(torch.float64)
-        gram += block.T @ block
-    return float(torch.linalg.eigvalsh(gram)[-1].clamp(min=0).sqrt())
 
 
 def head_upper_bound(sigma_max: float, temperature: float) -> float:

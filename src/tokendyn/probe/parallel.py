@@ -7,7 +7,11 @@ L is the one-process loss of the whole batch (it multiplies each rank's loss by 
 `num_items_in_batch / num_processes`), so the records, divided by n, equal a one-process run on the global batch.
 
 FSDP2 (`torch.distributed.fsdp.fully_shard`) stores each parameter as a DTensor shard outside its module's forward
-and backward; `full_weight` all-gathers one (a collective: every rank must call it in the same order).
+and backward. The LM head is never gathered whole for the probe: `head_shard` takes this rank's rows (dim-0 shards
+on a 1-D mesh, FSDP2's layout), and the checks all-gather the small token sample [K, H] instead and merge each
+rank's partial sums over its rows (`head_sample_quantities`). Only a head sharded some other way (2-D mesh, a
+dim-1 placement) is gathered, in its own dtype, for the duration of the check: a transient V x H x itemsize bytes.
+Every function here that takes a process group is a collective: every rank must call it in the same order.
 """
 
 from __future__ import annotations
@@ -16,6 +20,15 @@ import warnings
 
 import torch
 from torch import nn
+
+from tokendyn.probe.head import (
+    HeadPartial,
+    HeadQuantities,
+    HeadShard,
+    head_partial,
+    head_quantities,
+    rescaled,
+)
 
 
 def _world_size() -> int:
@@ -89,3 +102,118 @@ def full_weight(t: torch.Tensor | None) -> torch.Tensor | None:
         return None
     t = t.detach()
     return t.full_tensor() if _is_dtensor(t) else t
+
+
+def head_shard(head: nn.Module) -> HeadShard:
+    """This rank's rows of the LM head (`head.weight`, V x H, and `head.bias`), with their offset and the process
+    group that holds the others: a DTensor sharded on dim 0 over a 1-D mesh (FSDP2) stays sharded (group = the
+    mesh's group); another DTensor layout is gathered (transient, in the head's dtype: V x H x itemsize bytes);
+    a plain tensor is the whole head (group None). No copy in either of the first and last cases."""
+    weight = head.weight.detach()
+    bias = getattr(head, "bias", None)
+    bias = None if bias is None else bias.detach()
+    vocab = int(weight.shape[0])
+    if not _is_dtensor(weight):
+        return HeadShard(weight, bias, 0, vocab)
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = weight.device_mesh, weight.placements
+    if (
+        mesh.ndim == 1
+        and len(placements) == 1
+        and isinstance(placements[0], Shard)
+        and placements[0].dim == 0
+    ):
+        group = mesh.get_group()
+        local = weight.to_local()
+        counts = gather_counts(int(local.shape[0]), group, local.device)
+        offset = int(sum(counts[: torch.distributed.get_rank(group)]))
+        if bias is not None:
+            bias = bias.to_local() if _is_dtensor(bias) else bias[offset : offset + local.shape[0]]
+        return HeadShard(local, bias, offset, vocab, group)
+    return HeadShard(weight.full_tensor(), full_weight(bias), 0, vocab)
+
+
+def gather_counts(n: int, group, device: torch.device) -> list[int]:
+    """Every rank's n, in rank order of `group`."""
+    dist = torch.distributed
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return [int(x) for x in out]
+
+
+def gather_rows(t: torch.Tensor, group) -> tuple[torch.Tensor, list[int]]:
+    """Every rank's rows of t (first dims may differ) concatenated in rank order, and the row counts."""
+    dist = torch.distributed
+    counts = gather_counts(int(t.shape[0]), group, t.device)
+    top = max(counts)
+    padded = torch.zeros((top, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    padded[: t.shape[0]] = t
+    out = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(out, padded.contiguous(), group=group)
+    return torch.cat([o[:c] for o, c in zip(out, counts, strict=True)]), counts
+
+
+def combine_head_partials(p: HeadPartial, group) -> HeadPartial:
+    """Merge the ranks' partial sums over their rows of W: M = max_r m_r, each rank's sums rescaled to M
+    (`head.rescaled`), then s1, s2, acc, z_o and W_o (the owner's, 0 elsewhere) summed over the ranks."""
+    dist = torch.distributed
+    big = p.m.clone()
+    dist.all_reduce(big, op=dist.ReduceOp.MAX, group=group)
+    r = rescaled(p, big)
+    packed = torch.cat([torch.stack([r.s1, r.s2, r.z_o], dim=-1), r.acc, r.w_o], dim=-1)
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    h = p.acc.shape[1]
+    return HeadPartial(
+        big, packed[:, 0], packed[:, 1], packed[:, 3 : 3 + h], packed[:, 2], packed[:, 3 + h :]
+    )
+
+
+def head_sample_quantities(
+    h: torch.Tensor, shard: HeadShard, targets: torch.Tensor, temperature: float
+) -> tuple[HeadQuantities, float]:
+    """The exact-check quantities of this rank's K tokens (h [K, H], targets [K]) and the largest per-token lower
+    bound of sigma_max(W) over the tokens seen (this rank's; under a sharded head every rank's, so the same on all).
+    Sharded head: every rank's tokens are all-gathered (sum_r K_r x H, small), each rank sums over its own rows
+    for all of them, and the partial sums are merged (`combine_head_partials`)."""
+    if shard.group is None:
+        q = head_quantities(head_partial(h, shard, targets, temperature), temperature)
+        return q, _max_or_zero(q.sigma_lower)
+    rank = torch.distributed.get_rank(shard.group)
+    h_all, counts = gather_rows(h.detach().to(torch.float64), shard.group)
+    t_all, _ = gather_rows(targets.to(h.device).long(), shard.group)
+    part = combine_head_partials(head_partial(h_all, shard, t_all, temperature), shard.group)
+    q_all = head_quantities(part, temperature)
+    lo = sum(counts[:rank])
+    mine = slice(lo, lo + counts[rank])
+    q = HeadQuantities(*(getattr(q_all, f)[mine] for f in HeadQuantities.__dataclass_fields__))
+    return q, _max_or_zero(q_all.sigma_lower)
+
+
+def _max_or_zero(t: torch.Tensor) -> float:
+    t = t[torch.isfinite(t)]
+    return float(t.max()) if t.numel() else 0.0
+
+
+def all_reduce_in(group):
+    """A sum over `group` (None: the identity), for `head.sigma_max_power`."""
+    if group is None:
+        return lambda t: t
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=group)
+        return t
+
+    return reduce
+
+
+def agree_max(n: int, model: nn.Module, device: torch.device) -> int:
+    """max over the ranks of n when the model is sharded with FSDP2 (its layer replays are collectives whose count
+    must agree), else n."""
+    dist = torch.distributed
+    if not (is_fully_sharded(model) and dist.is_available() and dist.is_initialized()):
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)

@@ -25,7 +25,6 @@ from functools import partial
 import torch
 from torch import nn
 
-from tokendyn.probe import bound as B
 from tokendyn.probe import parallel
 from tokendyn.probe.bins import BinSpec
 from tokendyn.probe.capture import (
@@ -36,7 +35,8 @@ from tokendyn.probe.capture import (
     gather_completion,
     in_backward,
 )
-from tokendyn.probe.direct import direct_norms, head_check_quantities
+from tokendyn.probe.direct import DirectMemoryError, direct_norms
+from tokendyn.probe.head import HeadShard, logits_identity_error, sigma_max_power
 from tokendyn.probe.inputs import StepInputs, validate_inputs
 from tokendyn.probe.points import (
     FINAL_NORM,
@@ -68,7 +68,17 @@ class GradientProbe:
             ~ the most tokens falling in one row, in backward passes); 0 disables.
         direct_every: compute the direct gradients on every n-th probed micro-batch only (1: all).
         direct_chunk: backward passes batched at once (memory: chunk x the probed activations).
-        check_tokens: tokens per micro-batch for the exact LM-head checks; None: all tokens.
+        direct_memory_mb: cap, in MiB, on the gradients one batched backward of the direct gradients holds
+            (slots x the probed points' b x S x H x itemsize; `direct.plan_direct`): fewer slots per backward, then
+            fewer points per backward; a micro-batch where one point's one slot is over the cap gets no direct
+            gradients (a warning names this setting). None: no cap (`direct_chunk` slots of every point).
+        check_tokens: tokens per micro-batch for the exact LM-head checks; None: all tokens. Their cost does not
+            grow with V beyond one pass over the head (`tokendyn.probe.head`): float64 chunks of the head, u and
+            the ratios for the tokens (tokens x H float64); nothing tokens x V is kept.
+        sigma_every: sigma_max(W) of the LM head (for the provable bound at its input) is recomputed by power
+            iteration (`head.sigma_max_power`, warm-started) on the first checked micro-batch and then on every
+            n-th; in between the last value is used, raised to the micro-batch's own lower bound
+            max_t ||W^T (e_o - pi_t)|| / ||e_o - pi_t|| (`checks` records the value and the step it was computed at).
         temperature: default sampling temperature T (logits are divided by T in the loss).
         auto: capture every forward with gradients even without a prior `begin_step` (custom loops).
         sink: called with the records (kind -> column -> list) of every finished micro-batch.
@@ -90,7 +100,9 @@ class GradientProbe:
         direct_tokens: int = 16,
         direct_every: int = 1,
         direct_chunk: int = 8,
+        direct_memory_mb: float | None = 512,
         check_tokens: int | None = 256,
+        sigma_every: int = 16,
         temperature: float = 1.0,
         seed: int = 0,
         auto: bool = False,
@@ -102,12 +114,24 @@ class GradientProbe:
         for name, v in (("sample_tokens", sample_tokens), ("direct_tokens", direct_tokens)):
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"probe: {name} must be an integer >= 0, got {v!r}")
-        for name, v in (("direct_every", direct_every), ("direct_chunk", direct_chunk)):
+        for name, v in (
+            ("direct_every", direct_every),
+            ("direct_chunk", direct_chunk),
+            ("sigma_every", sigma_every),
+        ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"probe: {name} must be an integer >= 1, got {v!r}")
         if check_tokens is not None and (not isinstance(check_tokens, int) or check_tokens < 0):
             raise ValueError(
                 f"probe: check_tokens must be None (all) or an integer >= 0, got {check_tokens!r}"
+            )
+        if direct_memory_mb is not None and (
+            isinstance(direct_memory_mb, bool)
+            or not isinstance(direct_memory_mb, int | float)
+            or not direct_memory_mb > 0
+        ):
+            raise ValueError(
+                f"probe: direct_memory_mb must be None (no cap) or a number > 0, got {direct_memory_mb!r}"
             )
         if not float(temperature) > 0:
             raise ValueError(f"probe: temperature must be > 0, got {temperature}")
@@ -120,6 +144,8 @@ class GradientProbe:
         self.bins = BinSpec.parse(bins)
         self.sample_tokens, self.direct_tokens, self.direct_chunk = sample_tokens, direct_tokens, direct_chunk
         self.direct_every = direct_every
+        self.direct_memory_mb = direct_memory_mb
+        self.sigma_every = sigma_every
         self._n_prepared = 0
         self.check_tokens = check_tokens
         self.temperature = float(temperature)
@@ -137,7 +163,8 @@ class GradientProbe:
         self._guard = False
         self._next_step = 0
         self._micro: dict[tuple[int, str], int] = defaultdict(int)
-        self._sigma: tuple[tuple, float] | None = None
+        self._sigma: tuple[float, torch.Tensor, int] | None = None  # (sigma_max, its singular vector, step)
+        self._n_checks = 0
         self._replay = False  # direct gradients by layer replay (FSDP2, reentrant checkpointing)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -372,9 +399,22 @@ class GradientProbe:
         if not self._guard and kind == p.w_kind:
             p.w_grad = grad.detach().clone()
 
-    def _on_logits_grad(self, p: Pass, rows: torch.Tensor, pos: torch.Tensor, grad: torch.Tensor) -> None:
-        if not self._guard:
-            p.logits_grad_check = grad.detach()[rows, pos].float()
+    def _on_logits_grad(self, p: Pass, idx: torch.Tensor, at: tuple, head: tuple, grad: torch.Tensor) -> None:
+        """The logits-level identity error of the check tokens, computed here, in the training backward (W is still
+        the forward's): the gradient rows are streamed against pi chunk by chunk, nothing tokens x V is kept."""
+        if self._guard:
+            return
+        if p.w_grad is None:
+            p.logits_grad_check = None
+            return
+        w = p.w_grad
+        if p.w_kind != "completion":
+            w = torch.gather(w, 1, p.positions.clamp(max=w.shape[1] - 1))
+        h, lse, targets, shard, temperature = head
+        rows = grad.detach()[at]
+        p.logits_grad_check = logits_identity_error(
+            rows, w.reshape(-1)[idx], h, lse, shard, targets, temperature
+        )  # per-token relative errors [Kc], not the gradient rows
 
     # ---- work ------------------------------------------------------------------------------------------------
     def _prepare(self, p: Pass) -> None:
@@ -407,65 +447,77 @@ class GradientProbe:
         spos = pos[rows, cols]
         h_final = p.hidden.get(FINAL_NORM)
         if self.head_ok and h_final is not None and inp.completion_ids is not None:
-            head = output_head(
-                self.model
-            )  # FSDP2: the whole head, gathered once (a collective on every rank)
-            weight, bias = (
-                parallel.full_weight(head.weight),
-                parallel.full_weight(getattr(head, "bias", None)),
-            )
+            shard = parallel.head_shard(output_head(self.model))  # FSDP2: this rank's vocabulary rows only
             kc = min(n_check, idx.shape[0])
-            p.check_at = (rows[:kc], spos[:kc])
-            p.check = self._head_check(
-                h_final.detach()[p.check_at], inp, idx[:kc], weight, bias, keep_pi=p.logits is not None
-            )
-            if p.logits is not None and kc > 0:
-                off = seq - p.logits.shape[1]
-                p.handles.append(
-                    p.logits.register_hook(
-                        partial(self._on_logits_grad, p, rows[:kc], (spos[:kc] - off).clamp(min=0))
-                    )
-                )
             kd = min(self.direct_tokens, idx.shape[0])
             self._n_prepared += 1
-            if kd > 0 and (self._n_prepared - 1) % self.direct_every == 0:
-                p.direct = self._direct(p, h_final, rows[:kd], spos[:kd], idx[:kd], weight, bias)
+            do_direct = kd > 0 and (self._n_prepared - 1) % self.direct_every == 0
+            kh = max(kc, kd if do_direct else 0)
+            targets = inp.completion_ids.to(device).reshape(-1)[idx[:kh]]
+            h = h_final.detach()[rows[:kh], spos[:kh]]
+            q, sigma_lower = parallel.head_sample_quantities(h, shard, targets, inp.temperature)
+            p.check_at = (rows[:kc], spos[:kc])
+            sigma, sigma_step = self._sigma_max(shard, inp.step, sigma_lower)
+            p.check = HeadCheckData(
+                vocab_size=shard.vocab,
+                sigma_max=sigma,
+                sigma_step=sigma_step,
+                direction=q.direction[:kc],
+                logits_ratio=q.logits_ratio[:kc],
+            )
+            if p.logits is not None and kc > 0 and shard.group is None:
+                off = seq - p.logits.shape[1]
+                at = (rows[:kc], (spos[:kc] - off).clamp(min=0))
+                head = (h[:kc], q.lse[:kc], targets[:kc], shard, inp.temperature)
+                p.handles.append(p.logits.register_hook(partial(self._on_logits_grad, p, idx[:kc], at, head)))
+            if do_direct:
+                p.direct = self._direct(p, h_final, rows[:kd], spos[:kd], q.direction[:kd])
         p.hidden, p.logp_seq, p.logits, p.calls = {}, None, None, {}
 
-    def _direct(self, p: Pass, h_final, rows, spos, idx, weight, bias) -> torch.Tensor | None:
-        """[P, Kd] ||d log pi_t / d h_l[p(t)]|| on the first Kd sampled tokens (NaN for points not captured).
+    def _direct(self, p: Pass, h_final, rows, spos, direction) -> torch.Tensor | None:
+        """[P, Kd] ||d log pi_t / d h_l[p(t)]|| on the first Kd sampled tokens (NaN for points not captured), from
+        u = d log pi_t / dh at the LM-head input (`direction` [Kd, H]).
 
         By a second backward through the live graph (`direct_norms`), or, where that is impossible (FSDP2-sharded
         weights, reentrant checkpointing, a probed output computed without gradient), by replaying the layers
-        from their recorded inputs (`replay_direct_norms`; the same numbers, see tests/test_checkpointing.py)."""
-        targets = p.inputs.completion_ids.to(rows.device).reshape(-1)[idx]
+        from their recorded inputs (`replay_direct_norms`; the same numbers, see tests/test_checkpointing.py).
+        Both under the `direct_memory_mb` cap; a micro-batch over it gets None (and a warning)."""
         # FSDP2 by its modules, not its parameters: with reshard_after_forward=False they are plain tensors now,
         # but FSDP's hooks are still in the graph and must not run a second time
         self._replay = self._replay or parallel.is_fully_sharded(self.model)
         live = not self._replay and all(n in p.hidden for n in self.point_names)
+        cap = None if self.direct_memory_mb is None else self.direct_memory_mb * 2**20
         full = torch.full(
-            (len(self.point_names), idx.shape[0]), float("nan"), dtype=torch.float32, device=rows.device
+            (len(self.point_names), rows.shape[0]), float("nan"), dtype=torch.float32, device=rows.device
         )
         self._guard = True  # the probe's own tensor hooks must ignore these backwards
         try:
             if live:
                 try:
-                    d = direct_norms(
-                        [p.hidden[n] for n in self.point_names], h_final, rows, spos, targets, weight, bias,
-                        p.inputs.temperature, self.direct_chunk,
+                    full[:] = direct_norms(
+                        [p.hidden[n] for n in self.point_names], h_final, rows, spos, direction,
+                        self.direct_chunk, cap,
                     )  # fmt: skip
-                    full[:] = d
                     return full
+                except DirectMemoryError:
+                    raise
                 except RuntimeError:  # reentrant checkpointing refuses autograd.grad: replay from now on
                     self._replay = True
             calls = [p.calls.get(q.name) for q in self._all_points]
             if any(c is None for c in calls):
                 missing = [q.name for q, c in zip(self._all_points, calls, strict=True) if c is None]
                 raise RuntimeError(f"the forward never called {', '.join(missing)}")
+            agree = partial(parallel.agree_max, model=self.model, device=rows.device)
             d = replay_direct_norms(
-                calls, self.point_names, rows, spos, targets, weight, bias, p.inputs.temperature,
-                self.direct_chunk,
-            )  # fmt: skip
+                calls, self.point_names, rows, spos, direction, self.direct_chunk, cap, agree
+            )
+        except DirectMemoryError as exc:
+            warnings.warn(
+                f"probe: step {p.inputs.step}: no direct gradients for this micro-batch: {exc} "
+                f"(direct_memory_mb={self.direct_memory_mb}; raise it, or None for no cap)",
+                stacklevel=3,
+            )
+            return None
         except RuntimeError as exc:
             warnings.warn(
                 f"probe: direct gradients disabled for {type(self.model).__name__} "
@@ -481,44 +533,22 @@ class GradientProbe:
             full[i] = d[n]
         return full
 
-    @torch.no_grad()
-    def _head_check(
-        self, h: torch.Tensor, inp: StepInputs, idx: torch.Tensor, weight, bias, keep_pi: bool
-    ) -> HeadCheckData:
-        """Everything the exact checks need from the forward, taken now (before any optimizer step changes W);
-        `weight`, `bias`: the whole LM head (gathered under FSDP2)."""
-        targets = inp.completion_ids.to(h.device).reshape(-1)[idx]
-        direction, ratio, pi = head_check_quantities(h, weight, bias, targets, inp.temperature, keep_pi)
-        return HeadCheckData(
-            vocab_size=int(weight.shape[0]),
-            sigma_max=self._sigma_max(output_head(self.model).weight, weight),
-            direction=direction,
-            logits_ratio=ratio,
-            pi=pi,
-        )
-
-    def _sigma_max(self, param: torch.Tensor, weight: torch.Tensor) -> float:
-        """sigma_max of the whole head `weight`, cached while the parameter (or its local shard) is unchanged. A
-        fused optimizer step (transformers' default adamw_torch_fused) updates W in place without bumping its
-        version counter, so the key also holds two float64 sums of W (one cheap pass; an update that leaves both
-        unchanged does not happen in practice)."""
-        local = param.to_local() if hasattr(param, "to_local") else param
-        with torch.no_grad():
-            w = local.detach()
-            sums = tuple(
-                torch.stack([w.sum(dtype=torch.float64), w.square().sum(dtype=torch.float64)]).tolist()
-            )
-        key = (
-            local.data_ptr(),
-            param._version,
-            local._version,
-            tuple(weight.shape),
-            str(weight.device),
-            sums,
-        )
-        if self._sigma is None or self._sigma[0] != key:
-            self._sigma = (key, B.spectral_norm(weight))
-        return self._sigma[1]
+    def _sigma_max(self, shard: HeadShard, step: int, lower: float) -> tuple[float, int]:
+        """(sigma, the step it was computed at): sigma_max(W) by power iteration (`head.sigma_max_power`, relative
+        tolerance `head.SIGMA_TOL`, warm-started from the last singular vector), recomputed on the first call and
+        then on every `sigma_every`-th (a collective under a sharded head: every rank calls it as often). In
+        between, the W of the last refresh stands in for the current one, and the value is raised to `lower` (a
+        lower bound of the current sigma_max from this micro-batch's tokens), so that a head grown since the
+        refresh cannot make the bound check count tokens above a bound the current W allows them to reach."""
+        due = self._n_checks % self.sigma_every == 0
+        self._n_checks += 1
+        fresh = self._sigma is None or self._sigma[1].shape[0] != shard.hidden
+        if fresh or due:
+            v0 = None if fresh else self._sigma[1]
+            sigma, v, _ = sigma_max_power(shard, v0, parallel.all_reduce_in(shard.group))
+            self._sigma = (sigma, v, step)
+        sigma, _, at = self._sigma
+        return max(sigma, lower), at
 
     def _step_data(self, p: Pass, micro: int) -> StepData:
         """The step's tensors; the gradients divided by the data-parallel size n (see `data_parallel_size`)."""
@@ -530,9 +560,9 @@ class GradientProbe:
         norms, w = scale(norms), scale(w)
         check = p.check
         if check is not None:
-            check.delta, check.logits_grad, check.grad_dtype = (
+            check.delta, check.logits_identity_err, check.grad_dtype = (
                 scale(p.delta_check),
-                scale(p.logits_grad_check),
+                p.logits_grad_check,  # relative errors: the same at any scale
                 p.grad_dtype,
             )
         to = lambda t: None if t is None else t.to(device)  # noqa: E731

@@ -22,16 +22,20 @@ Columns = dict[str, list]
 @dataclass
 class HeadCheckData:
     """What the exact checks need on the check tokens (the first Kc of the sample), taken at the forward (before
-    any optimizer step): u = W^T (e_o - pi) / T, the logits-level ratio, pi itself only when the logits are
-    visible (plain heads), and the measured gradients of the training backward."""
+    any optimizer step; `tokendyn.probe.head`): u = W^T (e_o - pi) / T, the logits-level ratio, sigma_max(W) and
+    the step it was computed at, and what the training backward measured: the gradient rows at the LM-head input,
+    and (visible logits only) the logits-level identity error, computed in the backward itself (nothing Kc x V is
+    kept)."""
 
     vocab_size: int
     sigma_max: float
     direction: torch.Tensor  # u = d log pi_o / dh, [Kc, H] float64
     logits_ratio: torch.Tensor  # ||e_o - pi|| / (1 - pi_o), [Kc] float64
-    pi: torch.Tensor | None = None  # [Kc, V] float64, kept only with visible logits
+    sigma_step: int = -1  # the step at which sigma_max was computed by power iteration
     delta: torch.Tensor | None = None  # measured dL/dh rows [Kc, H]
-    logits_grad: torch.Tensor | None = None  # measured dL/dlogits rows [Kc, V]
+    logits_identity_err: torch.Tensor | None = (
+        None  # ||T dL/dz - w (e_o - pi)|| / ||w (e_o - pi)||, [Kc] float64
+    )
     grad_dtype: torch.dtype = torch.float32
 
 
@@ -243,7 +247,6 @@ def _checks(d: StepData, ratio, keep, wflat, ompflat):
         return None, None
     kc = c.direction.shape[0]
     idx, ok = d.sample_idx[:kc], d.sample_valid[:kc]
-    targets = d.completion_ids.reshape(-1)[idx]
     w_sel = d.w.detach().reshape(-1)[idx].to(torch.float64)
     vocab = c.vocab_size
     lo_b, hi_b = B.logits_bound_constants(vocab)
@@ -261,10 +264,8 @@ def _checks(d: StepData, ratio, keep, wflat, ompflat):
         err = torch.linalg.vector_norm(c.delta.to(torch.float64) - pred, dim=-1) / scale
         scaled = torch.where(ok & (scale > 0), err, scaled)
     ident_logits = math.nan
-    if c.logits_grad is not None and c.pi is not None:
-        e_minus_pi = -c.pi.scatter_add(-1, targets.long().unsqueeze(-1), -torch.ones_like(c.pi[:, :1]))
-        pred_z = e_minus_pi * w_sel.unsqueeze(-1)
-        err = B.relative_error(c.logits_grad.to(torch.float64) * d.temperature, pred_z)
+    if c.logits_identity_err is not None:
+        err = c.logits_identity_err.to(ok.device)
         err = err[ok & torch.isfinite(err)]
         ident_logits = float(err.max()) if err.numel() else math.nan
     eps = torch.finfo(c.grad_dtype).eps if c.grad_dtype.is_floating_point else 1e-7
@@ -300,6 +301,7 @@ def _checks(d: StepData, ratio, keep, wflat, ompflat):
         "logits_ratio_max": [float(lr_fin.max()) if lr_fin.numel() else math.nan],
         "logits_violations": [viol_logits],
         "head_sigma_max": [c.sigma_max],
+        "head_sigma_step": [int(c.sigma_step)],
         "head_bound": [head_bound],
         "head_ratio_max": [head_max],
         "head_n": [head_n],

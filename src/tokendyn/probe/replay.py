@@ -9,24 +9,27 @@ chain rule is run by hand instead, from the top:
     c_N = d log pi / d h_N             (final norm and LM head recomputed from the final norm's recorded input)
     c_{j-1} = c_j . d layer_j / d h_{j-1}   (layer j recomputed from its recorded input h_{j-1}),
 
-with K tokens' seeds batched (`is_grads_batched`; tokens in distinct rows share a seed slot, as in `direct.py`).
-Each module is recomputed with its plain `forward` (no FSDP or checkpoint hooks; HF gradient checkpointing off),
-its FSDP2 shards all-gathered for that module only (memory: one layer's full weights at a time, plus the slots'
-cotangents [slots, b, S, H]; with an FSDP2 mixed-precision policy, cast to the dtype FSDP gave the module's
-inputs), and the random state and autocast state it had in the forward (dropout masks repeat). The weights are
-those of the forward (the replay runs before the training backward and the optimizer step).
+with K tokens' seeds batched (`is_grads_batched`; tokens in distinct rows share a seed slot, as in `direct.py`);
+c_N starts from u = d log pi / dh at the LM-head input (`direct.head_seed`), so the LM head is not needed here.
+The slots go through the whole chain a group at a time: a group of c slots holds its cotangents into and out of one
+layer, 2 c x b x S x H x itemsize bytes, which `memory_bytes` caps (`plan_direct`); each group replays the layers
+again. Each module is recomputed with its plain `forward` (no FSDP or checkpoint hooks; HF gradient checkpointing
+off), its FSDP2 shards all-gathered for that module only (memory: one layer's full weights at a time; with an FSDP2
+mixed-precision policy, cast to the dtype FSDP gave the module's inputs), and the random state and autocast state
+it had in the forward (dropout masks repeat). The weights are those of the forward (the replay runs before the
+training backward and the optimizer step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tokendyn.probe.direct import _grads, head_logprob, row_slots
+from tokendyn.probe.direct import _grads, head_seed, plan_direct, row_slots
 from tokendyn.probe.parallel import _is_dtensor
 
 
@@ -117,24 +120,30 @@ def replay_direct_norms(
     probed: list[str],
     rows: torch.Tensor,
     positions: torch.Tensor,
-    targets: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
+    direction: torch.Tensor,
     chunk: int = 8,
+    memory_bytes: float | None = None,
+    agree: Callable[[int], int] = lambda n: n,
 ) -> dict[str, torch.Tensor]:
     """{point: [K] float32 ||d log pi_k / d h_point[rows_k, positions_k]||} for the probed points.
 
     `calls`: every decoder layer then the final norm, in forward order (the input of calls[i] is the output of
-    calls[i-1]); `weight`/`bias`: the full LM head. Every module from the final norm down to the layer after the
-    lowest probed one is recomputed (also with K = 0: under FSDP2 every rank must gather the same weights)."""
+    calls[i-1]); `direction` [K, H] = d log pi_k / dh at the LM-head input. Every module from the final norm down to
+    the layer after the lowest probed one is recomputed once per group of slots, also with K = 0: under FSDP2 every
+    rank must gather the same weights, so `agree` (a max over the ranks there) makes the one-slot size and the
+    number of groups the same on every rank. Raises DirectMemoryError when one slot alone is over the cap."""
     device = positions.device
     k_total = rows.shape[0]
     out = {n: torch.full((k_total,), float("nan"), dtype=torch.float32, device=device) for n in probed}
     names = [c.name for c in calls]
     lowest = min(names.index(n) for n in probed)
     slots = row_slots(rows) if k_total else rows
+    top = calls[-1]
+    x_top = top.args[0]
+    slot_bytes = agree(2 * x_top.numel() * x_top.element_size())  # the cotangents into and out of one layer
+    ((_, per),) = plan_direct([slot_bytes], chunk, memory_bytes)
     n_slots = int(slots.max()) + 1 if k_total else 0
+    n_groups = agree(-(-n_slots // per))
 
     def record(name: str, grads: torch.Tensor, start: int) -> None:
         if name not in out:
@@ -144,28 +153,26 @@ def replay_direct_norms(
             grads[slots[sel] - start, rows[sel], positions[sel]], dim=-1, dtype=torch.float32
         )
 
-    def seeds(start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        return (slots.unsqueeze(0) == torch.arange(start, stop, device=device).unsqueeze(1)).to(dtype)
-
-    top = calls[-1]
-    x = top.args[0].detach().requires_grad_()
-    y = _run(top, x)
-    with torch.enable_grad():
-        lp = head_logprob(y[rows, positions], weight, bias, targets, temperature)
-    cot = []
-    for start in range(0, n_slots, chunk):
-        stop = min(start + chunk, n_slots)
-        gy, gx = _grads(lp, [y, x], seeds(start, stop, lp.dtype))
-        record(top.name, gy, start)
-        record(names[-2], gx, start)
-        cot.append(gx)
-    for i in range(len(calls) - 2, lowest, -1):  # calls[i] maps h_{i-1} (the output of calls[i-1]) to h_i
-        x = calls[i].args[0].detach().requires_grad_()
-        y = _run(calls[i], x)
-        nxt = []
-        for part, start in zip(cot, range(0, n_slots, chunk), strict=True):
-            (g,) = _grads(y, [x], part)
-            record(names[i - 1], g, start)
-            nxt.append(g)
-        cot = nxt
+    for group in range(n_groups):
+        start = group * per
+        stop = max(start, min(start + per, n_slots))
+        seeds = (slots.unsqueeze(0) == torch.arange(start, stop, device=device).unsqueeze(1)).float()
+        x = top.args[0].detach().requires_grad_()
+        y = _run(top, x)
+        with torch.enable_grad():
+            lp = head_seed(y[rows, positions], direction)
+        cot = None
+        if stop > start:
+            gy, cot = _grads(lp, [y, x], seeds)
+            record(top.name, gy, start)
+            record(names[-2], cot, start)
+            del gy
+        del y, lp
+        for i in range(len(calls) - 2, lowest, -1):  # calls[i] maps h_{i-1} (the output of calls[i-1]) to h_i
+            x = calls[i].args[0].detach().requires_grad_()
+            y = _run(calls[i], x)
+            if cot is not None:
+                (cot,) = _grads(y, [x], cot)
+                record(names[i - 1], cot, start)
+            del y
     return out

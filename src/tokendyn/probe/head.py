@@ -1,0 +1,231 @@
+"""The LM head on a bounded token sample, streamed over vocabulary chunks: no float64 (or any) copy of the head.
+
+Notation (`bound.py`): z = (h W^T + b) / T, pi = softmax(z), o = the sampled token, W = LM-head weight (V x H).
+For K sampled tokens the exact checks need u = d log pi_o / dh = W^T (e_o - pi) / T, the logits-level ratio
+||e_o - pi|| / (1 - pi_o), and 1 - pi_o. All of them follow from one pass over the rows of W, a chunk of rows
+cast to float64 at a time (memory: `vocab_chunk_rows`), with an online logsumexp over the tokens k != o:
+
+    r_k = pi_k / (1 - pi_o) = softmax_{k != o}(z)_k        (does not depend on z_o)
+    1 - pi_o = sigmoid(lse_{k != o}(z) - z_o)
+    ||e_o - pi|| / (1 - pi_o) = sqrt(1 + sum_{k != o} r_k^2)
+    u = (1 - pi_o) (W_o - sum_{k != o} r_k W_k) / T       (= W^T (e_o - pi) / T without cancellation at pi_o -> 1)
+
+A vocabulary-sharded head (FSDP2: rows split over ranks) gives each rank's partial sums over its own rows for the
+tokens of every rank; `parallel.combine_head_partials` merges them (max, then sums), so no rank holds the whole head.
+
+sigma_max(W) comes from power iteration on W^T W with the same chunked, float64-accumulated matvecs
+(`sigma_max_power`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+HEAD_CHUNK_BYTES = 64 * 2**20  # float64 working set of one vocabulary chunk (`vocab_chunk_rows`)
+SIGMA_TOL = 1e-7  # power iteration stops when an iteration raises sigma_max^2 by less than this (relative)
+SIGMA_MAX_ITER = 1000
+
+
+def vocab_chunk_rows(k: int, hidden: int, budget: int = HEAD_CHUNK_BYTES) -> int:
+    """Rows of W per chunk: the float64 chunk [rows, H] plus the logits and their exponentials [K, rows] take
+    8 rows (H + 2K) <= budget bytes (at least one row)."""
+    return max(1, budget // (8 * (hidden + 2 * max(k, 1))))
+
+
+@dataclass
+class HeadShard:
+    """The rows of the LM head held here: rows `offset` .. `offset + weight.shape[0] - 1` of a V-row head.
+    `group`: the process group whose ranks hold the other rows (None: the whole head is here)."""
+
+    weight: torch.Tensor  # [V_local, H], any dtype, never copied whole
+    bias: torch.Tensor | None  # [V_local]
+    offset: int
+    vocab: int
+    group: object | None = None
+
+    @property
+    def hidden(self) -> int:
+        return int(self.weight.shape[1])
+
+    def chunks(self, rows: int):
+        """(start, float64 weight rows, float64 bias rows or None) over the local rows, `rows` at a time."""
+        w = self.weight.detach()
+        for start in range(0, w.shape[0], rows):
+            stop = min(start + rows, w.shape[0])
+            b = None if self.bias is None else self.bias.detach()[start:stop].to(torch.float64)
+            yield start, w[start:stop].to(torch.float64), b
+
+    def logit_chunks(self, h64: torch.Tensor, targets: torch.Tensor, temperature: float, rows: int | None):
+        """(start, W rows [n, H], z = (h W^T + b) / T [K, n], is_o [K, n]: the column is token k's target) over the
+        local rows, float64, `rows` rows at a time (None: `vocab_chunk_rows`)."""
+        local = targets.to(h64.device).long() - self.offset
+        for start, w, b in self.chunks(rows or vocab_chunk_rows(h64.shape[0], self.hidden)):
+            z = h64 @ w.T
+            if b is not None:
+                z = z + b
+            cols = torch.arange(start, start + w.shape[0], device=h64.device)
+            yield start, w, z / temperature, local.unsqueeze(1) == cols.unsqueeze(0)
+
+
+@dataclass
+class HeadPartial:
+    """Sums over some rows of W for K tokens (float64), relative to the running maximum m of z_k, k != o:
+    s1 = sum exp(z_k - m), s2 = sum exp(2 (z_k - m)), acc = sum exp(z_k - m) W_k; z_o and W_o where o is among
+    the rows (0 elsewhere)."""
+
+    m: torch.Tensor  # [K]
+    s1: torch.Tensor  # [K]
+    s2: torch.Tensor  # [K]
+    acc: torch.Tensor  # [K, H]
+    z_o: torch.Tensor  # [K]
+    w_o: torch.Tensor  # [K, H]
+
+
+def head_partial(
+    h: torch.Tensor, shard: HeadShard, targets: torch.Tensor, temperature: float, rows: int | None = None
+) -> HeadPartial:
+    """The `HeadPartial` of the K rows of h [K, H] over the rows of `shard`, one float64 chunk of `rows` rows at a
+    time (None: `vocab_chunk_rows`); online logsumexp: when the maximum grows from m to m', the sums are rescaled by
+    exp(m - m'), squared for s2."""
+    h64 = h.detach().to(torch.float64)
+    k, dev = h64.shape[0], h64.device
+    m = torch.full((k,), -math.inf, dtype=torch.float64, device=dev)
+    s1, s2, z_o = (torch.zeros(k, dtype=torch.float64, device=dev) for _ in range(3))
+    acc = torch.zeros(k, shard.hidden, dtype=torch.float64, device=dev)
+    w_o = torch.zeros_like(acc)
+    local = targets.to(dev).long() - shard.offset
+    for start, w, z, is_o in shard.logit_chunks(h64, targets, temperature, rows):
+        z_o = z_o + torch.where(is_o, z, torch.zeros_like(z)).sum(-1)
+        hit = is_o.any(-1)
+        if bool(hit.any()):
+            w_o[hit] = w[(local[hit] - start)]
+        others = z.masked_fill(is_o, -math.inf)
+        new = torch.maximum(m, others.amax(-1))
+        ref = torch.where(
+            torch.isfinite(new), new, torch.zeros_like(new)
+        )  # all -inf so far: nothing to scale
+        scale = torch.exp(m - ref)
+        e = torch.exp(others - ref.unsqueeze(-1))
+        s1 = s1 * scale + e.sum(-1)
+        s2 = s2 * scale * scale + (e * e).sum(-1)
+        acc = acc * scale.unsqueeze(-1) + e @ w
+        m = new
+    return HeadPartial(m, s1, s2, acc, z_o, w_o)
+
+
+def rescaled(p: HeadPartial, m: torch.Tensor) -> HeadPartial:
+    """The same sums relative to a maximum m >= p.m (e.g. the maximum over all shards): s1 and acc times
+    exp(p.m - m), s2 times its square; the sums of several shards' rescaled partials are the partial of their
+    union."""
+    ref = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    scale = torch.exp(p.m - ref)
+    return HeadPartial(m, p.s1 * scale, p.s2 * scale * scale, p.acc * scale.unsqueeze(-1), p.z_o, p.w_o)
+
+
+@dataclass
+class HeadQuantities:
+    """The exact-check quantities of K tokens (float64): u = W^T (e_o - pi) / T [K, H], the logits ratio
+    ||e_o - pi|| / (1 - pi_o) [K], 1 - pi_o [K], log of the softmax normaliser lse(z) [K], and the per-token lower
+    bound ||W^T (e_o - pi)|| / ||e_o - pi|| <= sigma_max(W) [K]."""
+
+    direction: torch.Tensor
+    logits_ratio: torch.Tensor
+    one_minus_pi: torch.Tensor
+    lse: torch.Tensor
+    sigma_lower: torch.Tensor
+
+
+def head_quantities(p: HeadPartial, temperature: float) -> HeadQuantities:
+    """From the partial sums over every row of W (see the module docstring):
+    lse_{k != o} = m + log s1, sum r_k^2 = s2 / s1^2, E_r[W] = acc / s1, u = (1 - pi_o) (W_o - E_r[W]) / T;
+    the sigma lower bound ||W^T (e_o - pi)|| / ||e_o - pi|| = ||W_o - E_r[W]|| / ratio."""
+    lse_others = p.m + torch.log(p.s1)
+    ratio = torch.sqrt(1.0 + p.s2 / (p.s1 * p.s1))
+    omp = torch.sigmoid(lse_others - p.z_o)
+    diff = p.w_o - p.acc / p.s1.unsqueeze(-1)
+    return HeadQuantities(
+        direction=omp.unsqueeze(-1) * diff / temperature,
+        logits_ratio=ratio,
+        one_minus_pi=omp,
+        lse=torch.logaddexp(lse_others, p.z_o),
+        sigma_lower=torch.linalg.vector_norm(diff, dim=-1) / ratio,
+    )
+
+
+def logits_identity_error(
+    grad_rows: torch.Tensor,
+    w: torch.Tensor,
+    h: torch.Tensor,
+    lse: torch.Tensor,
+    shard: HeadShard,
+    targets: torch.Tensor,
+    temperature: float,
+    rows: int | None = None,
+) -> torch.Tensor:
+    """Relative error of the logits gradient against its formula, per token, streamed over vocabulary chunks:
+    ||T g - w (e_o - pi)|| / ||w (e_o - pi)||, g = dL/dz_logits [K, V] (the rows of the measured gradient),
+    pi_v = exp(z_v - lse) with z = (h W^T + b) / T recomputed one chunk at a time (needs the whole head: `shard`
+    with group None). NaN where w (e_o - pi) = 0."""
+    h64 = h.detach().to(torch.float64)
+    k, dev = h64.shape[0], h64.device
+    w64 = w.to(dev, torch.float64).unsqueeze(-1)
+    num = torch.zeros(k, dtype=torch.float64, device=dev)
+    den = torch.zeros_like(num)
+    for start, wc, z, is_o in shard.logit_chunks(h64, targets, temperature, rows):
+        pred = w64 * (is_o.to(torch.float64) - torch.exp(z - lse.unsqueeze(-1)))
+        g = (
+            grad_rows[:, start + shard.offset : start + shard.offset + wc.shape[0]].to(torch.float64)
+            * temperature
+        )
+        num += (g - pred).square().sum(-1)
+        den += pred.square().sum(-1)
+    err = torch.sqrt(num / den)
+    return torch.where(den > 0, err, torch.full_like(err, math.nan))
+
+
+def gram_matvec(
+    shard: HeadShard, v: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor], rows: int | None = None
+) -> torch.Tensor:
+    """W^T W v (float64), summed over the local rows chunk by chunk, then over the ranks by `reduce` (a sum)."""
+    out = torch.zeros_like(v)
+    for _, w, _ in shard.chunks(rows or vocab_chunk_rows(1, shard.hidden)):
+        out += w.T @ (w @ v)
+    return reduce(out)
+
+
+def sigma_max_power(
+    shard: HeadShard,
+    v0: torch.Tensor | None = None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    tol: float = SIGMA_TOL,
+    max_iter: int = SIGMA_MAX_ITER,
+    rows: int | None = None,
+) -> tuple[float, torch.Tensor, int]:
+    """(sigma, v, iterations): power iteration on A = W^T W from v0 (None: a fixed pseudo-random start, the same
+    on every rank). With x_i unit, lambda_i = ||A x_i|| and x_{i+1} = A x_i / lambda_i; for a symmetric positive
+    semi-definite A, lambda_i never decreases and never exceeds lambda_max = sigma_max^2, so sigma = sqrt(lambda_i)
+    is a lower bound of sigma_max(W). Stops when an iteration raises lambda by less than tol (relative), or after
+    max_iter iterations; with a tiny gap between the two largest singular values the estimate can then still lie
+    further below than tol. `v` (unit) warm-starts the next refresh."""
+    h = shard.hidden
+    dev = shard.weight.device
+    if v0 is None:
+        v0 = torch.randn(h, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = v0.to(dev, torch.float64)
+    x = x / torch.linalg.vector_norm(x)
+    lam, it = 0.0, 0
+    for it in range(1, max_iter + 1):
+        y = gram_matvec(shard, x, reduce, rows)
+        new = float(torch.linalg.vector_norm(y))
+        if new == 0.0:
+            return 0.0, x, it
+        x = y / new
+        done = new - lam <= tol * new
+        lam = max(lam, new)
+        if done:
+            break
+    return math.sqrt(lam), x, it
