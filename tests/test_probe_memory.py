@@ -1,0 +1,315 @@
+"""The probe's memory bounds (issue 11 item 3) against independent references: the LM-head checks streamed over
+vocabulary chunks against the whole head in float64 (and mpmath near pi = 1), sigma_max by power iteration against
+torch.linalg.matrix_norm, the direct gradients under a memory cap against the uncapped run."""
+
+from __future__ import annotations
+
+import warnings
+
+import mpmath
+import pytest
+import torch
+from _models import completion_logps, grpo_loss, make_batch, tiny_qwen2
+
+from tokendyn.probe import GradientProbe
+from tokendyn.probe import direct as D
+from tokendyn.probe import replay as R
+from tokendyn.probe.head import (
+    HeadShard,
+    head_partial,
+    head_quantities,
+    logits_identity_error,
+    rescaled,
+    sigma_max_power,
+)
+
+torch.set_num_threads(1)
+T = 0.7
+
+
+def _whole_head(h, weight, bias, targets, temperature):
+    """u = W^T (e_o - pi) / T, ||e_o - pi|| / (1 - pi_o), 1 - pi_o and logsumexp(z): the whole head in float64."""
+    z = h.double() @ weight.double().T
+    if bias is not None:
+        z = z + bias.double()
+    z = z / temperature
+    pi = torch.softmax(z, dim=-1)
+    d = torch.nn.functional.one_hot(targets, weight.shape[0]).double() - pi
+    omp = 1 - pi.gather(-1, targets[:, None]).squeeze(-1)
+    return d @ weight.double() / temperature, d.norm(dim=-1) / omp, omp, torch.logsumexp(z, -1)
+
+
+def _head(vocab=61, hidden=16, k=24, dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(vocab, hidden, generator=g) * 0.6).to(dtype)
+    b = (torch.randn(vocab, generator=g) * 0.3).to(dtype) if bias else None
+    h = torch.randn(k, hidden, generator=g).to(dtype)
+    targets = torch.randint(0, vocab, (k,), generator=g)
+    return h, weight, b, targets
+
+
+def _rel(a, b):
+    return (
+        float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())
+        if a.dim() > 1
+        else float(((a - b) / b).abs().max())
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 7, 61, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_head_quantities_equal_the_whole_head_in_float64(rows, dtype):
+    h, weight, bias, targets = _head(dtype=dtype)
+    q = head_quantities(head_partial(h, HeadShard(weight, bias, 0, 61), targets, T, rows=rows), T)
+    u, ratio, omp, lse = _whole_head(h, weight, bias, targets, T)
+    assert float(omp.min()) > 1e-3  # far from pi = 1: the whole-head formula is accurate here
+    assert _rel(q.direction, u) < 1e-12
+    assert _rel(q.logits_ratio, ratio) < 1e-12
+    assert _rel(q.one_minus_pi, omp) < 1e-12
+    assert _rel(q.lse, lse) < 1e-12
+    sigma = float(torch.linalg.matrix_norm(weight.double(), ord=2))
+    assert float(q.sigma_lower.max()) <= sigma * (1 + 1e-12)
+    torch.testing.assert_close(q.sigma_lower, (u * T).norm(dim=-1) / (ratio * omp), rtol=1e-12, atol=0)
+
+
+def test_shards_of_the_vocabulary_merge_into_the_whole_head():
+    """Three row shards (FSDP2 style, uneven), each summing over its own rows; rescaled to the common maximum and
+    added, they give the whole head's quantities."""
+    h, weight, bias, targets = _head(seed=3)
+    parts = [
+        head_partial(h, HeadShard(weight[a:b], bias[a:b], a, 61), targets, T, rows=5)
+        for a, b in ((0, 20), (20, 45), (45, 61))
+    ]
+    big = torch.stack([p.m for p in parts]).amax(0)
+    scaled = [rescaled(p, big) for p in parts]
+    total = scaled[0]
+    for p in scaled[1:]:
+        for f in ("s1", "s2", "acc", "z_o", "w_o"):
+            setattr(total, f, getattr(total, f) + getattr(p, f))
+    q = head_quantities(total, T)
+    u, ratio, omp, _ = _whole_head(h, weight, bias, targets, T)
+    assert (
+        _rel(q.direction, u) < 1e-12
+        and _rel(q.logits_ratio, ratio) < 1e-12
+        and _rel(q.one_minus_pi, omp) < 1e-12
+    )
+
+
+def test_streamed_direction_is_exact_near_pi_one():
+    """pi_o = 1 - ~1e-13: e_o - pi cancels in float64 (relative error ~1e-3 in u), the streamed form does not;
+    reference in 50-digit arithmetic."""
+    g = torch.Generator().manual_seed(4)
+    vocab, hidden = 13, 4
+    weight = torch.randn(vocab, hidden, generator=g, dtype=torch.float64)
+    h = torch.randn(3, hidden, generator=g, dtype=torch.float64)
+    z = h @ weight.T
+    targets = z.argmax(-1)
+    h = h * (20.0 / (z.max(-1).values - z.topk(2).values[:, 1])).unsqueeze(
+        -1
+    )  # margin 20 / T: 1 - pi ~ 1e-12
+    q = head_quantities(head_partial(h, HeadShard(weight, None, 0, vocab), targets, T, rows=4), T)
+    mpmath.mp.dps = 50
+    for k in range(3):
+        zk = [mpmath.mpf(float(x)) for x in (h[k] @ weight.T).tolist()]
+        zk = [x / mpmath.mpf(T) for x in zk]
+        lse = mpmath.log(mpmath.fsum(mpmath.exp(x) for x in zk))
+        pi = [mpmath.exp(x - lse) for x in zk]
+        o = int(targets[k])
+        assert 1e-16 < float(1 - pi[o]) < 1e-9
+        d = [(1 if v == o else 0) - pi[v] for v in range(vocab)]
+        u = [mpmath.fsum(d[v] * weight[v, j].item() for v in range(vocab)) / T for j in range(hidden)]
+        ratio = mpmath.sqrt(mpmath.fsum(x * x for x in d)) / (1 - pi[o])
+        ref = torch.tensor([float(x) for x in u], dtype=torch.float64)
+        assert float((q.direction[k] - ref).norm() / ref.norm()) < 1e-12
+        assert abs(float(q.logits_ratio[k]) / float(ratio) - 1) < 1e-12
+        assert abs(float(q.one_minus_pi[k]) / float(1 - pi[o]) - 1) < 1e-12
+
+
+def test_logits_identity_error_streamed_equals_the_whole_head():
+    h, weight, bias, targets = _head(seed=5, k=10)
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(10, generator=g, dtype=torch.float64)
+    z = (h.double() @ weight.double().T + bias.double()) / T
+    pred = w[:, None] * (torch.nn.functional.one_hot(targets, 61).double() - torch.softmax(z, -1))
+    grad = (
+        pred + 1e-4 * torch.randn(pred.shape, generator=g, dtype=torch.float64)
+    ) / T  # a "measured" dL/dlogits
+    expected = (grad * T - pred).norm(dim=-1) / pred.norm(dim=-1)
+    lse = torch.logsumexp(z, -1)
+    err = logits_identity_error(grad.float(), w, h, lse, HeadShard(weight, bias, 0, 61), targets, T, rows=9)
+    expected32 = (grad.float().double() * T - pred).norm(dim=-1) / pred.norm(
+        dim=-1
+    )  # the rows arrive in float32
+    torch.testing.assert_close(err, expected32, rtol=1e-9, atol=0)
+    assert float((err / expected - 1).abs().max()) < 1e-2
+
+
+# ---- sigma_max ----------------------------------------------------------------------------------------------
+def _lm_like_head(vocab, hidden, seed):
+    """Gaussian rows plus a shared mean direction, as trained LM heads have (a clear top singular value)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab, hidden, generator=g) + 0.5 * torch.randn(hidden, generator=g)
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [
+        _lm_like_head(500, 64, 0),
+        _lm_like_head(500, 64, 1).to(torch.bfloat16),
+        torch.randn(61, 32, generator=torch.Generator().manual_seed(2)),  # Gaussian: a small spectral gap
+    ],
+    ids=["lm_like", "lm_like_bf16", "gaussian"],
+)
+def test_power_iteration_sigma_max_matches_matrix_norm_before_and_after_an_update(weight):
+    true = float(torch.linalg.matrix_norm(weight.double(), ord=2))
+    sigma, v, cold = sigma_max_power(HeadShard(weight, None, 0, weight.shape[0]), rows=37)
+    assert sigma <= true * (1 + 1e-12)  # a lower bound
+    assert abs(sigma / true - 1) < 1e-6, (sigma, true, cold)
+    # an optimizer update of the head, then the refresh warm-started from the last singular vector
+    w = weight.float().clone().requires_grad_()
+    opt = torch.optim.Adam([w], lr=1e-2)
+    (w.square().sum() * torch.linspace(0, 1, w.shape[0])[:, None].sum()).backward()
+    opt.step()
+    new = w.detach().to(weight.dtype)
+    true_new = float(torch.linalg.matrix_norm(new.double(), ord=2))
+    assert abs(true_new / true - 1) > 1e-4  # the update moved sigma_max
+    sigma_new, _, warm = sigma_max_power(HeadShard(new, None, 0, new.shape[0]), v, rows=37)
+    assert sigma_new <= true_new * (1 + 1e-12) and abs(sigma_new / true_new - 1) < 1e-6
+    assert warm <= cold
+
+
+def _probed_steps(sigma_every, steps=4, **kw):
+    """GRPO steps with SGD updates between them; returns (records per step, the head's sigma_max at each forward)."""
+    model = tiny_qwen2(sharpen=12.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    results, truth = [], []
+    with GradientProbe(
+        model, check_tokens=None, direct_tokens=0, temperature=T, auto=True, sink=results.append,
+        sigma_every=sigma_every, **kw,
+    ) as probe:  # fmt: skip
+        for step in range(steps):
+            truth.append(float(torch.linalg.matrix_norm(model.lm_head.weight.detach().double(), ord=2)))
+            batch = make_batch(model, seed=30 + step)
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+            logps = completion_logps(out.logits, batch, T)
+            probe.tokens(
+                step=step,
+                completion_mask=batch.completion_mask,
+                advantages=batch.advantages,
+                completion_ids=batch.completion_ids,
+                logps=logps,
+                temperature=T,
+            )
+            grpo_loss(logps, logps.detach(), batch.advantages, batch.completion_mask).backward()
+            opt.step()
+            opt.zero_grad()
+    return [r["checks"] for r in results], truth
+
+
+def test_sigma_is_refreshed_every_sigma_every_checks_and_recorded_with_its_step():
+    checks, truth = _probed_steps(sigma_every=1)
+    assert abs(truth[-1] / truth[0] - 1) > 1e-3  # the updates move sigma_max
+    for step, ck in enumerate(checks):
+        assert ck["head_sigma_step"] == [step]
+        assert abs(ck["head_sigma_max"][0] / truth[step] - 1) < 1e-6
+        assert ck["head_violations"] == [0]
+    checks, truth = _probed_steps(sigma_every=3, steps=5)
+    assert [ck["head_sigma_step"][0] for ck in checks] == [0, 0, 0, 3, 3]
+    for step in (0, 3):
+        assert abs(checks[step]["head_sigma_max"][0] / truth[step] - 1) < 1e-6
+    for step, refresh in ((1, 0), (2, 0), (4, 3)):
+        # the refresh's value, raised where the micro-batch's own lower bound of the current sigma_max is larger
+        value, stale = checks[step]["head_sigma_max"][0], checks[refresh]["head_sigma_max"][0]
+        assert stale * (1 - 1e-6) <= value <= max(stale, truth[step]) * (1 + 1e-12)
+        assert checks[step]["head_violations"] == [0]
+    assert any(
+        abs(checks[s]["head_sigma_max"][0] / truth[s] - 1) > 1e-4 for s in (1, 2, 4)
+    )  # stale in between
+    with pytest.raises(ValueError, match="sigma_every must be an integer >= 1"):
+        GradientProbe(tiny_qwen2(), sigma_every=0)
+
+
+# ---- direct gradients under a memory cap ----------------------------------------------------------------------
+def test_plan_direct_packs_points_and_slots_under_the_cap():
+    sizes = [100, 200, 300]
+    assert D.plan_direct(sizes, 8, None) == [([0, 1, 2], 8)]
+    assert D.plan_direct(sizes, 8, 6000) == [([0, 1, 2], 8)]  # 6000 // 600 = 10 slots, chunk 8
+    assert D.plan_direct(sizes, 8, 1900) == [([0, 1, 2], 3)]  # 3 x 600 = 1800 <= 1900
+    assert D.plan_direct(sizes, 8, 350) == [([0, 1], 1), ([2], 1)]  # 100 + 200 <= 350; 300 alone
+    assert D.plan_direct(sizes, 8, 650) == [([0, 1, 2], 1)]  # 600 <= 650: all points, one slot per backward
+    with pytest.raises(D.DirectMemoryError, match="above the cap"):
+        D.plan_direct(sizes, 8, 250)
+
+
+def _direct_run(monkeypatch, cap, reentrant=False):
+    """One probed micro-batch; returns (tokens records, the bytes of gradients each batched backward returned)."""
+    held = []
+    for mod in (D, R):
+        real = mod._grads
+
+        def spy(outputs, inputs, seeds, real=real):
+            out = real(outputs, inputs, seeds)
+            held.append(sum(g.numel() * g.element_size() for g in out if g is not None))
+            return out
+
+        monkeypatch.setattr(mod, "_grads", spy)
+    model = tiny_qwen2(sharpen=8.0, layers=3)
+    if reentrant:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    batch = make_batch(model)
+    with GradientProbe(
+        model, check_tokens=None, direct_tokens=24, sample_tokens=24, direct_memory_mb=cap, temperature=T,
+        auto=True,
+    ) as probe:  # fmt: skip
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        logps = completion_logps(out.logits, batch, T)
+        probe.tokens(
+            completion_mask=batch.completion_mask,
+            advantages=batch.advantages,
+            completion_ids=batch.completion_ids,
+            logps=logps,
+            temperature=T,
+        )
+        grpo_loss(logps, logps.detach(), batch.advantages, batch.completion_mask).backward()
+        res = probe.end_step()
+    monkeypatch.undo()
+    return res.records, held, batch
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["live", "replay"])
+def test_a_tiny_direct_memory_cap_gives_the_uncapped_direct_norms(monkeypatch, reentrant):
+    ref, held_ref, batch = _direct_run(monkeypatch, None, reentrant)
+    b, s = batch.input_ids.shape
+    slot = b * s * 32 * 4  # one point's gradient for one slot: b x S x H x float32
+    n_points = 4  # 3 layers and the final norm
+    tok = ref["tokens"]
+    rows = [r for r, p in zip(tok["row"], tok["point"], strict=True) if p == "final_norm.out"]
+    n_slots = max(rows.count(r) for r in set(rows))  # backward slots: the most sampled tokens in one row
+    assert 2 < n_slots <= 8
+    cap_bytes = 2.5 * slot
+    capped, held, _ = _direct_run(monkeypatch, cap_bytes / 2**20, reentrant)
+    if (
+        reentrant
+    ):  # per slot: (d/dy, d/dx) of the final norm, then one cotangent per layer replayed (layers 2, 1)
+        assert held_ref == [2 * n_slots * slot, n_slots * slot, n_slots * slot]
+        assert held == [2 * slot, slot, slot] * n_slots
+    else:  # all points and slots in one backward; capped: points in pairs (2 slots' worth <= 2.5), one slot each
+        assert held_ref == [n_points * n_slots * slot]
+        assert held == [2 * slot] * (2 * n_slots)
+    assert max(held) <= cap_bytes
+    a, c = ref["tokens"]["direct_norm"], capped["tokens"]["direct_norm"]
+    assert sum(v is not None for v in a) == 24 * n_points and [v is None for v in a] == [v is None for v in c]
+    diff = max(abs(x - y) for x, y in zip(a, c, strict=True) if x is not None)
+    assert diff <= 1e-6, diff
+
+
+def test_a_direct_memory_cap_below_one_slot_skips_with_a_warning_naming_it(monkeypatch):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec, _, _ = _direct_run(monkeypatch, 1e-4)
+    assert any("direct_memory_mb=0.0001" in str(w.message) for w in caught)
+    assert rec["bound"]["direct_n"] == [0, 0, 0, 0] and all(v is None for v in rec["tokens"]["direct_norm"])
+    assert rec["checks"]["head_violations"] == [0]  # the rest of the step is recorded
+    for bad in (0, -1.0, "512", True):
+        with pytest.raises(ValueError, match="direct_memory_mb must be None"):
+            GradientProbe(tiny_qwen2(), direct_memory_mb=bad)
