@@ -178,6 +178,22 @@ def test_power_iteration_sigma_max_matches_matrix_norm_before_and_after_an_updat
     assert warm <= cold
 
 
+def _on_policy_step(model, batch, probe, step: int) -> None:
+    """Forward, the probe told the tokens, backward of the on-policy GRPO loss (pi_old = pi)."""
+    logps = completion_logps(
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch, T
+    )
+    probe.tokens(
+        step=step,
+        completion_mask=batch.completion_mask,
+        advantages=batch.advantages,
+        completion_ids=batch.completion_ids,
+        logps=logps,
+        temperature=T,
+    )
+    grpo_loss(logps, logps.detach(), batch.advantages, batch.completion_mask).backward()
+
+
 def _probed_steps(sigma_every, steps=4, **kw):
     """GRPO steps with SGD updates between them; returns (records per step, the head's sigma_max at each forward)."""
     model = tiny_qwen2(sharpen=12.0)
@@ -189,18 +205,7 @@ def _probed_steps(sigma_every, steps=4, **kw):
     ) as probe:  # fmt: skip
         for step in range(steps):
             truth.append(float(torch.linalg.matrix_norm(model.lm_head.weight.detach().double(), ord=2)))
-            batch = make_batch(model, seed=30 + step)
-            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-            logps = completion_logps(out.logits, batch, T)
-            probe.tokens(
-                step=step,
-                completion_mask=batch.completion_mask,
-                advantages=batch.advantages,
-                completion_ids=batch.completion_ids,
-                logps=logps,
-                temperature=T,
-            )
-            grpo_loss(logps, logps.detach(), batch.advantages, batch.completion_mask).backward()
+            _on_policy_step(model, make_batch(model, seed=30 + step), probe, step)
             opt.step()
             opt.zero_grad()
     return [r["checks"] for r in results], truth
@@ -261,16 +266,7 @@ def _direct_run(monkeypatch, cap, reentrant=False):
         model, check_tokens=None, direct_tokens=24, sample_tokens=24, direct_memory_mb=cap, temperature=T,
         auto=True,
     ) as probe:  # fmt: skip
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-        logps = completion_logps(out.logits, batch, T)
-        probe.tokens(
-            completion_mask=batch.completion_mask,
-            advantages=batch.advantages,
-            completion_ids=batch.completion_ids,
-            logps=logps,
-            temperature=T,
-        )
-        grpo_loss(logps, logps.detach(), batch.advantages, batch.completion_mask).backward()
+        _on_policy_step(model, batch, probe, 0)
         res = probe.end_step()
     monkeypatch.undo()
     return res.records, held, batch
