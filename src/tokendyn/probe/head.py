@@ -157,7 +157,7 @@ def head_quantities(p: HeadPartial, temperature: float) -> HeadQuantities:
 
 
 def logits_identity_error(
-    grad_rows: torch.Tensor,
+    grad_cols: Callable[[int, int], torch.Tensor],
     w: torch.Tensor,
     h: torch.Tensor,
     lse: torch.Tensor,
@@ -167,9 +167,10 @@ def logits_identity_error(
     rows: int | None = None,
 ) -> torch.Tensor:
     """Relative error of the logits gradient against its formula, per token, streamed over vocabulary chunks:
-    ||T g - w (e_o - pi)|| / ||w (e_o - pi)||, g = dL/dz_logits [K, V] (the rows of the measured gradient),
-    pi_v = exp(z_v - lse) with z = (h W^T + b) / T recomputed one chunk at a time (needs the whole head: `shard`
-    with group None). NaN where w (e_o - pi) = 0."""
+    ||T g - w (e_o - pi)|| / ||w (e_o - pi)||, g = dL/dz_logits of the K tokens (the measured gradient; columns
+    a..b-1 as `grad_cols(a, b)` [K, b - a], so that no K x V copy is made), pi_v = exp(z_v - lse) with
+    z = (h W^T + b) / T recomputed one chunk at a time (needs the whole head: `shard` with group None). NaN where
+    w (e_o - pi) = 0."""
     h64 = h.detach().to(torch.float64)
     k, dev = h64.shape[0], h64.device
     w64 = w.to(dev, torch.float64).unsqueeze(-1)
@@ -178,7 +179,7 @@ def logits_identity_error(
     for start, wc, z, is_o in shard.logit_chunks(h64, targets, temperature, rows):
         pred = w64 * (is_o.to(torch.float64) - torch.exp(z - lse.unsqueeze(-1)))
         g = (
-            grad_rows[:, start + shard.offset : start + shard.offset + wc.shape[0]].to(torch.float64)
+            grad_cols(start + shard.offset, start + shard.offset + wc.shape[0]).to(torch.float64)
             * temperature
         )
         num += (g - pred).square().sum(-1)

@@ -411,9 +411,9 @@ class GradientProbe:
         if p.w_kind != "completion":
             w = torch.gather(w, 1, p.positions.clamp(max=w.shape[1] - 1))
         h, lse, targets, shard, temperature = head
-        rows = grad.detach()[at]
+        g = grad.detach()
         p.logits_grad_check = logits_identity_error(
-            rows, w.reshape(-1)[idx], h, lse, shard, targets, temperature
+            lambda a, b: g[at[0], at[1], a:b], w.reshape(-1)[idx], h, lse, shard, targets, temperature
         )  # per-token relative errors [Kc], not the gradient rows
 
     # ---- work ------------------------------------------------------------------------------------------------
