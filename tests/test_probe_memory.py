@@ -5,6 +5,7 @@ torch.linalg.matrix_norm, the direct gradients under a memory cap against the un
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import mpmath
 import pytest
@@ -311,3 +312,118 @@ def test_a_direct_memory_cap_below_one_slot_skips_with_a_warning_naming_it(monke
     for bad in (0, -1.0, "512", True):
         with pytest.raises(ValueError, match="direct_memory_mb must be None"):
             GradientProbe(tiny_qwen2(), direct_memory_mb=bad)
+
+
+# ---- a vocabulary-sharded head (FSDP2), two processes -----------------------------------------------------------
+def sharded_worker(out_dir: str) -> None:
+    """torchrun worker (2 ranks, gloo): the head checks and sigma_max on a head sharded by FSDP2 against the whole
+    head, then one probed step of a model whose LM head is sharded on its own (so it is a DTensor shard when the
+    probe reads it) writing records for the parent to compare with one process."""
+    import torch.distributed as dist
+    from test_probe_distributed import dp_step
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tokendyn.probe import parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    head = nn.Linear(16, 61)
+    full_w, full_b = head.weight.detach().clone(), head.bias.detach().clone()
+    fully_shard(head, mesh=mesh)
+    shard = parallel.head_shard(head)
+    assert shard.group is not None and (shard.weight.shape[0], shard.offset) == ((31, 0), (30, 31))[rank]
+    h, _, _, targets = _head(hidden=16, k=5 + 3 * rank, seed=10 + rank)  # a different sample size per rank
+    q, lower = parallel.head_sample_quantities(h, shard, targets, T)
+    u, ratio, omp, _ = _whole_head(h, full_w, full_b, targets, T)
+    errs = [_rel(q.direction, u), _rel(q.logits_ratio, ratio), _rel(q.one_minus_pi, omp)]
+    assert max(errs) < 1e-12, errs
+    sigma, _, _ = sigma_max_power(shard, reduce=parallel.all_reduce_in(shard.group))
+    true = float(torch.linalg.matrix_norm(full_w.double(), ord=2))
+    assert abs(sigma / true - 1) < 1e-6 and lower <= true * (1 + 1e-12), (sigma, true, lower)
+
+    model = tiny_qwen2(sharpen=30.0)
+    batch = make_batch(model, n=8)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model.lm_head, mesh=mesh)  # resharded after its forward: the probe sees this rank's rows only
+    fully_shard(model, mesh=mesh)
+    groups = []
+    real = parallel.head_shard
+    parallel.head_shard = lambda m: groups.append(real(m)) or groups[-1]
+    dp_step(model, batch, slice(4 * rank, 4 * rank + 4), 2, Path(out_dir) / "sharded_head")
+    parallel.head_shard = real
+    assert groups and all(s.group is not None and s.weight.shape[0] < 61 for s in groups)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_sharded_lm_head_gives_the_one_process_records(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import polars as pl
+    from test_probe_distributed import _max_rel, dp_step
+    from test_records import BIN_COLS, BOUND_COLS, CHECK_COLS, assert_frames_close
+
+    from tokendyn.analysis import analyze_run
+    from tokendyn.hooks.records import shard_files
+
+    out = tmp_path / "two"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [
+        sys.executable,
+        *"-m torch.distributed.run --standalone --nproc_per_node 2".split(),
+        __file__,
+        str(out),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    teardown_abort = (
+        "terminate called without an active exception" in proc.stderr
+    )  # see test_probe_distributed
+    done = all((out / f".done-rank{r}").is_file() for r in range(2))
+    assert proc.returncode == 0 or (teardown_abort and done), proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    model = tiny_qwen2(sharpen=30.0)
+    batch = make_batch(model, n=8)
+    dp_step(model, batch, slice(0, 8), 1, tmp_path / "one")
+    one, two = analyze_run(tmp_path / "one", write=False), analyze_run(out / "sharded_head", write=False)
+    assert_frames_close(one["bins"], two["bins"], ["stage", "point", "bin"], BIN_COLS)
+    direct = ["direct_n", "C_direct", "D_direct", "unreached"]
+    assert_frames_close(one["bound"], two["bound"], ["stage", "point"], [*BOUND_COLS, *direct])
+    assert_frames_close(one["checks"], two["checks"], ["stage"], CHECK_COLS)
+    assert (
+        two["checks"]["identity_max_scaled_err"].item() < 1e-5
+        and two["checks"]["head_violations"].item() == 0
+    )
+    tok_one = pl.read_parquet(shard_files(tmp_path / "one", "tokens"))
+    tok = pl.read_parquet(shard_files(out / "sharded_head", "tokens")).with_columns(
+        row=pl.col("row") + 4 * pl.col("rank")
+    )
+    joined = tok_one.join(tok, on=["row", "pos", "point"], how="full", suffix="_dp")
+    assert joined.height == tok_one.height == tok.height and tok["direct_norm"].null_count() == 0
+    for c in ("direct_norm", "direct_ratio", "logits_ratio", "ratio", "w", "norm"):
+        assert _max_rel(joined[f"{c}_dp"], joined[c]) < 1e-5, c
+    assert joined["identity_rel_err_dp"].max() < 1e-4  # float32 rounding of the measured gradient, not equal
+
+
+HERE = Path(__file__).resolve().parent
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    sys.path.insert(0, str(HERE))
+    sharded_worker(sys.argv[1])
+    done = Path(sys.argv[-1])
+    done.mkdir(parents=True, exist_ok=True)
+    (done / f".done-rank{os.environ.get('RANK', '0')}").write_text("ok")
