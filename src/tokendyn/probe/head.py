@@ -98,7 +98,7 @@ def head_partial(
     acc = torch.zeros(k, shard.hidden, dtype=torch.float64, device=dev)
     w_o = torch.zeros_like(acc)
     local = targets.to(dev).long() - shard.offset
-    for start, w, z, is_o in shard.logit_chunks(h64, targets, temperature, rows):
+    for start, w, z, is_o in shard.logit_chunks(h64, targets, temperature, rows) if k else ():
         z_o = z_o + torch.where(is_o, z, torch.zeros_like(z)).sum(-1)
         hit = is_o.any(-1)
         if bool(hit.any()):
