@@ -96,13 +96,14 @@ def head_partial(
     m = torch.full((k,), -math.inf, dtype=torch.float64, device=dev)
     s1, s2, z_o = (torch.zeros(k, dtype=torch.float64, device=dev) for _ in range(3))
     acc = torch.zeros(k, shard.hidden, dtype=torch.float64, device=dev)
-    w_o = torch.zeros_like(acc)
     local = targets.to(dev).long() - shard.offset
-    for start, w, z, is_o in shard.logit_chunks(h64, targets, temperature, rows) if k else ():
+    n_local = shard.weight.shape[0]
+    own = ((local >= 0) & (local < n_local)).unsqueeze(-1)  # o is among these rows (no host sync: a mask)
+    w_o = torch.zeros_like(acc)
+    if n_local:
+        w_o = shard.weight.detach()[local.clamp(0, n_local - 1)].to(dev, torch.float64) * own
+    for _, w, z, is_o in shard.logit_chunks(h64, targets, temperature, rows) if k else ():
         z_o = z_o + torch.where(is_o, z, torch.zeros_like(z)).sum(-1)
-        hit = is_o.any(-1)
-        if bool(hit.any()):
-            w_o[hit] = w[(local[hit] - start)]
         others = z.masked_fill(is_o, -math.inf)
         new = torch.maximum(m, others.amax(-1))
         ref = torch.where(
