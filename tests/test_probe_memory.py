@@ -197,20 +197,32 @@ def _on_policy_step(model, batch, probe, step: int) -> None:
     grpo_loss(logps, logps.detach(), batch.advantages, batch.completion_mask).backward()
 
 
-def _probed_steps(sigma_every, steps=4, **kw):
-    """GRPO steps with SGD updates between them; returns (records per step, the head's sigma_max at each forward)."""
+def _probed_steps(sigma_every, steps=4, resume_at=None):
+    """GRPO steps with SGD updates between them; returns (records per step, the head's sigma_max at each forward).
+    resume_at: a new probe takes over at that step, given the old one's `sigma_state` (as from a checkpoint)."""
     model = tiny_qwen2(sharpen=12.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     results, truth = [], []
-    with GradientProbe(
-        model, check_tokens=None, direct_tokens=0, temperature=T, auto=True, sink=results.append,
-        sigma_every=sigma_every, **kw,
-    ) as probe:  # fmt: skip
-        for step in range(steps):
-            truth.append(float(torch.linalg.matrix_norm(model.lm_head.weight.detach().double(), ord=2)))
-            _on_policy_step(model, make_batch(model, seed=30 + step), probe, step)
-            opt.step()
-            opt.zero_grad()
+
+    def probe():
+        return GradientProbe(
+            model, check_tokens=None, direct_tokens=0, temperature=T, auto=True, sink=results.append,
+            sigma_every=sigma_every,
+        )  # fmt: skip
+
+    parts = [(0, steps)] if resume_at is None else [(0, resume_at), (resume_at, steps)]
+    state = generator = None
+    for lo, hi in parts:
+        with probe() as p:
+            if state is not None:  # what a checkpoint carries (trainers/resume.py): the sample generator too
+                p.load_sigma_state(state)
+                p.generator.set_state(generator)
+            for step in range(lo, hi):
+                truth.append(float(torch.linalg.matrix_norm(model.lm_head.weight.detach().double(), ord=2)))
+                _on_policy_step(model, make_batch(model, seed=30 + step), p, step)
+                opt.step()
+                opt.zero_grad()
+        state, generator = p.sigma_state(), p.generator.get_state()
     return [r["checks"] for r in results], truth
 
 
@@ -233,6 +245,9 @@ def test_sigma_is_refreshed_every_sigma_every_checks_and_recorded_with_its_step(
     assert any(
         abs(checks[s]["head_sigma_max"][0] / truth[s] - 1) > 1e-4 for s in (1, 2, 4)
     )  # stale in between
+    # a probe resumed from the state a checkpoint keeps refreshes on the same schedule: the same records
+    resumed, _ = _probed_steps(sigma_every=3, steps=5, resume_at=2)
+    assert resumed == checks
     with pytest.raises(ValueError, match="sigma_every must be an integer >= 1"):
         GradientProbe(tiny_qwen2(), sigma_every=0)
 

@@ -533,6 +533,20 @@ class GradientProbe:
             full[i] = d[n]
         return full
 
+    def sigma_state(self) -> dict:
+        """What the sigma_max schedule carries from step to step, for a checkpoint: the checks counted and, once
+        computed, sigma_max, its right singular vector (CPU) and the step it was computed at. A resumed probe given
+        it back (`load_sigma_state`) refreshes on the same schedule and records what an uninterrupted run does."""
+        if self._sigma is None:
+            return {"n_checks": self._n_checks}
+        sigma, v, step = self._sigma
+        return {"n_checks": self._n_checks, "sigma": sigma, "vector": v.detach().cpu(), "step": step}
+
+    def load_sigma_state(self, state: dict) -> None:
+        self._n_checks = int(state["n_checks"])
+        if "sigma" in state:
+            self._sigma = (float(state["sigma"]), state["vector"].to(torch.float64), int(state["step"]))
+
     def _sigma_max(self, shard: HeadShard, step: int, lower: float) -> tuple[float, int]:
         """(sigma, the step it was computed at): sigma_max(W) by power iteration (`head.sigma_max_power`, relative
         tolerance `head.SIGMA_TOL`, warm-started from the last singular vector), recomputed on the first call and
