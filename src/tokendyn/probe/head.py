@@ -31,9 +31,9 @@ SIGMA_MAX_ITER = 1000
 
 
 def vocab_chunk_rows(k: int, hidden: int, budget: int = HEAD_CHUNK_BYTES) -> int:
-    """Rows of W per chunk: the float64 chunk [rows, H] plus the logits and their exponentials [K, rows] take
-    8 rows (H + 2K) <= budget bytes (at least one row)."""
-    return max(1, budget // (8 * (hidden + 2 * max(k, 1))))
+    """Rows of W per chunk: the float64 chunk [rows, H] plus up to six float64 [K, rows] temporaries (logits, their
+    masked copy and exponentials, ...) take 8 rows (H + 6K) <= budget bytes (at least one row)."""
+    return max(1, budget // (8 * (hidden + 6 * max(k, 1))))
 
 
 @dataclass
