@@ -28,8 +28,9 @@ from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index
 
 @dataclass(frozen=True)
 class RebalanceOptions:
-    """Which analyses run. shares: per-bin gradients, norms per layer, projection shares (one forward + one batched
-    backward); token_shares: tokens per bin kept from the per-token JVP shares (0: no JVP); prob_change: the
+    """Which analyses run. shares: per-bin gradients, norms per layer, projection shares (one forward, one
+    backward for g and one per bin, streamed: `tokendyn.probe.shares.gradient_shares`; ``share_method`` "loop" or
+    "batched" hold every per-bin gradient at once instead); token_shares: tokens per bin kept from the per-token JVP shares (0: no JVP); prob_change: the
     counterfactual update (lr, plain SGD); influence: one counterfactual update per source bin (and per Lopti
     stage); lr_sweep: further step sizes of the counterfactual update (with prob_change), recorded as update
     "sweep" with the update's ||delta theta|| / ||theta||, to see where the first-order picture of the paper's
@@ -41,7 +42,7 @@ class RebalanceOptions:
     influence: bool = True
     lr: float = 1e-3
     lr_sweep: tuple[float, ...] = ()
-    share_method: str = "loop"
+    share_method: str = "stream"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -153,7 +154,7 @@ def stage_shares_frame(
     stage: str,
     edges: torch.Tensor | Sequence[float] | None = None,
     objective: Objective | None = None,
-    method: str = "loop",
+    method: str = "stream",
 ) -> pl.DataFrame:
     """The `shares` record of one Lopti stage at the model's current parameters: g_b = grad sum_{t in b and stage}
     l_t, s_b = <g_b, g_stage> / ||g_stage||^2 (bins outside the stage have g_b = 0). Called at the start of each
