@@ -36,6 +36,7 @@ from tokendyn.probe.shares import dot64
 from tokendyn.probe.tokenloss import (
     Objective,
     ProbeBatch,
+    analysis_forward,
     completion_logp,
     eval_mode,
     loss_and_measured_logp,
@@ -54,6 +55,7 @@ def sgd(lr: float = 1e-3) -> OptimizerFactory:
     return lambda params: torch.optim.SGD(params, lr=float(lr), momentum=0.0, weight_decay=0.0)
 
 
+@analysis_forward
 def completion_probs(
     model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tensor] | None = None
 ) -> torch.Tensor:
@@ -199,6 +201,7 @@ class ChangeResult:
     )  # ||theta - theta_0|| / ||theta_0|| after each stage
 
 
+@analysis_forward
 def fix_pi_old(model: nn.Module, batch: ProbeBatch) -> tuple[ProbeBatch, torch.Tensor]:
     """(batch with old_logp set, pi_before): an on-policy batch gets pi_old = the current pi, fixed for every later
     stage (as the trainer does: pi_old is not recomputed between Lopti stages)."""
@@ -210,6 +213,7 @@ def fix_pi_old(model: nn.Module, batch: ProbeBatch) -> tuple[ProbeBatch, torch.T
     return batch.with_old_logp(logp), torch.exp(logp64)
 
 
+@analysis_forward
 def counterfactual_change(
     model: nn.Module,
     batch: ProbeBatch,
@@ -249,6 +253,7 @@ def counterfactual_change(
     return result
 
 
+@analysis_forward
 def real_change(before: torch.Tensor | nn.Module, after: nn.Module, batch: ProbeBatch) -> torch.Tensor:
     """delta pi = pi_after - pi_before on the batch's completion tokens, (B, C) float64, zero on padding.
     ``before``: pi measured before the update (`completion_probs`, taken before the optimizer step) or the model

@@ -32,7 +32,7 @@ from torch import nn
 from tokendyn.probe.bins import bin_bounds
 from tokendyn.probe.change import InPlaceUpdate, OptimizerFactory, delta_summary, fix_pi_old, sgd
 from tokendyn.probe.shares import as_edges
-from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index
+from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index
 
 
 def lopti_stage_masks(
@@ -108,6 +108,7 @@ class InfluenceResult:
         return to_frame("influence", {c: [r[c] for r in rows] for c in rows[0]})
 
 
+@analysis_forward
 def influence(
     model: nn.Module,
     batch: ProbeBatch,

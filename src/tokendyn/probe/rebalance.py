@@ -23,7 +23,7 @@ from tokendyn.probe.analysis_records import token_shares_frame
 from tokendyn.probe.change import change_frame, counterfactual_change, fix_pi_old, real_change
 from tokendyn.probe.influence import influence
 from tokendyn.probe.shares import METHODS, as_edges, gradient_shares
-from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index
+from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ def _stages(stage_masks: Sequence[torch.Tensor] | None) -> list[tuple[str, torch
     return [("stage1", stage_masks[0]), ("stage2", stage_masks[1])]
 
 
+@analysis_forward
 def analyze_batch(
     model: nn.Module,
     batch: ProbeBatch,
@@ -145,6 +146,7 @@ def analyze_batch(
     return frames
 
 
+@analysis_forward
 def stage_shares_frame(
     model: nn.Module,
     batch: ProbeBatch,
@@ -168,6 +170,7 @@ def stage_shares_frame(
     return res.bins.to_frame(step, stage)
 
 
+@analysis_forward
 def real_change_frame(
     pi_before: torch.Tensor | nn.Module,
     model_after: nn.Module,

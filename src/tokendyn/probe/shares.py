@@ -35,6 +35,7 @@ from tokendyn.probe.bins import DEFAULT_EDGES, bin_bounds
 from tokendyn.probe.tokenloss import (
     Objective,
     ProbeBatch,
+    analysis_forward,
     bin_index,
     eval_mode,
     token_loss,
@@ -201,6 +202,7 @@ def _bin_setup(model, batch, edges, objective, token_mask):
     return params, tl, masks, split
 
 
+@analysis_forward
 def bin_gradients(
     model: nn.Module,
     batch: ProbeBatch,
@@ -247,6 +249,7 @@ def bin_gradients(
     return BinGradients(**vars(split), per_bin=per_bin)
 
 
+@analysis_forward
 def streamed_shares(
     model: nn.Module,
     batch: ProbeBatch,
@@ -380,6 +383,7 @@ def jvp_attention(model: nn.Module) -> AbstractContextManager:
     )
 
 
+@analysis_forward
 def token_shares(
     model: nn.Module,
     batch: ProbeBatch,
@@ -438,6 +442,7 @@ class ShareResult:
     tokens: torch.Tensor | None
 
 
+@analysis_forward
 def gradient_shares(
     model: nn.Module,
     batch: ProbeBatch,

@@ -12,6 +12,8 @@ predicts it is p(t) = t - 1 = S - C - 1 + j. Only the logits of positions S-C-1 
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import inspect
 import weakref
 from collections.abc import Iterator
@@ -282,6 +284,23 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
 # `chunk_tokens(V)` tokens, whose float64 logits [n, V] take at most CHUNK_BYTES (Qwen2.5's V = 152,064: 220 tokens).
 CHUNK_BYTES = 1 << 28
 _SPLIT_OK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ANALYSIS = contextvars.ContextVar("tokendyn_analysis_forward", default=False)
+
+
+def analysis_forward(fn):
+    """Decorator of the analyses' entry points: inside them the model's forward may stop at the backbone even when
+    hooks sit on the model itself (a `GradientProbe`'s, which the analyses' forwards must not feed: they are not
+    training passes). Outside, a model with such hooks is called whole, so that they see the forward."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        token = _ANALYSIS.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _ANALYSIS.reset(token)
+
+    return wrapped
 
 
 def chunk_tokens(vocab: int, budget: int | None = None) -> int:
@@ -355,9 +374,11 @@ def _split_checked(model: nn.Module, batch: ProbeBatch) -> tuple[nn.Module, nn.L
 
 def _features(model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tensor] | None) -> _Features:
     """One forward of the model (through ``torch.func.functional_call`` with ``params`` when given), stopping
-    before the LM head where it can (`_split_checked`)."""
+    before the LM head where it can (`_split_checked`; not for a model with hooks on its own forward outside
+    `analysis_forward`, nor one dispatched by accelerate's hooks)."""
     c = batch.n_completion
-    parts = _split_checked(model, batch)
+    hooked = bool(model._forward_hooks or model._forward_pre_hooks) and not _ANALYSIS.get()
+    parts = None if hooked or hasattr(model, "_hf_hook") else _split_checked(model, batch)
     if parts is not None:
         call = _Parts(model, *parts)
         args = (batch.input_ids, batch.attention_mask)
