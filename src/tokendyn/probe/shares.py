@@ -131,12 +131,12 @@ def dot64(a: torch.Tensor, b: torch.Tensor) -> float:
     """<a, b> = sum_i a_i b_i accumulated in float64, over slices of `_SUM_CHUNK` elements (no float64 copy of a
     whole parameter)."""
     x, y = a.detach().reshape(-1), b.detach().reshape(-1)
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
     for lo in range(0, x.numel(), _SUM_CHUNK):
         xs = x[lo : lo + _SUM_CHUNK].to(torch.float64)
-        ys = xs if y is x else y[lo : lo + _SUM_CHUNK].to(torch.float64)
-        total += float(torch.dot(xs, ys))
-    return total
+        ys = xs if a is b else y[lo : lo + _SUM_CHUNK].to(torch.float64)
+        total += torch.dot(xs, ys)
+    return float(total)
 
 
 class GroupSums:
