@@ -312,3 +312,27 @@ def test_the_sweep_uses_the_same_in_place_update(small_chunks, model, batch):
     num = sum(float((params[n] - q).double().pow(2).sum()) for n, q in model.named_parameters())
     den = sum(float(q.double().pow(2).sum()) for q in model.parameters())
     assert abs(row["param_step"][0] - (num / den) ** 0.5) < 1e-9 * (num / den) ** 0.5
+
+
+def test_a_tied_head_follows_the_swapped_embedding(small_chunks):
+    """GPT-2 ties its head to the embedding: with ``params`` the chunked head must use the swapped matrix (as the
+    model with that matrix in place does), not the model's own."""
+    from _models import tiny_gpt2
+
+    from tokendyn.probe.tokenloss import ProbeBatch, trainable_parameters
+
+    m = tiny_gpt2().eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, m.config.vocab_size, (3, 12), generator=g)
+    b = ProbeBatch(ids, torch.ones_like(ids), torch.ones(3, 6), torch.randn(3), temperature=0.7)
+    params = {n: p.detach().clone() for n, p in trainable_parameters(m).items()}
+    assert "lm_head.weight" not in params
+    params["transformer.wte.weight"] += 0.05 * torch.randn(
+        params["transformer.wte.weight"].shape, generator=g
+    )
+    moved = copy.deepcopy(m)
+    with torch.no_grad():
+        moved.transformer.wte.weight.copy_(params["transformer.wte.weight"])
+        got = completion_logp(m, b, params, float64=True)
+        assert float((got - _ref_logp64(moved, b)).abs().max()) < 1e-6
+        assert float((got - completion_logp(m, b, float64=True)).abs().max()) > 1e-2

@@ -6,8 +6,15 @@ they decompose.
 
 Alignment: a row is prompt + completion, the completion occupying the last C positions of input_ids (S columns,
 left padding as TRL builds it). Completion token j sits at sequence index t = S - C + j; the position whose output
-predicts it is p(t) = t - 1 = S - C - 1 + j. Only the logits of positions S-C-1 .. S-2 are computed
-(``logits_to_keep = C + 1``, the last one dropped), through the model's own unfused LM head.
+predicts it is p(t) = t - 1 = S - C - 1 + j. Only the logits of positions S-C-1 .. S-2 are computed, through the
+model's own unfused LM head.
+
+Memory: the backbone runs once; its final hidden states of those positions go through the LM head in chunks of at
+most `chunk_tokens(V)` tokens (their float64 logits within `CHUNK_BYTES`), each reduced to log pi (and H) before the
+next, so no [B, C, V] tensor in float32 or float64 exists; under autograd each chunk is recomputed in the backward
+(``torch.utils.checkpoint``), so the graph holds the hidden states, not the logits. A model whose logits are not a
+plain affine map of its backbone's output (soft-capping, scaling) is called whole (``logits_to_keep = C + 1``): one
+[B, C + 1, V] tensor in the model's dtype, as TRL's training forward holds, and the same chunked log-softmax.
 """
 
 from __future__ import annotations
