@@ -174,7 +174,7 @@ def test_jvp_shares_match_per_bin_shares_and_finite_differences(model64):
 
 
 def test_shares_of_a_token_subset_decompose_that_subsets_loss(model64):
-    """A Lopti stage: with token_mask, g = grad sum_{t in mask} l_t (ParamCopy's masked loss), bins outside the
+    """A Lopti stage: with token_mask, g = grad sum_{t in mask} l_t (the counterfactual update's masked loss), bins outside the
     mask get g_b = 0 and no tokens, the shares sum to 1 and the per-token JVP shares agree with them."""
     from tokendyn.probe.influence import lopti_stage_masks
 

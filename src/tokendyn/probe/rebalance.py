@@ -30,11 +30,12 @@ from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bi
 class RebalanceOptions:
     """Which analyses run. shares: per-bin gradients, norms per layer, projection shares (one forward, one
     backward for g and one per bin, streamed: `tokendyn.probe.shares.gradient_shares`; ``share_method`` "loop" or
-    "batched" hold every per-bin gradient at once instead); token_shares: tokens per bin kept from the per-token JVP shares (0: no JVP); prob_change: the
-    counterfactual update (lr, plain SGD); influence: one counterfactual update per source bin (and per Lopti
-    stage); lr_sweep: further step sizes of the counterfactual update (with prob_change), recorded as update
-    "sweep" with the update's ||delta theta|| / ||theta||, to see where the first-order picture of the paper's
-    lr = 1e-3 step stops holding (list the main lr too to have it on the same curve)."""
+    "batched" hold every per-bin gradient at once instead); token_shares: tokens per bin kept from the per-token
+    JVP shares (0: no JVP); prob_change: the counterfactual update (lr, plain SGD); influence: one counterfactual
+    update per source bin (and per Lopti stage); lr_sweep: further step sizes of the counterfactual update (with
+    prob_change), recorded as update "sweep" with the update's ||delta theta|| / ||theta||, to see where the
+    first-order picture of the paper's lr = 1e-3 step stops holding (list the main lr too to have it on the same
+    curve)."""
 
     shares: bool = True
     token_shares: int = 64
@@ -80,7 +81,8 @@ def analyze_batch(
 ) -> dict[str, pl.DataFrame]:
     """The `shares`, `token_shares`, `prob_change` (counterfactual, and "sweep" rows for ``options.lr_sweep``) and
     `influence` frames of one batch, for the analyses switched on. ``stage_masks``: the two Lopti stage masks (then the counterfactual update and the
-    influence matrix run per stage), or None. The model is not modified."""
+    influence matrix run per stage), or None. The model is left bitwise as it was (the counterfactual updates are
+    made in place and undone, `tokendyn.probe.change.InPlaceUpdate`); ``.grad`` and any optimizer are untouched."""
     opts = options or RebalanceOptions()
     edges_t = as_edges(edges)
     batch, _ = fix_pi_old(model, batch)  # pi_old fixed once for every analysis
