@@ -84,7 +84,10 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type == "cpu":
         return t.clone()
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+    try:  # pinned: faster copies to and from the GPU
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+    except RuntimeError:  # pinning refused (e.g. a locked-memory limit): pageable memory
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
     return out.copy_(t)
 
 
