@@ -307,7 +307,7 @@ def test_on_a_saved_model_with_generated_completions(tiny_model_dir, tmp_path):
 
 
 def test_rebalance_options_name_a_bad_field():
-    with pytest.raises(ValueError, match="share_method must be one of batched, loop"):
+    with pytest.raises(ValueError, match="share_method must be one of stream, loop, batched"):
         RebalanceOptions(share_method="jvp")
     with pytest.raises(ValueError, match="lr_sweep"):
         RebalanceOptions(lr_sweep=(1e-3, 0.0))

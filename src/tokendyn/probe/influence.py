@@ -1,7 +1,7 @@
 """Isolation and influence: what each probability bin's update does to every token's probability (DESIGN.md).
 
-For each source bin b (and for all tokens, source -1): a counterfactual update of a copy of the parameters with
-only the tokens of bin b in the loss (L_b = sum_{t in b} l_t: advantages and KL zeroed elsewhere, normalizer
+For each source bin b (and for all tokens, source -1): a counterfactual update of the parameters with only the
+tokens of bin b in the loss (L_b = sum_{t in b} l_t: advantages and KL zeroed elsewhere, normalizer
 unchanged), then delta_pi_t = pi_after(o_t) - pi_before(o_t) for every token t. The matrix
 
     M[source b, target b'] = mean over tokens t of bin b' of |delta_pi_t|
@@ -11,9 +11,14 @@ has the paper's Fig. 1e (source = the lowest bin) and 1f (the highest) as two of
 source = all row. Bins are over pi_old.
 
 Lopti (``stage_masks=(stage1, stage2)``, e.g. from `lopti_stage_masks`): the matrix per stage. Stage 1 starts from
-the model; its sources are the bins restricted to the stage-1 tokens. Stage 2 starts from the copy after the full
-stage-1 update (optimizer state carried over, pi_old fixed), its sources restricted to the stage-2 tokens; its
+the model; its sources are the bins restricted to the stage-1 tokens. Stage 2 starts from the parameters after the
+full stage-1 update (optimizer state carried over, pi_old fixed), its sources restricted to the stage-2 tokens; its
 delta pi is measured from the start of stage 2. Sources without tokens in a stage produce no rows.
+
+Every update is made on the model's own parameters in place (`tokendyn.probe.change.InPlaceUpdate`): a source's
+update is undone by copying the stage's starting parameters back from host memory, and the model is left bitwise as
+it was. Host memory: theta_0, and with two stages the parameters at the start of stage 2; device memory: no
+parameter copy.
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ import torch
 from torch import nn
 
 from tokendyn.probe.bins import bin_bounds
-from tokendyn.probe.change import OptimizerFactory, ParamCopy, delta_summary, fix_pi_old, sgd
+from tokendyn.probe.change import InPlaceUpdate, OptimizerFactory, delta_summary, fix_pi_old, sgd
 from tokendyn.probe.shares import as_edges
-from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index
+from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index
 
 
 def lopti_stage_masks(
@@ -103,6 +108,7 @@ class InfluenceResult:
         return to_frame("influence", {c: [r[c] for r in rows] for c in rows[0]})
 
 
+@analysis_forward
 def influence(
     model: nn.Module,
     batch: ProbeBatch,
@@ -136,23 +142,25 @@ def influence(
         stages = [(f"stage{i + 1}", m.bool().to(valid.device) & valid) for i, m in enumerate(stage_masks)]
     batch, pi_start = fix_pi_old(model, batch)
     bins = bin_index(torch.exp(batch.old_logp.to(torch.float64)), valid, edges_t)
-    base = ParamCopy(model, optimizer or sgd(lr), objective)
     deltas: dict[tuple[str, int], torch.Tensor] = {}
     counts: dict[tuple[str, int], int] = {}
-    for name, smask in stages:
-        for src in sources:
-            mask = smask & (bins == src)
-            if not bool(mask.any()):
-                continue
-            fork = base.fork()
-            fork.step(batch, mask)
-            deltas[(name, src)] = _masked(fork.probs(batch) - pi_start, valid)
-            counts[(name, src)] = int(mask.sum())
-        base.step(batch, smask)  # the full stage update: source -1, and the start of the next stage
-        pi_next = base.probs(batch)
-        deltas[(name, -1)] = _masked(pi_next - pi_start, valid)
-        counts[(name, -1)] = int(smask.sum())
-        pi_start = pi_next
+    with InPlaceUpdate(model, optimizer or sgd(lr), objective) as update:
+        for name, smask in stages:
+            stage_start = update.save()
+            for src in sources:
+                mask = smask & (bins == src)
+                if not bool(mask.any()):
+                    continue
+                update.step(batch, mask)
+                deltas[(name, src)] = _masked(update.probs(batch) - pi_start, valid)
+                counts[(name, src)] = int(mask.sum())
+                update.load(stage_start)
+            del stage_start
+            update.step(batch, smask)  # the full stage update: source -1, and the start of the next stage
+            pi_next = update.probs(batch)
+            deltas[(name, -1)] = _masked(pi_next - pi_start, valid)
+            counts[(name, -1)] = int(smask.sum())
+            pi_start = pi_next
     ordered = dict(sorted(deltas.items(), key=lambda kv: (kv[0][0], kv[0][1])))
     return InfluenceResult(
         edges_t,

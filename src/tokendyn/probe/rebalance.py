@@ -23,17 +23,19 @@ from tokendyn.probe.analysis_records import token_shares_frame
 from tokendyn.probe.change import change_frame, counterfactual_change, fix_pi_old, real_change
 from tokendyn.probe.influence import influence
 from tokendyn.probe.shares import METHODS, as_edges, gradient_shares
-from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index
+from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index
 
 
 @dataclass(frozen=True)
 class RebalanceOptions:
-    """Which analyses run. shares: per-bin gradients, norms per layer, projection shares (one forward + one batched
-    backward); token_shares: tokens per bin kept from the per-token JVP shares (0: no JVP); prob_change: the
-    counterfactual update (lr, plain SGD); influence: one counterfactual update per source bin (and per Lopti
-    stage); lr_sweep: further step sizes of the counterfactual update (with prob_change), recorded as update
-    "sweep" with the update's ||delta theta|| / ||theta||, to see where the first-order picture of the paper's
-    lr = 1e-3 step stops holding (list the main lr too to have it on the same curve)."""
+    """Which analyses run. shares: per-bin gradients, norms per layer, projection shares (one forward, one
+    backward for g and one per bin, streamed: `tokendyn.probe.shares.gradient_shares`; ``share_method`` "loop" or
+    "batched" hold every per-bin gradient at once instead); token_shares: tokens per bin kept from the per-token
+    JVP shares (0: no JVP); prob_change: the counterfactual update (lr, plain SGD); influence: one counterfactual
+    update per source bin (and per Lopti stage); lr_sweep: further step sizes of the counterfactual update (with
+    prob_change), recorded as update "sweep" with the update's ||delta theta|| / ||theta||, to see where the
+    first-order picture of the paper's lr = 1e-3 step stops holding (list the main lr too to have it on the same
+    curve)."""
 
     shares: bool = True
     token_shares: int = 64
@@ -41,7 +43,7 @@ class RebalanceOptions:
     influence: bool = True
     lr: float = 1e-3
     lr_sweep: tuple[float, ...] = ()
-    share_method: str = "loop"
+    share_method: str = "stream"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -65,6 +67,7 @@ def _stages(stage_masks: Sequence[torch.Tensor] | None) -> list[tuple[str, torch
     return [("stage1", stage_masks[0]), ("stage2", stage_masks[1])]
 
 
+@analysis_forward
 def analyze_batch(
     model: nn.Module,
     batch: ProbeBatch,
@@ -78,7 +81,8 @@ def analyze_batch(
 ) -> dict[str, pl.DataFrame]:
     """The `shares`, `token_shares`, `prob_change` (counterfactual, and "sweep" rows for ``options.lr_sweep``) and
     `influence` frames of one batch, for the analyses switched on. ``stage_masks``: the two Lopti stage masks (then the counterfactual update and the
-    influence matrix run per stage), or None. The model is not modified."""
+    influence matrix run per stage), or None. The model is left bitwise as it was (the counterfactual updates are
+    made in place and undone, `tokendyn.probe.change.InPlaceUpdate`); ``.grad`` and any optimizer are untouched."""
     opts = options or RebalanceOptions()
     edges_t = as_edges(edges)
     batch, _ = fix_pi_old(model, batch)  # pi_old fixed once for every analysis
@@ -144,6 +148,7 @@ def analyze_batch(
     return frames
 
 
+@analysis_forward
 def stage_shares_frame(
     model: nn.Module,
     batch: ProbeBatch,
@@ -153,7 +158,7 @@ def stage_shares_frame(
     stage: str,
     edges: torch.Tensor | Sequence[float] | None = None,
     objective: Objective | None = None,
-    method: str = "loop",
+    method: str = "stream",
 ) -> pl.DataFrame:
     """The `shares` record of one Lopti stage at the model's current parameters: g_b = grad sum_{t in b and stage}
     l_t, s_b = <g_b, g_stage> / ||g_stage||^2 (bins outside the stage have g_b = 0). Called at the start of each
@@ -167,6 +172,7 @@ def stage_shares_frame(
     return res.bins.to_frame(step, stage)
 
 
+@analysis_forward
 def real_change_frame(
     pi_before: torch.Tensor | nn.Module,
     model_after: nn.Module,

@@ -8,9 +8,13 @@ With l_t the per-token loss terms of `tokendyn.probe.tokenloss` (L = sum_t l_t) 
     s_b = <g_b, g> / ||g||^2          (projection share; sum_b s_b = 1)
     s_t = <grad_theta l_t, g> / ||g||^2   (per-token share; sum_{t in b} s_t = s_b, sum_t s_t = 1)
 
-g_b comes from K backward passes over one forward (default) or one batched backward
-(``torch.autograd.grad(..., is_grads_batched=True)``); s_t for every token at once from one forward-mode JVP along g (``torch.func.jvp`` over
-``torch.func.functional_call``): d/de l_t(theta + e g) at e = 0 is <grad l_t, g>. The JVP needs eager attention or
+The shares are streamed (`gradient_shares`, method "stream", the default): one forward, one backward for g, then one
+backward per bin for g_b, whose per-group ||g_b||^2 and <g_b, g> are accumulated in float64 before the next bin's
+backward; at most two parameter-sized gradients (g and one g_b) exist at a time, whatever K. `bin_gradients` keeps
+every g_b (K parameter-sized buffers, and one more for their sum g; method "loop": K backward passes, "batched": one
+batched backward, ``torch.autograd.grad(..., is_grads_batched=True)``, with a vmap over K), an explicit opt-in for who
+needs the gradients themselves. s_t for every token at once from one forward-mode JVP along g
+(``torch.func.jvp`` over ``torch.func.functional_call``): d/de l_t(theta + e g) at e = 0 is <grad l_t, g>. The JVP needs eager attention or
 the SDPA math kernel (selected here) and an unfused LM head (a plain Hugging Face forward is unfused).
 
 Norms and inner products are accumulated in float64; the model is run in eval mode (no dropout) and left as it
@@ -22,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import re
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -31,6 +35,7 @@ from tokendyn.probe.bins import DEFAULT_EDGES, bin_bounds
 from tokendyn.probe.tokenloss import (
     Objective,
     ProbeBatch,
+    analysis_forward,
     bin_index,
     eval_mode,
     token_loss,
@@ -38,7 +43,8 @@ from tokendyn.probe.tokenloss import (
 )
 
 ALL = "all"
-METHODS = ("batched", "loop")
+METHODS = ("stream", "loop", "batched")
+_SUM_CHUNK = 1 << 22  # elements per float64 partial sum (32 MiB of float64 per operand)
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 _FINAL_NORM = re.compile(r"(?:^|\.)(?:norm|ln_f|final_layer_norm|final_layernorm)\.[^.]+$")
 _EMBED = re.compile(r"embed_tokens|wte|wpe|embed_positions|embed_in")
@@ -84,22 +90,21 @@ def as_edges(edges: torch.Tensor | tuple[float, ...] | list[float] | None) -> to
 
 
 @dataclass
-class BinGradients:
-    """The per-bin gradients g_b (name -> tensor, one dict per bin), the bins they came from, and the loss."""
+class BinSplit:
+    """The bins of one batch's tokens and what the per-bin gradients of it were computed from (no gradients)."""
 
     names: list[str]
     groups: list[str]
     edges: torch.Tensor  # (K + 1,) float64
     bins: torch.Tensor  # (B, C) long, -1 on padding
     pi_old: torch.Tensor  # (B, C) float64
-    per_bin: list[dict[str, torch.Tensor]]
     loss: float
     # (B, C) bool: the tokens in the loss (None: every completion token)
     token_mask: torch.Tensor | None = None
 
     @property
     def n_bins(self) -> int:
-        return len(self.per_bin)
+        return self.edges.numel() - 1
 
     def in_loss(self, k: int) -> torch.Tensor:
         """The tokens of bin k that are in the loss."""
@@ -109,11 +114,95 @@ class BinGradients:
     def counts(self) -> list[int]:
         return [int(self.in_loss(k).sum()) for k in range(self.n_bins)]
 
+
+@dataclass
+class BinGradients(BinSplit):
+    """`BinSplit` with every per-bin gradient g_b held (name -> tensor, one dict per bin): K parameter-sized
+    buffers (`bin_gradients`)."""
+
+    per_bin: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
     def total(self) -> dict[str, torch.Tensor]:
         """g = sum_b g_b."""
         return {n: torch.stack([gb[n] for gb in self.per_bin]).sum(0) for n in self.names}
 
 
+def dot64(a: torch.Tensor, b: torch.Tensor) -> float:
+    """<a, b> = sum_i a_i b_i accumulated in float64, over slices of `_SUM_CHUNK` elements (no float64 copy of a
+    whole parameter)."""
+    x, y = a.detach().reshape(-1), b.detach().reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for lo in range(0, x.numel(), _SUM_CHUNK):
+        xs = x[lo : lo + _SUM_CHUNK].to(torch.float64)
+        ys = xs if a is b else y[lo : lo + _SUM_CHUNK].to(torch.float64)
+        total += torch.dot(xs, ys)
+    return float(total)
+
+
+class GroupSums:
+    """Per (bin, parameter group) sums of one batch, accumulated one gradient at a time (float64):
+    sq[b, j] = ||g_b||^2 and dot[b, j] = <g_b, g> on group j, tot[j] = ||g||^2; column 0 is every parameter."""
+
+    def __init__(self, names: list[str], groups: list[str], k: int) -> None:
+        self.names = names
+        self.groups = [ALL, *sorted(set(groups), key=_group_order)]
+        col = {grp: j for j, grp in enumerate(self.groups)}
+        self.cols = [(0, col[grp]) for grp in groups]
+        self.sq = torch.zeros(k, len(self.groups), dtype=torch.float64)
+        self.dot = torch.zeros(k, len(self.groups), dtype=torch.float64)
+        self.tot = torch.zeros(len(self.groups), dtype=torch.float64)
+
+    def add_total(self, g: list[torch.Tensor | None]) -> None:
+        for cols, t in zip(self.cols, g, strict=True):
+            if t is not None:
+                v = dot64(t, t)
+                for j in cols:
+                    self.tot[j] += v
+
+    def add_bin(self, b: int, gb: list[torch.Tensor | None], g: list[torch.Tensor | None]) -> None:
+        for cols, tb, t in zip(self.cols, gb, g, strict=True):
+            if tb is None:
+                continue
+            s, d = dot64(tb, tb), (0.0 if t is None else dot64(tb, t))
+            for j in cols:
+                self.sq[b, j] += s
+                self.dot[b, j] += d
+
+    def shares(self, split: BinSplit) -> BinShares:
+        return BinShares(
+            split.edges, split.counts(), self.groups, self.sq.sqrt(), self.dot, self.tot.sqrt(), split.loss
+        )
+
+
+def _bin_setup(model, batch, edges, objective, token_mask):
+    """One forward in eval mode (the caller holds eval mode): the loss, the bins over pi_old and the (K, B, C)
+    per-bin token masks m_b = [t in b and t in token_mask]."""
+    edges_t = as_edges(edges)
+    k = edges_t.numel() - 1
+    params = trainable_parameters(model)
+    tl = token_loss(model, batch, objective)
+    logp_old = tl.logp.detach() if batch.old_logp is None else batch.old_logp
+    pi = torch.exp(logp_old.to(torch.float64))
+    bins = bin_index(pi, batch.completion_mask, edges_t)
+    keep = (
+        torch.ones_like(bins, dtype=torch.bool) if token_mask is None else token_mask.bool().to(bins.device)
+    )
+    masks = torch.stack([((bins == b) & keep).to(tl.terms.dtype) for b in range(k)])
+    loss = tl.loss if token_mask is None else (tl.terms * masks.sum(0)).sum()
+    names = list(params)
+    split = BinSplit(
+        names,
+        [parameter_group(n) for n in names],
+        edges_t,
+        bins,
+        pi,
+        float(loss.detach()),
+        None if token_mask is None else keep,
+    )
+    return params, tl, masks, split
+
+
+@analysis_forward
 def bin_gradients(
     model: nn.Module,
     batch: ProbeBatch,
@@ -123,29 +212,19 @@ def bin_gradients(
     method: str = "loop",
     token_mask: torch.Tensor | None = None,
 ) -> BinGradients:
-    """g_b = grad_theta sum_{t in b} l_t for every bin b of pi_old (module docstring), from one forward and either
-    K backward passes (``method="loop"``, the default) or one batched backward (``"batched"``: vmap over the K
-    bins, more memory; slower than the loop on CPU at 64 x 250 tokens, bench/share_cost.py).
-    pi_old = exp(batch.old_logp), or the current pi when the batch is on-policy. ``token_mask`` (B, C): the loss
-    restricted to these tokens, L = sum_{t in mask} l_t (a Lopti stage), so g_b = grad sum_{t in b and mask} l_t and
-    g = sum_b g_b is the stage's gradient."""
-    if method not in METHODS:
-        raise ValueError(f"shares: method must be one of {METHODS}, got {method!r}")
-    edges_t = as_edges(edges)
-    k = edges_t.numel() - 1
-    params = trainable_parameters(model)
-    names, tensors = list(params), list(params.values())
+    """g_b = grad_theta sum_{t in b} l_t for every bin b of pi_old (module docstring), all held at once: memory K
+    parameter-sized gradients (`streamed_shares` computes the shares with two). From one forward and either K
+    backward passes (``method="loop"``, the default) or one batched backward (``"batched"``: vmap over the K bins,
+    K parameter-sized gradients more in the backward; slower than the loop on CPU at 64 x 250 tokens,
+    bench/share_cost.py). pi_old = exp(batch.old_logp), or the current pi when the batch is on-policy.
+    ``token_mask`` (B, C): the loss restricted to these tokens, L = sum_{t in mask} l_t (a Lopti stage), so
+    g_b = grad sum_{t in b and mask} l_t and g = sum_b g_b is the stage's gradient."""
+    if method not in ("batched", "loop"):
+        raise ValueError(f"shares: method must be one of ('batched', 'loop'), got {method!r}")
     with eval_mode(model):
-        tl = token_loss(model, batch, objective)
-        logp_old = tl.logp.detach() if batch.old_logp is None else batch.old_logp
-        pi = torch.exp(logp_old.to(torch.float64))
-        bins = bin_index(pi, batch.completion_mask, edges_t)
-        keep = (
-            torch.ones_like(bins, dtype=torch.bool)
-            if token_mask is None
-            else token_mask.bool().to(bins.device)
-        )
-        masks = torch.stack([((bins == b) & keep).to(tl.terms.dtype) for b in range(k)])
+        params, tl, masks, split = _bin_setup(model, batch, edges, objective, token_mask)
+        names, tensors = list(params), list(params.values())
+        k = masks.size(0)
         if method == "batched":
             grads = torch.autograd.grad(
                 tl.terms, tensors, grad_outputs=masks, is_grads_batched=True, allow_unused=True
@@ -167,17 +246,45 @@ def bin_gradients(
                         for n, g, p in zip(names, grads, tensors, strict=True)
                     }
                 )
-    loss = tl.loss if token_mask is None else (tl.terms * masks.sum(0)).sum()
-    return BinGradients(
-        names,
-        [parameter_group(n) for n in names],
-        edges_t,
-        bins,
-        pi,
-        per_bin,
-        float(loss.detach()),
-        None if token_mask is None else keep,
-    )
+    return BinGradients(**vars(split), per_bin=per_bin)
+
+
+@analysis_forward
+def streamed_shares(
+    model: nn.Module,
+    batch: ProbeBatch,
+    edges: torch.Tensor | tuple[float, ...] | list[float] | None = None,
+    *,
+    objective: Objective | None = None,
+    token_mask: torch.Tensor | None = None,
+    keep_total: bool = False,
+) -> tuple[BinSplit, BinShares, dict[str, torch.Tensor] | None]:
+    """(bins, shares, g or None) with the g_b streamed: one forward, g = grad sum_b L_b by one backward, then
+    g_b = grad L_b by one backward per bin, each reduced to its per-group ||g_b||^2 and <g_b, g> (float64,
+    `GroupSums`) and freed before the next: at most two parameter-sized gradients at a time. The same numbers as
+    `bin_shares(bin_gradients(...))` up to the rounding of g (a backward of the summed masks here, a sum of the
+    g_b there). ``keep_total``: return g (name -> tensor, e.g. the JVP direction of `token_shares`), else None.
+    ``token_mask``: as in `bin_gradients`."""
+    with eval_mode(model):
+        params, tl, masks, split = _bin_setup(model, batch, edges, objective, token_mask)
+        tensors = list(params.values())
+        sums = GroupSums(split.names, split.groups, masks.size(0))
+        g = list(torch.autograd.grad(tl.terms, tensors, masks.sum(0), retain_graph=True, allow_unused=True))
+        sums.add_total(g)
+        for b in range(masks.size(0)):
+            last = b == masks.size(0) - 1
+            if not bool(masks[b].any()):  # no token of the bin in the loss: g_b = 0
+                continue
+            gb = torch.autograd.grad(tl.terms, tensors, masks[b], retain_graph=not last, allow_unused=True)
+            sums.add_bin(b, list(gb), g)
+            del gb
+        del tl  # the graph, if the last bins had no tokens
+    total = None
+    if keep_total:
+        total = {
+            n: torch.zeros_like(p) if t is None else t for (n, p), t in zip(params.items(), g, strict=True)
+        }
+    return split, sums.shares(split), total
 
 
 @dataclass
@@ -250,23 +357,15 @@ class BinShares:
 
 
 def bin_shares(grads: BinGradients) -> BinShares:
-    """||g_b||, <g_b, g> and ||g|| over all parameters and per group (float64), g = sum_b g_b."""
-    groups = [ALL, *sorted(set(grads.groups), key=_group_order)]
-    col = {grp: j for j, grp in enumerate(groups)}
-    k = grads.n_bins
-    sq = torch.zeros(k, len(groups), dtype=torch.float64)
-    dot = torch.zeros(k, len(groups), dtype=torch.float64)
-    tot = torch.zeros(len(groups), dtype=torch.float64)
+    """||g_b||, <g_b, g> and ||g|| over all parameters and per group (float64), g = sum_b g_b, from gradients held
+    at once (`bin_gradients`)."""
+    sums = GroupSums(grads.names, grads.groups, grads.n_bins)
     total = grads.total()
-    for name, grp in zip(grads.names, grads.groups, strict=True):
-        g = total[name].detach().to(torch.float64).flatten()
-        stacked = torch.stack([gb[name].detach().to(torch.float64).flatten() for gb in grads.per_bin])
-        s, d, t = stacked.pow(2).sum(1).cpu(), (stacked @ g).cpu(), g.pow(2).sum().cpu()
-        for j in (0, col[grp]):
-            sq[:, j] += s
-            dot[:, j] += d
-            tot[j] += t
-    return BinShares(grads.edges, grads.counts(), groups, sq.sqrt(), dot, tot.sqrt(), grads.loss)
+    g = [total[n] for n in grads.names]
+    sums.add_total(g)
+    for b, gb in enumerate(grads.per_bin):
+        sums.add_bin(b, [gb[n] for n in grads.names], g)
+    return sums.shares(grads)
 
 
 def jvp_attention(model: nn.Module) -> AbstractContextManager:
@@ -284,6 +383,7 @@ def jvp_attention(model: nn.Module) -> AbstractContextManager:
     )
 
 
+@analysis_forward
 def token_shares(
     model: nn.Module,
     batch: ProbeBatch,
@@ -301,7 +401,7 @@ def token_shares(
     names = list(direction)
     primals = tuple(params[n].detach() for n in names)
     tangents = tuple(direction[n].detach().to(dtype=params[n].dtype, device=params[n].device) for n in names)
-    norm2 = sum(float(v.to(torch.float64).pow(2).sum()) for v in tangents)
+    norm2 = sum(dot64(v, v) for v in tangents)
     if norm2 == 0.0:
         raise ValueError("shares: the direction is zero (no advantage on any token?); shares are undefined")
 
@@ -334,33 +434,47 @@ def _no_input_require_grads(model: nn.Module):
 
 @dataclass
 class ShareResult:
-    """Per-bin gradients and shares, and the per-token shares s_t ((B, C), None if not asked)."""
+    """The bins, the shares, and the per-token shares s_t ((B, C), None if not asked). ``grads`` is a
+    `BinGradients` (every g_b) for the methods "loop" and "batched", a `BinSplit` (no gradients) for "stream"."""
 
-    grads: BinGradients
+    grads: BinSplit
     bins: BinShares
     tokens: torch.Tensor | None
 
 
+@analysis_forward
 def gradient_shares(
     model: nn.Module,
     batch: ProbeBatch,
     edges: torch.Tensor | tuple[float, ...] | list[float] | None = None,
     *,
     objective: Objective | None = None,
-    method: str = "loop",
+    method: str = "stream",
     per_token: bool = True,
     token_mask: torch.Tensor | None = None,
 ) -> ShareResult:
-    """`bin_gradients` + `bin_shares`, and with ``per_token`` the JVP shares s_t along g (their per-bin sums go
-    into ``BinShares.jvp_share``). ``token_mask``: the loss restricted to these tokens (a Lopti stage); counts,
-    shares and s_t are then over those tokens only (s_t = 0 outside). A batch whose gradient is zero (every advantage
-    0 and no KL gradient, e.g. a sample of zero-variance groups at the first step) has no shares: the `shares` rows
+    """The per-bin shares (`streamed_shares`, or ``method`` "loop"/"batched": `bin_gradients` + `bin_shares`,
+    every g_b held), and with ``per_token`` the JVP shares s_t along g (their per-bin sums go into
+    ``BinShares.jvp_share``). Memory ("stream"): two parameter-sized gradients during the backward passes, then g
+    and the JVP's tangents. ``token_mask``: the loss restricted to these tokens (a Lopti stage); counts, shares
+    and s_t are then over those tokens only (s_t = 0 outside). A batch whose gradient is zero (every advantage 0
+    and no KL gradient, e.g. a sample of zero-variance groups at the first step) has no shares: the `shares` rows
     carry null, and no per-token shares are computed."""
-    grads = bin_gradients(model, batch, edges, objective=objective, method=method, token_mask=token_mask)
-    shares = bin_shares(grads)
+    if method not in METHODS:
+        raise ValueError(f"shares: method must be one of {METHODS}, got {method!r}")
+    if method == "stream":
+        grads, shares, total = streamed_shares(
+            model, batch, edges, objective=objective, token_mask=token_mask, keep_total=per_token
+        )
+    else:
+        grads = bin_gradients(model, batch, edges, objective=objective, method=method, token_mask=token_mask)
+        shares, total = bin_shares(grads), None
     tokens = None
     if per_token and float(shares.total_norm[0]) > 0:  # g = 0 (no advantage, no KL gradient): s_t undefined
-        tokens = token_shares(model, batch, grads.total(), objective=objective)
+        direction = total if total is not None else grads.total()
+        del total
+        tokens = token_shares(model, batch, direction, objective=objective)
+        del direction
         if grads.token_mask is not None:
             tokens = torch.where(grads.token_mask, tokens, torch.zeros_like(tokens))
         shares.jvp_share = torch.stack([tokens[grads.in_loss(b)].sum() for b in range(grads.n_bins)]).to(

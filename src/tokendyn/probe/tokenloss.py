@@ -6,18 +6,29 @@ they decompose.
 
 Alignment: a row is prompt + completion, the completion occupying the last C positions of input_ids (S columns,
 left padding as TRL builds it). Completion token j sits at sequence index t = S - C + j; the position whose output
-predicts it is p(t) = t - 1 = S - C - 1 + j. Only the logits of positions S-C-1 .. S-2 are computed
-(``logits_to_keep = C + 1``, the last one dropped), through the model's own unfused LM head.
+predicts it is p(t) = t - 1 = S - C - 1 + j. Only the logits of positions S-C-1 .. S-2 are computed, through the
+model's own unfused LM head.
+
+Memory: the backbone runs once; its final hidden states of those positions go through the LM head in chunks of at
+most `chunk_tokens(V)` tokens (their float64 logits within `CHUNK_BYTES`), each reduced to log pi (and H) before the
+next, so no [B, C, V] tensor in float32 or float64 exists; under autograd each chunk is recomputed in the backward
+(``torch.utils.checkpoint``), so the graph holds the hidden states, not the logits. A model whose logits are not a
+plain affine map of its backbone's output (soft-capping, scaling) is called whole (``logits_to_keep = C + 1``): one
+[B, C + 1, V] tensor in the model's dtype, as TRL's training forward holds, and the same chunked log-softmax.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import inspect
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -276,6 +287,186 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
         return False
 
 
+# Logits are never held for every completion token at once: the LM head is applied to chunks of at most
+# `chunk_tokens(V)` tokens, whose float64 logits [n, V] take at most CHUNK_BYTES (Qwen2.5's V = 152,064: 220 tokens).
+CHUNK_BYTES = 1 << 28
+_SPLIT_OK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ANALYSIS = contextvars.ContextVar("tokendyn_analysis_forward", default=False)
+
+
+def analysis_forward(fn):
+    """Decorator of the analyses' entry points: inside them the model's forward may stop at the backbone even when
+    hooks sit on the model itself (a `GradientProbe`'s, which the analyses' forwards must not feed: they are not
+    training passes). Outside, a model with such hooks is called whole, so that they see the forward."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        token = _ANALYSIS.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _ANALYSIS.reset(token)
+
+    return wrapped
+
+
+def chunk_tokens(vocab: int, budget: int | None = None) -> int:
+    """n = max(1, floor(budget / (8 V))): the tokens per chunk whose float64 logits [n, V] fit in ``budget`` bytes
+    (default `CHUNK_BYTES`)."""
+    return max(1, int(CHUNK_BYTES if budget is None else budget) // (8 * max(int(vocab), 1)))
+
+
+@dataclass
+class _Features:
+    """What the LM head is applied to, one row per completion token (N = B * C, row-major over (B, C)): the final
+    hidden states h (N, H) with the head's weight and bias, or, for a model whose head is not a plain affine map
+    of a backbone's output, its logits (N, V) in the model's dtype (weight None)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+
+class _Parts(nn.Module):
+    """Backbone and head of a causal LM, called apart (under ``functional_call`` the swapped tensors are used)."""
+
+    def __init__(self, lm: nn.Module, backbone: nn.Module, head: nn.Linear) -> None:
+        super().__init__()
+        self.lm = lm
+        object.__setattr__(self, "_backbone", backbone)  # submodules of lm: not registered twice
+        object.__setattr__(self, "_head", head)
+
+    def forward(self, input_ids, attention_mask):
+        out = self._backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return h, self._head.weight, self._head.bias
+
+
+def _split(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """(backbone, head) when logits = head(backbone(ids).last_hidden_state) with a plain `nn.Linear` head (a Hugging
+    Face causal LM: ``base_model_prefix`` names the backbone), else None."""
+    from tokendyn.probe.points import head_transform_supported
+
+    prefix = getattr(model, "base_model_prefix", None)
+    backbone = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(backbone, nn.Module) or backbone is model or type(head) is not nn.Linear:
+        return None
+    return (backbone, head) if head_transform_supported(model) else None
+
+
+def _split_checked(model: nn.Module, batch: ProbeBatch) -> tuple[nn.Module, nn.Linear] | None:
+    """`_split`, confirmed once per model on the batch's first row: the head applied to the backbone's last hidden
+    state reproduces the model's own last logit within float rounding (a model that scales its hidden state or
+    logits in its forward, e.g. MiniCPM, falls back to the model's full forward)."""
+    parts = _split(model)
+    if parts is None:
+        return None
+    ok = _SPLIT_OK.get(model)
+    if ok is None:
+        ids, mask = batch.input_ids[:1], batch.attention_mask[:1]
+        with torch.no_grad(), eval_mode(model):
+            kwargs = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
+            if _accepts_logits_to_keep(model):
+                kwargs["logits_to_keep"] = 1
+            out = model(**kwargs)
+            want = (out.logits if hasattr(out, "logits") else out[0])[:, -1].float()
+            h = _Parts(model, *parts)(ids, mask)[0]
+            got = torch.nn.functional.linear(h[:, -1], parts[1].weight, parts[1].bias).float()
+        ok = bool(((got - want).abs().max() <= 1e-3 * want.abs().max() + 1e-6).item())
+        _SPLIT_OK[model] = ok
+    return parts if ok else None
+
+
+def _features(model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tensor] | None) -> _Features:
+    """One forward of the model (through ``torch.func.functional_call`` with ``params`` when given), stopping
+    before the LM head where it can (`_split_checked`; not for a model with hooks on its own forward outside
+    `analysis_forward`, nor one dispatched by accelerate's hooks)."""
+    c = batch.n_completion
+    hooked = bool(model._forward_hooks or model._forward_pre_hooks) and not _ANALYSIS.get()
+    parts = None if hooked or hasattr(model, "_hf_hook") else _split_checked(model, batch)
+    if parts is not None:
+        call = _Parts(model, *parts)
+        args = (batch.input_ids, batch.attention_mask)
+        if params is None:
+            h, w, b = call(*args)
+        else:
+            h, w, b = torch.func.functional_call(call, {f"lm.{n}": p for n, p in params.items()}, args)
+        h = h[:, -(c + 1) : -1, :]
+        return _Features(h.reshape(-1, h.size(-1)), w, b)
+    kwargs: dict = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
+    if _accepts_logits_to_keep(model):
+        kwargs["logits_to_keep"] = c + 1
+    out = model(**kwargs) if params is None else torch.func.functional_call(model, params, (), kwargs)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    logits = logits[:, -(c + 1) : -1, :]
+    return _Features(logits.reshape(-1, logits.size(-1)), None, None)
+
+
+def chunk_logits(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
+    """z = (x W^T + b) / T (x: final hidden states) or z = x / T (x: logits), in float32 or wider, (n, V)."""
+    z = x if weight is None else torch.nn.functional.linear(x, weight, bias)
+    return z.to(torch.promote_types(z.dtype, torch.float32)) / temperature
+
+
+def logp_and_entropy(z: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(o), H) per row of z (n, V): log pi = log_softmax(z)[o], H = -sum_k pi_k log pi_k."""
+    lsm = torch.log_softmax(z, dim=-1)
+    return lsm.gather(-1, ids.unsqueeze(-1)).squeeze(-1), -(lsm.exp() * lsm).sum(-1)
+
+
+def logp_float64(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log pi(o) = z_o - logsumexp(z) per row of z (n, V), with z cast to float64 first (`completion_logp`)."""
+    z = z.to(torch.float64)
+    return z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+def _chunk_values(
+    x, weight, bias, ids, temperature: float, kinds: tuple[str, ...]
+) -> tuple[torch.Tensor, ...]:
+    z = chunk_logits(x, weight, bias, temperature)
+    out = []
+    if "logp" in kinds or "entropy" in kinds:
+        if "entropy" in kinds:
+            out.extend(logp_and_entropy(z, ids))
+        else:
+            out.append(torch.log_softmax(z, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1))
+    if "logp64" in kinds:
+        out.append(logp_float64(z, ids))
+    return tuple(out)
+
+
+def _token_values(
+    model: nn.Module,
+    batch: ProbeBatch,
+    params: dict[str, torch.Tensor] | None,
+    kinds: tuple[str, ...],
+) -> tuple[torch.Tensor, ...]:
+    """Per-token values of every completion token, (B, C) each, in the order of ``kinds`` (from "logp", "entropy":
+    float32 or wider, "logp64": float64), from one forward and the LM head applied chunk by chunk (`chunk_tokens`
+    tokens at a time): no [B, C, V] float32 or float64 tensor exists. Under autograd each chunk is recomputed in
+    the backward (``torch.utils.checkpoint``): the graph keeps the hidden states, never the logits."""
+    f = _features(model, batch, params)
+    vocab = f.x.size(-1) if f.weight is None else f.weight.size(0)
+    ids = batch.completion_ids.to(f.x.device).reshape(-1)
+    n = chunk_tokens(vocab)
+    track = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (f.x, f.weight, f.bias)
+    )
+    pieces = []
+    for lo in range(0, ids.numel(), n):
+        args = (f.x[lo : lo + n], f.weight, f.bias, ids[lo : lo + n], batch.temperature, kinds)
+        if track and "logp64" not in kinds:
+            pieces.append(torch.utils.checkpoint.checkpoint(_chunk_values, *args, use_reentrant=False))
+        else:
+            pieces.append(_chunk_values(*args))
+    shape = batch.completion_ids.shape
+    return tuple(torch.cat([p[i] for p in pieces]).reshape(shape) for i in range(len(kinds)))
+
+
 def completion_logp(
     model: nn.Module,
     batch: ProbeBatch,
@@ -287,49 +478,24 @@ def completion_logp(
 
     z = logits[p(t)] / T with p(t) = t - 1 (see the module docstring), log pi_t = log_softmax(z)[o_t]; computed in
     float32 or wider. With ``params`` the model is called through ``torch.func.functional_call`` with those
-    tensors in place of its parameters (the module itself is not modified).
+    tensors in place of its parameters (the module itself is not modified). The LM head is applied to chunks of
+    tokens (`chunk_tokens`), so the full [B, C, V] logits are never materialised (`_token_values`).
 
     ``float64=True`` (for measuring probability changes, `tokendyn.probe.change`): log pi_t = z_o - logsumexp(z)
-    with the model's logits cast to float64 first. In float32, log pi_t = z_o - logsumexp(z) is a difference of two
-    numbers of size |z| ~ 10-30 whose rounding (~1e-6) swamps 1 - pi below ~1e-6: a near-certain token has
-    log pi = 0.0 exactly and no change of it is visible. In float64 the same difference resolves log pi to ~1e-14,
-    so a change of pi of 1e-12 still has its sign. What remains is the model's own forward precision: a change of
-    the logits below their rounding (float32: ~1e-7 of |z|) is noise.
+    with the model's logits cast to float64 first, chunk by chunk. In float32, log pi_t = z_o - logsumexp(z) is a
+    difference of two numbers of size |z| ~ 10-30 whose rounding (~1e-6) swamps 1 - pi below ~1e-6: a near-certain
+    token has log pi = 0.0 exactly and no change of it is visible. In float64 the same difference resolves log pi to
+    ~1e-14, so a change of pi of 1e-12 still has its sign. What remains is the model's own forward precision: a
+    change of the logits below their rounding (float32: ~1e-7 of |z|) is noise.
     """
-    z = _completion_logits(model, batch, params)
-    ids = batch.completion_ids.to(z.device).unsqueeze(-1)
-    if float64:
-        z = z.to(torch.float64)
-        return z.gather(-1, ids).squeeze(-1) - torch.logsumexp(z, dim=-1)
-    return torch.log_softmax(z, dim=-1).gather(-1, ids).squeeze(-1)
+    return _token_values(model, batch, params, ("logp64",) if float64 else ("logp",))[0]
 
 
 def loss_and_measured_logp(model: nn.Module, batch: ProbeBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi_t as the loss computes it, log pi_t in float64 for measuring changes), from one forward without
     grad in eval mode: the same values as `completion_logp` without and with ``float64``."""
     with torch.no_grad(), eval_mode(model):
-        z = _completion_logits(model, batch)
-    ids = batch.completion_ids.to(z.device).unsqueeze(-1)
-    z64 = z.to(torch.float64)
-    logp64 = z64.gather(-1, ids).squeeze(-1) - torch.logsumexp(z64, dim=-1)
-    return torch.log_softmax(z, dim=-1).gather(-1, ids).squeeze(-1), logp64
-
-
-def _completion_logits(
-    model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tensor] | None = None
-) -> torch.Tensor:
-    """z = logits[p(t)] / T for every completion position, (B, C, V), float32 or wider."""
-    c = batch.n_completion
-    kwargs: dict = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
-    if _accepts_logits_to_keep(model):
-        kwargs["logits_to_keep"] = c + 1
-    if params is None:
-        out = model(**kwargs)
-    else:
-        out = torch.func.functional_call(model, params, (), kwargs)
-    logits = out.logits if hasattr(out, "logits") else out[0]
-    logits = logits[:, -(c + 1) : -1, :]
-    return logits.to(torch.promote_types(logits.dtype, torch.float32)) / batch.temperature
+        return _token_values(model, batch, None, ("logp", "logp64"))
 
 
 def completion_logp_entropy(
@@ -337,10 +503,7 @@ def completion_logp_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi_t(o_t), H_t) for every completion token, (B, C) each, differentiable: H_t = -sum_k pi_k log pi_k,
     the entropy of the temperature-scaled distribution at p(t) (what TRL's entropy bonus and entropy mask use)."""
-    z = _completion_logits(model, batch, params)
-    lsm = torch.log_softmax(z, dim=-1)
-    ids = batch.completion_ids.to(z.device).unsqueeze(-1)
-    return lsm.gather(-1, ids).squeeze(-1), -(lsm.exp() * lsm).sum(-1)
+    return _token_values(model, batch, params, ("logp", "entropy"))
 
 
 def loss_terms(
