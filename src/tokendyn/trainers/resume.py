@@ -162,9 +162,11 @@ PROBE_STATE = "tokendyn_probe-rank{rank:03d}.pt"
 
 
 def probe_state(probe) -> dict:
-    """What a `GradientProbe` carries from step to step: its token-sample generator and its pass counters."""
+    """What a `GradientProbe` carries from step to step: its token-sample generator, its pass counters and its
+    sigma_max schedule."""
     return {
         "generator": probe.generator.get_state(),
+        "sigma": probe.sigma_state(),
         "n_prepared": probe._n_prepared,
         "next_step": probe._next_step,
         "micro": dict(probe._micro),
@@ -177,6 +179,8 @@ def load_probe_state(probe, state: dict) -> None:
     probe._next_step = int(state["next_step"])
     probe._micro.clear()
     probe._micro.update(state["micro"])
+    if "sigma" in state:  # checkpoints written before the sigma schedule existed
+        probe.load_sigma_state(state["sigma"])
 
 
 class ResumeCallback(TrainerCallback):
