@@ -11,7 +11,6 @@ import pytest
 import torch
 from _rebalance import TEMPERATURE, tiny_batch, tiny_model
 
-from tokendyn.probe.analysis_records import SCHEMAS, write_records
 from tokendyn.probe.change import (
     change_frame,
     completion_probs,
@@ -24,6 +23,8 @@ from tokendyn.probe.influence import influence, lopti_stage_masks
 from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch, real_change_frame
 from tokendyn.probe.shares import as_edges, bin_gradients
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index, completion_logp, token_loss
+from tokendyn.records import SCHEMAS
+from tokendyn.records import write_frames as write_records
 
 torch.set_num_threads(1)
 LR = 1e-3
@@ -296,11 +297,11 @@ def test_on_a_saved_model_with_generated_completions(tiny_model_dir, tmp_path):
     attn = torch.cat([enc["attention_mask"], cmask], 1)
     b = ProbeBatch(out, attn, cmask, adv, temperature=TEMPERATURE)
     frames = analyze_batch(lm, b, step=0)
-    shares = frames["shares"].filter((pl.col("layer") == "all") & (pl.col("bin") >= 0))
+    shares = frames["shares"].filter((pl.col("group") == "all") & (pl.col("bin") >= 0))
     assert abs(shares["share"].sum() - 1.0) < 1e-5
     assert abs(shares["jvp_share"].sum() - 1.0) < 1e-4
     write_records(tmp_path, frames)
-    from tokendyn.hooks.records import shard_files
+    from tokendyn.records import shard_files
 
     for kind in frames:
         assert pl.read_parquet(shard_files(tmp_path, kind)[0]).equals(frames[kind])

@@ -64,7 +64,7 @@ def shares(run_dirs) -> dict[str, pl.DataFrame]:
     for d in run_dirs:
         df = (
             load(d, "shares")
-            .filter((pl.col("layer") == "all") & (pl.col("bin") >= 0) & (pl.col("stage") == "train"))
+            .filter((pl.col("group") == "all") & (pl.col("bin") >= 0) & (pl.col("stage") == "train"))
             .collect()
         )
         if df.height == 0:

@@ -97,7 +97,7 @@ def prob_change(records: Records) -> str:
 def gradient_norm(records: Records) -> str:
     sh = records.get("shares")
     if sh is not None:
-        sh = full_loss(sh).filter(pl.col("layer") == "all")
+        sh = full_loss(sh).filter(pl.col("group") == "all")
         m = sh.group_by("run", "stage", "bin").agg(pl.col("grad_norm").mean(), pl.col("bin_lo").mean(),
                                                    pl.col("bin_hi").mean())  # fmt: skip
         lo, hi, e_lo, e_hi = _lowest_highest(m)
@@ -140,8 +140,8 @@ def gradient_norm(records: Records) -> str:
 def layer_heatmap(records: Records) -> str:
     sh = records.get("shares")
     if sh is not None:
-        r = full_loss(sh).filter((pl.col("layer") != "all") & (pl.col("bin") >= 0))
-        rel = r.group_by("run", "layer", "bin").agg(
+        r = full_loss(sh).filter((pl.col("group") != "all") & (pl.col("bin") >= 0))
+        rel = r.group_by("run", "group", "bin").agg(
             (pl.col("grad_norm") / pl.col("total_norm")).mean().alias("v")
         )
         lo = int(rel["bin"].min())
@@ -149,7 +149,7 @@ def layer_heatmap(records: Records) -> str:
         for run in run_order(rel):
             v = rel.filter((pl.col("run") == run) & (pl.col("bin") == lo))["v"]
             parts.append(f"{run}: {num(v.min())}–{num(v.max())}")
-        top = rel.group_by("run", "layer").agg(pl.col("bin").sort_by("v").last().alias("top"))
+        top = rel.group_by("run", "group").agg(pl.col("bin").sort_by("v").last().alias("top"))
         n_top = int((top["top"] == lo).sum())
         return (f"The lowest interval has the largest relative gradient in {n_top} of {top.height} (run, parameter "
                 "group) pairs; its ‖g_b‖ / ‖g‖ across groups: " + "; ".join(parts) + ".")  # fmt: skip
@@ -250,7 +250,7 @@ def correct_ratio(records: Records) -> str:
 
 
 def update_shares(records: Records) -> str:
-    all_sh = _need(records, "shares", "update shares").filter(pl.col("layer") == "all")
+    all_sh = _need(records, "shares", "update shares").filter(pl.col("group") == "all")
     sh = full_loss(all_sh)
     per = sh.group_by("run", "bin").agg(pl.col("share").mean(), pl.col("count").sum(), pl.col("bin_lo").mean(),
                                        pl.col("bin_hi").mean())  # fmt: skip

@@ -65,7 +65,7 @@ def analysis_metrics(kind: str, df: pl.DataFrame) -> dict[str, float]:
     counts after the counterfactual all-token update (``prob_change``)."""
     out: dict[str, float] = {}
     if kind == "shares":
-        rows = df.filter((pl.col("layer") == "all") & (pl.col("bin") >= 0))
+        rows = df.filter((pl.col("group") == "all") & (pl.col("bin") >= 0))
         for stage, b, share, norm, total in rows.select(
             "stage", "bin", "share", "grad_norm", "total_norm"
         ).rows():

@@ -37,6 +37,7 @@ from tokendyn.probe.tokenloss import (
     token_loss,
     trainable_parameters,
 )
+from tokendyn.records import to_frame
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
@@ -265,7 +266,6 @@ def change_frame(
     `tokendyn.probe.rebalance.RebalanceOptions.lr_sweep`) or "real"; ``update_stage``: "all", "stage1", "stage2",
     "total"; ``source_bin``: the bin the update was restricted to (-1: all tokens); ``param_step``: the update's
     ||delta theta|| / ||theta||."""
-    from tokendyn.probe.analysis_records import to_frame
 
     rows = []
     k = edges.numel() - 1

@@ -28,6 +28,7 @@ from tokendyn.probe.bins import bin_bounds
 from tokendyn.probe.change import OptimizerFactory, ParamCopy, delta_summary, fix_pi_old, sgd
 from tokendyn.probe.shares import as_edges
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index
+from tokendyn.records import to_frame
 
 
 def lopti_stage_masks(
@@ -75,7 +76,6 @@ class InfluenceResult:
 
     def to_frame(self, step: int, stage: str = "train"):
         """The `influence` record: one row per (update_stage, source bin, target bin); bin -1 is all tokens."""
-        from tokendyn.probe.analysis_records import to_frame
 
         e = self.edges
         k = e.numel() - 1

@@ -19,10 +19,11 @@ import polars as pl
 import torch
 from torch import nn
 
-from tokendyn.probe.analysis_records import token_shares_frame
+from tokendyn.config import TOKEN_SHARES_PER_BIN
 from tokendyn.probe.change import change_frame, counterfactual_change, fix_pi_old, real_change
 from tokendyn.probe.influence import influence
 from tokendyn.probe.shares import METHODS, as_edges, gradient_shares
+from tokendyn.probe.token_sample import token_shares_frame
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index
 
 
@@ -36,7 +37,7 @@ class RebalanceOptions:
     lr = 1e-3 step stops holding (list the main lr too to have it on the same curve)."""
 
     shares: bool = True
-    token_shares: int = 64
+    token_shares: int = TOKEN_SHARES_PER_BIN
     prob_change: bool = True
     influence: bool = True
     lr: float = 1e-3

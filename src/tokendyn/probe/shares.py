@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokendyn.config import SHARE_METHODS
 from tokendyn.probe.bins import DEFAULT_EDGES, bin_bounds
 from tokendyn.probe.tokenloss import (
     Objective,
@@ -36,9 +37,20 @@ from tokendyn.probe.tokenloss import (
     token_loss,
     trainable_parameters,
 )
+from tokendyn.records import to_frame
+from tokendyn.vocab import (
+    ALL_PARAMETERS,
+    EMBEDDINGS,
+    FINAL_NORM_GROUP,
+    LM_HEAD,
+    OTHER,
+    TRAIN,
+    group_order,
+    layer_group,
+)
 
-ALL = "all"
-METHODS = ("batched", "loop")
+ALL = ALL_PARAMETERS
+METHODS = SHARE_METHODS
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 _FINAL_NORM = re.compile(r"(?:^|\.)(?:norm|ln_f|final_layer_norm|final_layernorm)\.[^.]+$")
 _EMBED = re.compile(r"embed_tokens|wte|wpe|embed_positions|embed_in")
@@ -51,20 +63,14 @@ def parameter_group(name: str) -> str:
     embedding matrix and counts as ``embeddings``."""
     m = _LAYER.search(name)
     if m:
-        return f"layers.{int(m.group(1))}"
+        return layer_group(int(m.group(1)))
     if _EMBED.search(name):
-        return "embeddings"
+        return EMBEDDINGS
     if _HEAD.search(name):
-        return "lm_head"
+        return LM_HEAD
     if _FINAL_NORM.search(name):
-        return "final_norm"
-    return "other"
-
-
-def _group_order(group: str) -> tuple[int, int]:
-    if group.startswith("layers."):
-        return (1, int(group.split(".")[1]))
-    return ({"embeddings": 0, "final_norm": 2, "lm_head": 3}.get(group, 4), 0)
+        return FINAL_NORM_GROUP
+    return OTHER
 
 
 def parameter_groups(model: nn.Module) -> dict[str, str]:
@@ -201,10 +207,8 @@ class BinShares:
     def share(self) -> torch.Tensor:
         return self.dot / self.total_norm.pow(2).unsqueeze(0)
 
-    def to_frame(self, step: int, stage: str = "train"):
-        """The `shares` record (see `tokendyn.probe.analysis_records.SCHEMAS`); bin -1 is all tokens."""
-        from tokendyn.probe.analysis_records import to_frame
-
+    def to_frame(self, step: int, stage: str = TRAIN):
+        """The `shares` record (see `tokendyn.records.SCHEMAS`); bin -1 is all tokens."""
         k, g = self.dot.shape
         cols: dict[str, list] = {
             c: []
@@ -214,7 +218,7 @@ class BinShares:
                 "bin",
                 "bin_lo",
                 "bin_hi",
-                "layer",
+                "group",
                 "count",
                 "grad_norm",
                 "dot",
@@ -234,7 +238,7 @@ class BinShares:
                 lo, hi = bin_bounds(self.edges, b)
                 cols["bin_lo"].append(lo)
                 cols["bin_hi"].append(hi)
-                cols["layer"].append(group)
+                cols["group"].append(group)
                 cols["count"].append(sum(self.counts) if b < 0 else self.counts[b])
                 cols["grad_norm"].append(total if b < 0 else float(self.grad_norm[b, j]))
                 cols["dot"].append(total**2 if b < 0 else float(self.dot[b, j]))
@@ -251,7 +255,7 @@ class BinShares:
 
 def bin_shares(grads: BinGradients) -> BinShares:
     """||g_b||, <g_b, g> and ||g|| over all parameters and per group (float64), g = sum_b g_b."""
-    groups = [ALL, *sorted(set(grads.groups), key=_group_order)]
+    groups = [ALL, *sorted(set(grads.groups), key=group_order)]
     col = {grp: j for j, grp in enumerate(groups)}
     k = grads.n_bins
     sq = torch.zeros(k, len(groups), dtype=torch.float64)
