@@ -16,7 +16,7 @@ import pytest
 
 from tokendyn.records import FLUSH_SECONDS, RecordWriter, shard_files
 
-ROW = {"step": [0], "stage": ["train"], "update": ["real"], "update_stage": ["all"], "source_bin": [-1], "bin": [0],
+ROW = {"step": [0], "stage": ["train"], "update": ["real"], "update_stage": ["train"], "source_bin": [-1], "bin": [0],
        "bin_lo": [0.0], "bin_hi": [1.0], "lr": [1e-3]}  # fmt: skip
 
 

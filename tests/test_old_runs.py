@@ -78,3 +78,24 @@ def test_the_old_run_analyses_and_draws(run_dir):
     for figure in (gradient_norm_by_bin(records.get("shares")), layer_bin_heatmap(records.get("shares")),
                    update_shares(records.get("shares"))):  # fmt: skip
         assert figure.axes
+
+
+@pytest.mark.parametrize(
+    ("order", "first", "second"), [("low_first", "low", "high"), ("high_first", "high", "low")]
+)
+def test_old_update_stage_names_load_by_the_runs_lopti_order(tmp_path, order, first, second):
+    """prob_change rows written with the positional names all / stage1 / stage2 / total (by hand, as the old writer
+    named them) read as train / the run's first and second stage / lopti."""
+    import json
+
+    (tmp_path / "run.json").write_text(json.dumps({"method": "old", "config": {"lopti_order": order}}))
+    old = ["all", "stage1", "stage2", "total"]
+    schema = SCHEMAS["prob_change"]
+    row = {c: [None] * len(old) for c in schema}
+    row.update(step=[0] * 4, stage=["train"] * 4, update=["counterfactual"] * 4, update_stage=old,
+               source_bin=[-1] * 4, bin=[0] * 4, count=[3] * 4)  # fmt: skip
+    write_parquet(
+        pl.DataFrame(row, schema=schema), tmp_path / "records" / "prob_change-rank000-000000.parquet"
+    )
+    got = load_run(tmp_path)["prob_change"].collect()["update_stage"].to_list()
+    assert got == ["train", first, second, "lopti"]

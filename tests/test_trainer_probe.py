@@ -70,7 +70,7 @@ def test_probe_records_without_changing_training(tiny_model_dir, tmp_path, lopti
     change = pl.read_parquet(sorted((run_dir / "records").glob("prob_change-*.parquet")))
     assert set(change["update"].unique()) == {"counterfactual", "real"}
     influence = pl.read_parquet(sorted((run_dir / "records").glob("influence-*.parquet")))
-    assert set(influence["update_stage"].unique()) == ({"stage1", "stage2"} if lopti else {"all"})
+    assert set(influence["update_stage"].unique()) == ({"low", "high"} if lopti else {"train"})
     assert list((run_dir / "records").glob("token_shares-*.parquet"))
 
     # each probed rollout's first micro-batch is a rollouts file that `tokendyn probe` reads

@@ -12,6 +12,7 @@ renamed with os.replace (atomic on POSIX): readers never see a partial file.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 import polars as pl
 
 from tokendyn.common import atomic_write
-from tokendyn.vocab import RETIRED
+from tokendyn.vocab import LOPTI_ORDERS, RETIRED, RETIRED_STAGE_COUNT, stage_name
 
 RECORDS_DIR = "records"
 _KEY = {"step": pl.Int64, "stage": pl.Utf8, "rank": pl.Int32, "micro": pl.Int32}
@@ -177,7 +178,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "delta_pi": pl.Float64,
     },
     # distribution of delta pi per bin of pi_old after one update; update: counterfactual | sweep | real;
-    # update_stage: all | stage1 | stage2 | total (Lopti); source_bin: the bin the update used (-1 all tokens)
+    # update_stage: train | low | high | lopti (tokendyn.vocab); source_bin: the bin the update used (-1 all tokens)
     "prob_change": {
         **_REBALANCE_KEY,
         "update": pl.Utf8,
@@ -191,7 +192,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         **_DELTA,
     },
     # M[source, target]: mean |delta pi| (and the distribution of delta pi, correct ratios) over target-bin tokens after an update with only
-    # the source bin's tokens; update_stage all | stage1 | stage2 (Lopti)
+    # the source bin's tokens; update_stage train | low | high (Lopti)
     "influence": {
         **_REBALANCE_KEY,
         "update_stage": pl.Utf8,
@@ -362,32 +363,42 @@ class RecordWriter:
 
 
 # ---- reading, and run directories written with retired names (tokendyn.vocab.RETIRED) -----------------------------
-def upgrade_frame(kind: str, lf: pl.LazyFrame, columns: Sequence[str]) -> pl.LazyFrame:
-    """A record frame read from a file whose columns are ``columns``, with retired column names and values replaced by
-    today's (`tokendyn.vocab.RETIRED`)."""
-    rules = RETIRED.get(kind)
-    if rules is None:
-        return lf
+def upgrade_columns(kind: str, lf: pl.LazyFrame, columns: Sequence[str]) -> pl.LazyFrame:
+    """A record frame read from a file whose columns are ``columns``, with retired column names replaced by today's
+    (`tokendyn.vocab.RETIRED`)."""
+    rules = RETIRED.get(kind, {"columns": {}})
     renames = {old: new for old, new in rules["columns"].items() if old in columns and new not in columns}
-    if renames:
-        lf = lf.rename(renames)
+    return lf.rename(renames) if renames else lf
+
+
+def upgrade_values(kind: str, lf: pl.LazyFrame, lopti_order: str = "low_first") -> pl.LazyFrame:
+    """Retired values replaced by today's (`tokendyn.vocab.RETIRED`; the old update stages stage1 / stage2, the first
+    / second Lopti stage, become low / high by ``lopti_order``, the run's). Today's values are left as they are."""
+    rules = RETIRED.get(kind, {"values": {}})
     for column, mapping in rules["values"].items():
-        if column in columns:
-            lf = lf.with_columns(pl.col(column).replace(mapping))
+        full = {**mapping, **{old: stage_name(n, lopti_order) for old, n in RETIRED_STAGE_COUNT.items()}}
+        lf = lf.with_columns(pl.col(column).replace(full))
     return lf
 
 
+def run_lopti_order(run_dir: str | os.PathLike) -> str:
+    """The run's Lopti stage order from run.json's config (``low_first`` when absent)."""
+    try:
+        meta = json.loads((Path(run_dir) / "run.json").read_text())
+    except (OSError, ValueError):
+        return "low_first"
+    order = (meta.get("config") or {}).get("lopti_order") if isinstance(meta, dict) else None
+    return order if order in LOPTI_ORDERS else "low_first"
+
+
 def _retired(kind: str, columns: Sequence[str]) -> bool:
-    rules = RETIRED.get(kind)
-    if rules is None:
-        return False
-    return bool(set(rules["columns"]) & set(columns)) or bool(set(rules["values"]) & set(columns))
+    return bool(set(RETIRED.get(kind, {"columns": {}})["columns"]) & set(columns))
 
 
 def scan_records(run_dir: str | os.PathLike, kind: str) -> pl.LazyFrame:
     """Every shard of ``kind`` (all ranks, all flushes) as one LazyFrame with the kind's schema; an empty frame if
     none. A column the schema gained after a shard was written reads as nulls, and a shard written with retired
-    names (`upgrade_frame`) is read in today's: run directories of older versions load."""
+    names (`upgrade_columns`, `upgrade_values`) is read in today's: run directories of older versions load."""
     if kind not in SCHEMAS:
         raise ValueError(f"unknown record kind {kind!r}; known: {', '.join(KINDS)}")
     schema = SCHEMAS[kind]
@@ -396,7 +407,8 @@ def scan_records(run_dir: str | os.PathLike, kind: str) -> pl.LazyFrame:
         return pl.LazyFrame(schema=schema)
     current, old = [], []
     for f in files:  # glob=False: a run directory may contain [ ] * ? in its name
-        columns = pl.scan_parquet(f, glob=False).collect_schema().names() if kind in RETIRED else []
+        renamed = RETIRED.get(kind, {}).get("columns")
+        columns = pl.scan_parquet(f, glob=False).collect_schema().names() if renamed else []
         (old if _retired(kind, columns) else current).append((f, columns))
     parts = []
     if current:
@@ -404,7 +416,7 @@ def scan_records(run_dir: str | os.PathLike, kind: str) -> pl.LazyFrame:
             pl.scan_parquet([str(f) for f, _ in current], schema=schema, glob=False, missing_columns="insert")
         )
     for f, columns in old:
-        lf = upgrade_frame(kind, pl.scan_parquet(str(f), glob=False), columns)
+        lf = upgrade_columns(kind, pl.scan_parquet(str(f), glob=False), columns)
         named = set(lf.collect_schema().names())
         parts.append(
             lf.select(
@@ -414,4 +426,5 @@ def scan_records(run_dir: str | os.PathLike, kind: str) -> pl.LazyFrame:
                 ]
             )
         )
-    return parts[0] if len(parts) == 1 else pl.concat(parts, how="vertical")
+    lf = parts[0] if len(parts) == 1 else pl.concat(parts, how="vertical")
+    return upgrade_values(kind, lf, run_lopti_order(run_dir)) if RETIRED.get(kind, {}).get("values") else lf

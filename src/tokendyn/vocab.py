@@ -2,14 +2,13 @@
 
 A leaf module (no torch, no polars): the probe, the trainer glue, the record schemas and the readers import it.
 
-Stages (the ``stage`` column of every record):
+Stages (the ``stage`` column of every record, and ``update_stage`` of the counterfactual updates):
     ``train``  one update with every token (plain GRPO, or the whole loss of a Lopti run)
     ``low``    Lopti's stage that updates the tokens with pi_old < eta
     ``high``   Lopti's stage that updates the tokens with pi_old >= eta
+    ``lopti``  both Lopti stages, in the run's order (an update only: ``update_stage``)
 The trainer counts the stages of a rollout batch 0 (no Lopti), 1 (first), 2 (second); `stage_name` turns that count
-into the name, given the order (``low_first``: the method; ``high_first``: the paper's ablation). The counterfactual
-updates' ``update_stage`` column (`UPDATE_STAGES`) still names them by position: ``all`` (one update, every token),
-``stage1`` / ``stage2`` (the first / second Lopti stage) and ``total`` (both, in order).
+into the name, given the order (``low_first``: the method; ``high_first``: the paper's ablation).
 
 The old policy's probability enters everywhere as its log, ``old_logp`` (one name: the batch field, the rollouts
 column, `GradientProbe.begin_step`'s argument); records carry pi_old = exp(old_logp) in the column ``pi_old``.
@@ -33,9 +32,10 @@ from collections.abc import Sequence
 TRAIN = "train"
 LOW = "low"
 HIGH = "high"
+LOPTI = "lopti"
 STAGES = (TRAIN, LOW, HIGH)
-UPDATE_ALL, UPDATE_STAGE1, UPDATE_STAGE2, UPDATE_TOTAL = "all", "stage1", "stage2", "total"
-UPDATE_STAGES = (UPDATE_ALL, UPDATE_STAGE1, UPDATE_STAGE2, UPDATE_TOTAL)
+UPDATE_STAGES = (TRAIN, LOW, HIGH, LOPTI)
+FULL_UPDATES = (LOPTI, TRAIN)  # the full update of a run: both Lopti stages, else the single one
 LOPTI_ORDERS = ("low_first", "high_first")
 
 # ---- the old policy's probability --------------------------------------------------------------------------------
@@ -56,9 +56,14 @@ OTHER = "other"
 ANALYSES = ("shares", "token_shares", "prob_change", "influence", "real_change")
 
 # ---- names retired from records: kind -> {"columns": {old: new}, "values": {column: {old: new}}} ------------------
+# the update stages were named by position: stage1 / stage2 (the first / second Lopti stage, which are low / high or
+# high / low by the run's lopti_order: RETIRED_STAGE_COUNT and `stage_name`), all (one update) and total (both)
 RETIRED: dict[str, dict[str, dict]] = {
     "shares": {"columns": {"layer": "group"}, "values": {}},  # the column holds parameter groups, not layers
+    "prob_change": {"columns": {}, "values": {"update_stage": {"all": TRAIN, "total": LOPTI}}},
+    "influence": {"columns": {}, "values": {"update_stage": {"all": TRAIN, "total": LOPTI}}},
 }
+RETIRED_STAGE_COUNT = {"stage1": 1, "stage2": 2}
 
 
 def stage_name(count: int, order: str = "low_first") -> str:

@@ -17,6 +17,7 @@ from tokendyn.figures.gradients import per_token_norms
 from tokendyn.figures.style import method_kind
 from tokendyn.figures.tokens import envelope, token_counts
 from tokendyn.figures.training import accuracy_table
+from tokendyn.vocab import TRAIN
 
 
 def pct(x: float | None) -> str:
@@ -198,7 +199,7 @@ def influence_matrix(records: Records) -> str:
         r = off.filter(pl.col("run") == run).sort("mean_abs", descending=True)
         if r.height:
             t = r.row(0, named=True)
-            stage = "" if t["update_stage"] == "all" else f" ({t['update_stage']})"
+            stage = "" if t["update_stage"] == TRAIN else f" ({t['update_stage']} stage)"
             parts.append(
                 f"{run}{stage}: the strongest cross-interval effect is from [{t['source_lo']:g}, {t['source_hi']:g}) "
                 f"on [{t['target_lo']:g}, {t['target_hi']:g}), mean |Δπ| = {num(t['mean_abs'])}"

@@ -50,8 +50,18 @@ class Recorder:
     def __getattr__(self, name: str):
         return getattr(self.probe, name)
 
-    def analyze(self, batch, *, step: int, stage: str = TRAIN, stage_masks=None, objective=None) -> dict:
-        """The analyses' record frames of ``batch`` at ``step`` (also written to RUN_DIR/records/)."""
+    def analyze(
+        self,
+        batch,
+        *,
+        step: int,
+        stage: str = TRAIN,
+        stage_masks=None,
+        lopti_order="low_first",
+        objective=None,
+    ) -> dict:
+        """The analyses' record frames of ``batch`` at ``step`` (also written to RUN_DIR/records/); ``stage_masks``:
+        the two Lopti stage masks in the order ``lopti_order``, or None."""
         edges = (
             self.probe.bins.edges if self.probe.bins.kind != "quantiles" else None
         )  # (quantiles: the default)
@@ -66,6 +76,7 @@ class Recorder:
                 options=self.options,
                 objective=objective,
                 stage_masks=stage_masks,
+                lopti_order=lopti_order,
             )
         finally:
             self.probe.enabled = True

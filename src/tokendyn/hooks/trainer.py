@@ -180,6 +180,7 @@ class TrainerProbe(TrainerCallback):
                 options=self.options,
                 objective=self.objective,
                 stage_masks=stage_masks,
+                lopti_order=self.order,
             )
             if "real_change" in self.analyses:
                 self._pending_real = (completion_probs(model, batch), batch, step)

@@ -38,6 +38,7 @@ from tokendyn.probe.tokenloss import (
     trainable_parameters,
 )
 from tokendyn.records import to_frame
+from tokendyn.vocab import LOPTI, TRAIN
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
@@ -116,7 +117,7 @@ class ParamCopy:
 @dataclass
 class ChangeResult:
     """pi before every stage and after the last, and delta pi per stage (relative to the state the stage started
-    from); ``delta["total"]`` is after the last stage minus before the first (present with two or more stages)."""
+    from); ``delta["lopti"]`` is after the last stage minus before the first (present with two or more stages)."""
 
     pi_before: torch.Tensor  # (B, C) float64
     pi_after: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -150,15 +151,16 @@ def counterfactual_change(
     """delta pi of every completion token after counterfactual update(s) of a copy of the parameters.
 
     ``stages``: (name, token mask or None for all tokens), applied in order on the same copy and optimizer, each one
-    step on L_mask = sum_{t in mask} l_t; default ``[("all", None)]``, the paper's one-step diagnostic. Lopti:
-    ``[("stage1", low), ("stage2", high)]``. ``optimizer``: params -> torch.optim.Optimizer; default plain SGD(lr).
+    step on L_mask = sum_{t in mask} l_t; default ``[("train", None)]``, the paper's one-step diagnostic. Lopti:
+    ``[("low", low), ("high", high)]`` (`tokendyn.vocab`). ``optimizer``: params -> torch.optim.Optimizer; default
+    plain SGD(lr).
     """
-    stages = [("all", None)] if stages is None else list(stages)
+    stages = [(TRAIN, None)] if stages is None else list(stages)
     if not stages:
         raise ValueError("change: stages must hold at least one (name, mask)")
     names = [s[0] for s in stages]
-    if len(set(names)) != len(names) or "total" in names:
-        raise ValueError(f"change: stage names must be distinct and not 'total', got {names}")
+    if len(set(names)) != len(names) or LOPTI in names:
+        raise ValueError(f"change: stage names must be distinct and not {LOPTI!r}, got {names}")
     batch, pi0 = fix_pi_old(model, batch)
     copy = ParamCopy(model, optimizer or sgd(lr), objective)
     start = {n: p.detach() for n, p in trainable_parameters(model).items()}
@@ -172,8 +174,8 @@ def counterfactual_change(
         result.delta[name] = _masked(after - before, batch.completion_mask)
         before = after
     if len(stages) > 1:
-        result.delta["total"] = _masked(before - pi0, batch.completion_mask)
-        result.param_step["total"] = result.param_step[stages[-1][0]]
+        result.delta[LOPTI] = _masked(before - pi0, batch.completion_mask)
+        result.param_step[LOPTI] = result.param_step[stages[-1][0]]
     return result
 
 
@@ -256,15 +258,15 @@ def change_frame(
     step: int,
     stage: str = "train",
     update: str = "counterfactual",
-    update_stage: str = "all",
+    update_stage: str = TRAIN,
     source_bin: int = -1,
     lr: float | None = None,
     param_step: float | None = None,
 ):
     """The `prob_change` record of one delta pi: one row per bin of pi_old (``bins``: (B, C), -1 on padding) and
     one for all tokens (bin -1). ``update``: "counterfactual", "sweep" (the counterfactual step at another step size,
-    `tokendyn.probe.rebalance.RebalanceOptions.lr_sweep`) or "real"; ``update_stage``: "all", "stage1", "stage2",
-    "total"; ``source_bin``: the bin the update was restricted to (-1: all tokens); ``param_step``: the update's
+    `tokendyn.probe.rebalance.RebalanceOptions.lr_sweep`) or "real"; ``update_stage``: "train", "low", "high",
+    "lopti" (`tokendyn.vocab`); ``source_bin``: the bin the update was restricted to (-1: all tokens); ``param_step``: the update's
     ||delta theta|| / ||theta||."""
 
     rows = []
