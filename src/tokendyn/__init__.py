@@ -7,21 +7,20 @@ The entry points, importable from the root (as captum, TransformerLens and Opacu
     from tokendyn import probe_rollouts, analyze_batch, RebalanceOptions, ProbeBatch, Objective
     from tokendyn import grpo_advantages, reweight_advantages, lopti_masks, build_report
 
-`ProbeConfig` and `vocab` are torch-free and imported with the package; every other name is resolved from its module
-on first use (`EXPORTS`), so that ``import tokendyn`` and the CLI's start stay light (torch, TRL and matplotlib are
-imported by the names that need them). The package root imports the rooms; no room imports the root.
+Every name is resolved from its module on first use (`EXPORTS`; `tokendyn.vocab` is a module), so that
+``import tokendyn`` and the CLI's start stay light (torch, TRL and matplotlib are imported by the names that need
+them; `ProbeConfig` and `vocab` need none of them). The package root imports the rooms; no room imports the root.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from tokendyn import vocab
-from tokendyn.config import ProbeConfig
 from tokendyn.version import __version__
 
 # name -> the module defining it
 EXPORTS = {
+    "ProbeConfig": "tokendyn.config",
     "GradientProbe": "tokendyn.probe.probe",
     "instrument": "tokendyn.hooks.loop",
     "Recorder": "tokendyn.hooks.loop",
@@ -41,7 +40,7 @@ EXPORTS = {
     "build_report": "tokendyn.figures.report",
 }
 
-__all__ = [  # the package config, the vocabulary, and every name of EXPORTS
+__all__ = [  # the version, the vocabulary, and every name of EXPORTS
     "GradientProbe",
     "Objective",
     "ProbeBatch",
@@ -67,7 +66,9 @@ __all__ = [  # the package config, the vocabulary, and every name of EXPORTS
 TYPE_CHECKING = False  # as typing.TYPE_CHECKING, without importing typing (8 ms) at the package's import
 
 if TYPE_CHECKING:  # the same names for type checkers (and the layout test's import graph)
+    from tokendyn import vocab
     from tokendyn.analysis.run import Run, load_run
+    from tokendyn.config import ProbeConfig
     from tokendyn.figures.report import build_report
     from tokendyn.hooks.loop import Recorder, instrument
     from tokendyn.hooks.offline import probe_rollouts
@@ -81,13 +82,15 @@ if TYPE_CHECKING:  # the same names for type checkers (and the layout test's imp
 
 
 def __getattr__(name: str):
-    module = EXPORTS.get(name)
-    if module is None:
+    if name == "vocab":
+        value = importlib.import_module("tokendyn.vocab")
+    elif name in EXPORTS:
+        value = getattr(importlib.import_module(EXPORTS[name]), name)
+    else:
         raise AttributeError(f"module 'tokendyn' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # resolved once
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *EXPORTS})
+    return sorted({*globals(), *EXPORTS, "vocab"})
