@@ -19,10 +19,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import tokendyn
-from tokendyn.hooks import instrument
-from tokendyn.probe.rebalance import RebalanceOptions
-from tokendyn.probe.tokenloss import ProbeBatch
-from tokendyn.remedies import grpo_advantages
+from tokendyn import ProbeBatch, ProbeConfig, grpo_advantages, instrument
 
 VOCAB = 48  # token ids 0..47; the ids below VOCAB // 2 are the 'good' ones
 
@@ -59,9 +56,9 @@ def main(out: str, steps: int, prompts: int, group: int, length: int, figures: b
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     temperature = 1.0
     t0 = time.time()
-    analyses = RebalanceOptions(lr_sweep=(1e-3, 1e-1, 1.0))  # every analysis, and the step-size sweep
+    config = ProbeConfig(lr_sweep=(1e-3, 1e-1, 1.0))  # every analysis, and the step-size sweep
     with instrument(
-        model, out, analyses=analyses, method="GRPO (custom loop)", temperature=temperature
+        model, out, config, recorder=True, method="GRPO (custom loop)", temperature=temperature
     ) as rec:
         for step in range(steps):
             prompt = torch.randint(0, VOCAB, (prompts, 4)).repeat_interleave(group, 0)
@@ -80,7 +77,7 @@ def main(out: str, steps: int, prompts: int, group: int, length: int, figures: b
             )
             rec.analyze(batch, step=step)  # before the update: shares, probability change, influence
             logp = token_logps(model, seq, length, temperature)  # the forward the probe records
-            rec.tokens(step=step, completion_mask=mask, advantages=advantages, old_logps=old_logp,
+            rec.begin_step(step=step, completion_mask=mask, advantages=advantages, old_logp=old_logp,
                        completion_ids=completion, logps=logp, temperature=temperature)  # fmt: skip
             ratio = torch.exp(logp - old_logp)
             loss = -(ratio * advantages[:, None].to(ratio.dtype)).mean()
@@ -95,7 +92,7 @@ def main(out: str, steps: int, prompts: int, group: int, length: int, figures: b
     print(f"{run.method}: record kinds {', '.join(run.kinds)}")
     shares = (  # the update share s_b = <g_b, g> / ||g||^2 of each probability bin, mean over the steps
         run["shares"]
-        .filter((pl.col("layer") == "all") & (pl.col("bin") >= 0))
+        .filter((pl.col("group") == "all") & (pl.col("bin") >= 0))
         .group_by("bin", "bin_lo", "bin_hi")
         .agg(pl.col("share").mean())
         .sort("bin")

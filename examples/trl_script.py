@@ -18,10 +18,9 @@ from pathlib import Path
 from datasets import Dataset
 
 import tokendyn
+from tokendyn import TokendynGRPOConfig, TokendynGRPOTrainer  # was: from trl import GRPOConfig, GRPOTrainer
 from tokendyn.policy import load_policy
 from tokendyn.trainers.callbacks import ParquetLogCallback, use_reward_bar
-from tokendyn.trainers.config import TokendynGRPOConfig  # was: from trl import GRPOConfig
-from tokendyn.trainers.grpo import TokendynGRPOTrainer  # was: from trl import GRPOTrainer
 
 
 def digits(completions, **kwargs) -> list[float]:

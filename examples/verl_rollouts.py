@@ -18,9 +18,9 @@ import polars as pl
 import torch
 
 import tokendyn
+from tokendyn import grpo_advantages
 from tokendyn.cli import main as tokendyn_cli
 from tokendyn.policy import load_policy
-from tokendyn.remedies import grpo_advantages
 
 TEMPERATURE = 0.7
 

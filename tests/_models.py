@@ -149,11 +149,11 @@ def probed_rows(
         out = model(input_ids=sub.input_ids, attention_mask=sub.attention_mask)
         logps = completion_logps(out.logits, sub, temperature)
         old = (logps.detach() - 0.05 * (sub.completion_ids % 3)).clamp(max=0)
-        probe.tokens(
+        probe.begin_step(
             step=0,
             completion_mask=sub.completion_mask,
             advantages=sub.advantages,
-            old_logps=old,
+            old_logp=old,
             completion_ids=sub.completion_ids,
             logps=logps,
             temperature=temperature,

@@ -226,25 +226,25 @@ def test_in_place_counterfactual_equals_the_copy_based_update(small_chunks, mode
     assert _same(model, snap)
     res = counterfactual_change(model, batch, lr=LR, objective=OBJ)
     assert _same(model, snap)
-    err = float((res.pi_after["all"] - pi_ref).abs().max())
+    err = float((res.pi_after["train"] - pi_ref).abs().max())
     assert err < 1e-12, err
-    assert float(res.delta["all"].abs().max()) > 1e-3, "the step moves pi"
+    assert float(res.delta["train"].abs().max()) > 1e-3, "the step moves pi"
     # and against pi from the whole-tensor float64 log-softmax at the copy (float32 head rounding apart)
     ref = torch.exp(_ref_logp64(model.eval(), batch, want))
     model.train()
-    assert float((res.pi_after["all"] - ref).abs().max()) < 1e-5
+    assert float((res.pi_after["train"] - ref).abs().max()) < 1e-5
 
 
 def test_in_place_lopti_stages_with_adam_equal_the_copy_based_update(small_chunks, model, batch):
     low, high = lopti_stage_masks(batch, eta=0.5)
     snap = _bitwise(model)
     res = counterfactual_change(
-        model, batch, [("stage1", low), ("stage2", high)], optimizer=_adam, objective=OBJ
+        model, batch, [("low", low), ("high", high)], optimizer=_adam, objective=OBJ
     )
     assert _same(model, snap)
     _, (pi1, pi2) = _copy_based(model, batch, [low, high], _adam, OBJ)
-    assert float((res.pi_after["stage1"] - pi1).abs().max()) < 1e-12
-    assert float((res.pi_after["stage2"] - pi2).abs().max()) < 1e-12
+    assert float((res.pi_after["low"] - pi1).abs().max()) < 1e-12
+    assert float((res.pi_after["high"] - pi2).abs().max()) < 1e-12
 
 
 def test_in_place_influence_equals_copy_based_sources(small_chunks, model, batch):
@@ -260,12 +260,12 @@ def test_in_place_influence_equals_copy_based_sources(small_chunks, model, batch
     pi0 = completion_probs(model, batch)
     for src in (0, 1):
         _, (pi,) = _copy_based(model, batch, [low & (bins == src) & valid], _adam, OBJ)
-        assert float((res.deltas[("stage1", src)] - (pi - pi0) * valid).abs().max()) < 1e-12
+        assert float((res.deltas[("low", src)] - (pi - pi0) * valid).abs().max()) < 1e-12
     _, (pi1,) = _copy_based(model, batch, [low], _adam, OBJ)
-    assert float((res.deltas[("stage1", -1)] - (pi1 - pi0) * valid).abs().max()) < 1e-12
+    assert float((res.deltas[("low", -1)] - (pi1 - pi0) * valid).abs().max()) < 1e-12
     for src in (2, 3):
         _, (_, pi) = _copy_based(model, batch, [low, high & (bins == src) & valid], _adam, OBJ)
-        assert float((res.deltas[("stage2", src)] - (pi - pi1) * valid).abs().max()) < 1e-12
+        assert float((res.deltas[("high", src)] - (pi - pi1) * valid).abs().max()) < 1e-12
 
 
 def test_analyze_batch_leaves_model_grads_and_optimizer_bitwise(small_chunks, model, batch):
@@ -294,7 +294,7 @@ def test_analyze_batch_leaves_model_grads_and_optimizer_bitwise(small_chunks, mo
         assert all(torch.equal(v, after["state"][i][k]) for k, v in st.items())
     # a failure after the first stage's step: the model is still restored
     with pytest.raises(RuntimeError):
-        counterfactual_change(model, batch, [("stage1", low), ("stage2", torch.ones(2, 3))], objective=OBJ)
+        counterfactual_change(model, batch, [("low", low), ("high", torch.ones(2, 3))], objective=OBJ)
     assert _same(model, snap)
     model.zero_grad(set_to_none=True)
 

@@ -24,12 +24,12 @@ def _probe_steps(run, layers=None, steps: int = 3):
     """Records of steps 0..steps-1 (stage "train"), written by `instrument` in a plain loop."""
     model = tiny_qwen2(sharpen=4.0)
     batch = make_batch(model, n=4, sample=False)
-    with instrument(model, run, layers=layers, temperature=1.0, check_tokens=None, rank=0) as probe:
+    with instrument(model, run, points=layers, temperature=1.0, check_tokens=None, rank=0) as probe:
         for step in range(steps):
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
             z = out.logits[:, -batch.c - 1 : -1].float()
             logps = torch.log_softmax(z, -1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
-            probe.tokens(step=step, completion_mask=batch.completion_mask, advantages=batch.advantages,
+            probe.begin_step(step=step, completion_mask=batch.completion_mask, advantages=batch.advantages,
                          completion_ids=batch.completion_ids, logps=logps, temperature=1.0)  # fmt: skip
             (-(logps * batch.advantages.unsqueeze(1) * batch.completion_mask).sum()).backward()
             probe.end_step()
@@ -260,8 +260,8 @@ CASES = {
     "analyze no records": (lambda c: _analyze(c, run=c.tmp), "no binstats records"),
     "analyze stage foo": (lambda c: _analyze(c, "--stage", "foo"), "--stage: 'foo' matches no records"),
     "analyze point layers.9.out": (
-        lambda c: _analyze(c, "--point", "layers.9.out"),
-        "its points: layers.0.out, layers.1.out, final_norm.out",
+        lambda c: _analyze(c, "--points", "layers.9.out"),
+        "available: layers.0.out, layers.1.out, final_norm.out",
     ),  # fmt: skip
     "analyze steps 50:60": (lambda c: _analyze(c, "--steps", "50:60"), "its steps: 0..2 (3 recorded)"),
     "analyze steps 7": (lambda c: _analyze(c, "--steps", "7"), "--steps: 7 matches no records"),

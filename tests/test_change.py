@@ -11,7 +11,6 @@ import pytest
 import torch
 from _rebalance import TEMPERATURE, tiny_batch, tiny_model
 
-from tokendyn.probe.analysis_records import SCHEMAS, write_records
 from tokendyn.probe.change import (
     change_frame,
     completion_probs,
@@ -24,6 +23,8 @@ from tokendyn.probe.influence import influence, lopti_stage_masks
 from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch, real_change_frame
 from tokendyn.probe.shares import as_edges, bin_gradients
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index, completion_logp, token_loss
+from tokendyn.records import SCHEMAS
+from tokendyn.records import write_frames as write_records
 
 torch.set_num_threads(1)
 LR = 1e-3
@@ -79,8 +80,8 @@ def test_counterfactual_all_tokens_equals_a_hand_sgd_step(model, batch):
     res = counterfactual_change(model, batch, lr=LR)
     (pi_hand,) = _hand_sgd(model, batch, [None])
     assert _unchanged(model, snap) and model.training, "the model is untouched and its mode restored"
-    assert torch.allclose(res.pi_after["all"], pi_hand, atol=1e-6, rtol=0)
-    delta = res.delta["all"]
+    assert torch.allclose(res.pi_after["train"], pi_hand, atol=1e-6, rtol=0)
+    delta = res.delta["train"]
     assert float(delta[batch.completion_mask].abs().max()) > 1e-3, "the step moves the probabilities"
     assert float(delta[~batch.completion_mask].abs().max()) == 0.0
     assert torch.allclose(res.pi_before, completion_probs(model, batch))
@@ -106,14 +107,12 @@ def test_lopti_stages_with_adam_carry_the_optimizer_state(model, batch):
         return torch.optim.Adam(params, lr=1e-3)
 
     obj = Objective(eps_low=0.2, eps_high=0.24)
-    res = counterfactual_change(
-        model, batch, [("stage1", low), ("stage2", high)], optimizer=adam, objective=obj
-    )
+    res = counterfactual_change(model, batch, [("low", low), ("high", high)], optimizer=adam, objective=obj)
     pi1, pi2 = _hand_sgd(model, batch, [low, high], objective=obj, make_opt=adam)
-    assert torch.allclose(res.pi_after["stage1"], pi1, atol=1e-6, rtol=0)
-    assert torch.allclose(res.pi_after["stage2"], pi2, atol=1e-6, rtol=0)
-    assert torch.allclose(res.delta["stage2"], (pi2 - pi1) * batch.completion_mask, atol=1e-6, rtol=0)
-    assert torch.allclose(res.delta["total"], res.delta["stage1"] + res.delta["stage2"], atol=1e-12)
+    assert torch.allclose(res.pi_after["low"], pi1, atol=1e-6, rtol=0)
+    assert torch.allclose(res.pi_after["high"], pi2, atol=1e-6, rtol=0)
+    assert torch.allclose(res.delta["high"], (pi2 - pi1) * batch.completion_mask, atol=1e-6, rtol=0)
+    assert torch.allclose(res.delta["lopti"], res.delta["low"] + res.delta["high"], atol=1e-12)
 
 
 def test_real_change_is_side_effect_free(model, batch):
@@ -159,18 +158,18 @@ def test_influence_rows(model, batch):
     edges = as_edges(None)
     res = influence(model, batch, edges, lr=LR)
     cf = counterfactual_change(model, batch, lr=LR)
-    assert torch.allclose(res.deltas[("all", -1)], cf.delta["all"], atol=1e-12)
+    assert torch.allclose(res.deltas[("train", -1)], cf.delta["train"], atol=1e-12)
     grads = bin_gradients(model, batch)
     for b in range(4):  # each row is the update along its bin's gradient
         params = {n: p.detach() - LR * grads.per_bin[b][n] for n, p in model.named_parameters()}
         want = (completion_probs(model, batch, params) - cf.pi_before) * batch.completion_mask
-        assert torch.allclose(res.deltas[("all", b)], want, atol=1e-6, rtol=0)
+        assert torch.allclose(res.deltas[("train", b)], want, atol=1e-6, rtol=0)
     # first order: the rows add up to the all-token row (SGD is linear in the gradient)
     small = influence(model, batch, edges, lr=1e-6)
-    summed = sum(small.deltas[("all", b)] for b in range(4))
-    full = small.deltas[("all", -1)]
+    summed = sum(small.deltas[("train", b)] for b in range(4))
+    full = small.deltas[("train", -1)]
     assert float((summed - full).abs().max()) < 1e-2 * float(full.abs().max())
-    m = res.matrix("all", "mean_abs")
+    m = res.matrix("train", "mean_abs")
     assert m.shape == (5, 4) and bool(torch.isfinite(m).all())
     df = res.to_frame(step=1)
     assert dict(df.schema) == SCHEMAS["influence"]
@@ -178,7 +177,7 @@ def test_influence_rows(model, batch):
     row = df.filter((pl.col("source_bin") == 0) & (pl.col("target_bin") == 3))
     assert abs(row["mean_abs"][0] - float(m[1, 3])) < 1e-15
     # the distribution of delta pi over the target bin (the isolation figure's boxes)
-    x = res.deltas[("all", 0)][res.bins == 3]
+    x = res.deltas[("train", 0)][res.bins == 3]
     qs = torch.quantile(x, torch.tensor([0.01, 0.25, 0.5, 0.75, 0.99], dtype=x.dtype))
     got = row.select("q01", "q25", "q50", "q75", "q99").row(0)
     assert max(abs(a - float(b)) for a, b in zip(got, qs, strict=True)) < 1e-15
@@ -190,22 +189,18 @@ def test_influence_rows(model, batch):
 def test_influence_per_lopti_stage(model, batch):
     low, high = lopti_stage_masks(batch, eta=0.5, pi_old=completion_probs(model, batch))
     res = influence(model, batch, stage_masks=(low, high), lr=LR)
-    cf = counterfactual_change(model, batch, [("stage1", low), ("stage2", high)], lr=LR)
-    assert torch.allclose(res.deltas[("stage1", -1)], cf.delta["stage1"], atol=1e-12)
-    assert torch.allclose(res.deltas[("stage2", -1)], cf.delta["stage2"], atol=1e-12)
+    cf = counterfactual_change(model, batch, [("low", low), ("high", high)], lr=LR)
+    assert torch.allclose(res.deltas[("low", -1)], cf.delta["low"], atol=1e-12)
+    assert torch.allclose(res.deltas[("high", -1)], cf.delta["high"], atol=1e-12)
     # eta = 0.5 on the quarter bins: stage 1 sources are bins 0, 1 and stage 2 sources bins 2, 3
-    stage_sources = {
-        s: sorted(b for (st, b) in res.deltas if st == s and b >= 0) for s in ("stage1", "stage2")
-    }
-    assert stage_sources == {"stage1": [0, 1], "stage2": [2, 3]}
+    stage_sources = {s: sorted(b for (st, b) in res.deltas if st == s and b >= 0) for s in ("low", "high")}
+    assert stage_sources == {"low": [0, 1], "high": [2, 3]}
     # a stage-2 row starts from the model after the full stage-1 update
     edges = as_edges(None)
     bins = bin_index(completion_probs(model, batch), batch.completion_mask, edges)
-    pi1 = cf.pi_after["stage1"]
+    pi1 = cf.pi_after["low"]
     _, pi2_b3 = _hand_sgd(model, batch, [low, high & (bins == 3)])
-    assert torch.allclose(
-        res.deltas[("stage2", 3)], (pi2_b3 - pi1) * batch.completion_mask, atol=1e-6, rtol=0
-    )
+    assert torch.allclose(res.deltas[("high", 3)], (pi2_b3 - pi1) * batch.completion_mask, atol=1e-6, rtol=0)
 
 
 def test_analyze_batch_records(model, batch, tmp_path):
@@ -219,7 +214,7 @@ def test_analyze_batch_records(model, batch, tmp_path):
     for kind, df in frames.items():
         assert dict(df.schema) == SCHEMAS[kind], kind
     pc = frames["prob_change"]
-    assert sorted(pc["update_stage"].unique().to_list()) == ["stage1", "stage2", "total"]
+    assert sorted(pc["update_stage"].unique().to_list()) == ["high", "lopti", "low"]
     ts = frames["token_shares"]
     assert ts.height <= 4 * 3 and ts["delta_pi"].null_count() == 0
     files = write_records(tmp_path, frames, rank=1)
@@ -255,7 +250,7 @@ def test_change_frame_bins(model, batch):
     res = counterfactual_change(model, batch)
     edges = as_edges((0.0, 0.5, 1.0))
     bins = bin_index(res.pi_before, batch.completion_mask, edges)
-    df = change_frame(res.delta["all"], batch, bins, edges, step=0, lr=LR)
+    df = change_frame(res.delta["train"], batch, bins, edges, step=0, lr=LR)
     assert df["bin"].to_list() == [-1, 0, 1]
     assert df["count"][0] == df["count"][1] + df["count"][2] == batch.n_tokens
 
@@ -296,11 +291,11 @@ def test_on_a_saved_model_with_generated_completions(tiny_model_dir, tmp_path):
     attn = torch.cat([enc["attention_mask"], cmask], 1)
     b = ProbeBatch(out, attn, cmask, adv, temperature=TEMPERATURE)
     frames = analyze_batch(lm, b, step=0)
-    shares = frames["shares"].filter((pl.col("layer") == "all") & (pl.col("bin") >= 0))
+    shares = frames["shares"].filter((pl.col("group") == "all") & (pl.col("bin") >= 0))
     assert abs(shares["share"].sum() - 1.0) < 1e-5
     assert abs(shares["jvp_share"].sum() - 1.0) < 1e-4
     write_records(tmp_path, frames)
-    from tokendyn.hooks.records import shard_files
+    from tokendyn.records import shard_files
 
     for kind in frames:
         assert pl.read_parquet(shard_files(tmp_path, kind)[0]).equals(frames[kind])

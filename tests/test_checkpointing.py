@@ -79,11 +79,11 @@ def _step(kind: str | None, sink=None, autocast: bool = False, make_model=None):
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         logps = completion_logps(out.logits, batch, T)
         old = (logps.detach() - 0.05 * (batch.completion_ids % 3)).clamp(max=0)
-        probe.tokens(
+        probe.begin_step(
             step=0,
             completion_mask=batch.completion_mask,
             advantages=batch.advantages,
-            old_logps=old,
+            old_logp=old,
             completion_ids=batch.completion_ids,
             logps=logps,
             temperature=T,
@@ -163,7 +163,7 @@ def test_the_layer_replay_repeats_the_forward_s_dropout_masks():
 def test_a_point_without_gradient_is_an_error_in_the_records_and_in_analyze(tmp_path, capsys):
     """A layer frozen by a forward hook that detaches its output (nothing reaches it in the backward)."""
     from tokendyn.cli import main
-    from tokendyn.hooks.records import RecordWriter
+    from tokendyn.records import RecordWriter
 
     model = tiny_qwen2(sharpen=30.0)
     batch = make_batch(model, n=4)
@@ -173,7 +173,7 @@ def test_a_point_without_gradient_is_an_error_in_the_records_and_in_analyze(tmp_
     with probe, pytest.warns(UserWarning, match="no gradient reached layers.0.out"):
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         logps = completion_logps(out.logits, batch, T)
-        probe.tokens(step=0, completion_mask=batch.completion_mask, advantages=batch.advantages,
+        probe.begin_step(step=0, completion_mask=batch.completion_mask, advantages=batch.advantages,
                      completion_ids=batch.completion_ids, logps=logps, temperature=T)  # fmt: skip
         grpo_loss(logps, logps.detach(), batch.advantages, batch.completion_mask).backward()
         probe.end_step()

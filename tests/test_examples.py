@@ -44,7 +44,7 @@ def test_custom_loop_on_a_local_gpt2_gets_every_figure(tmp_path, monkeypatch, ca
     assert PROBE_KINDS | ANALYSIS_KINDS | {"metrics"} <= set(run.kinds)
     assert run["metrics"].select("step").collect()["step"].to_list() == [1, 2, 3]
     # the update shares s_b of each step sum to 1 over the bins (g = sum_b g_b)
-    shares = run["shares"].filter((pl.col("layer") == "all") & (pl.col("bin") >= 0)).collect()
+    shares = run["shares"].filter((pl.col("group") == "all") & (pl.col("bin") >= 0)).collect()
     sums = shares.group_by("step").agg(pl.col("share").sum())["share"].to_list()
     assert len(sums) == 3 and all(abs(s - 1) < 1e-6 for s in sums)
     printed = capsys.readouterr().out

@@ -192,7 +192,7 @@ def test_pooled_correct_ratio_skips_steps_without_signed_tokens(records):
         *[pl.lit(float("nan")).alias(c) for c in ("correct_pos", "correct_neg", "correct_pooled")],
     )  # fmt: skip
     pooled = pooled_change(pl.concat([pc, silent])).filter((pl.col("run") == "GRPO") & (pl.col("bin") == 0))
-    want = pc.filter((pl.col("run") == "GRPO") & (pl.col("bin") == 0) & (pl.col("update_stage") == "all"))
+    want = pc.filter((pl.col("run") == "GRPO") & (pl.col("bin") == 0) & (pl.col("update_stage") == "train"))
     n = want["n_pos"] + want["n_neg"]
     ok = n > 0
     expected = float((want["correct_pooled"].filter(ok) * n.filter(ok)).sum() / n.filter(ok).sum())
@@ -300,14 +300,12 @@ def test_analyze_prints_the_rebalancing_tables_side_by_side(run_dirs, capsys):
     # isolation: a Lopti run's lowest bin is updated in stage 1 and its highest in stage 2, each column says which
     iso = compare(dirs)["isolation: mean |delta pi| (update source: all / low bin / high bin)"]
     lopti = [c.split(": ", 1)[1] for c in iso.columns if c.startswith("lopti")]
-    assert lopti == ["all (stage 1)", "low (stage 1)", "all (stage 2)", "high (stage 2)"]
+    assert lopti == ["all (low stage)", "low (low stage)", "all (high stage)", "high (high stage)"]
     inf = load(run_dirs["lopti"], "influence").collect()
-    top = inf.filter(
-        (pl.col("update_stage") == "stage2") & (pl.col("target_bin") == 1) & (pl.col("count") > 0)
-    )
+    top = inf.filter((pl.col("update_stage") == "high") & (pl.col("target_bin") == 1) & (pl.col("count") > 0))
     top = top.filter(pl.col("source_bin") == 3)
     want = float((top["mean_abs"] * top["count"]).sum() / top["count"].sum())
-    col = next(c for c in iso.columns if c.startswith("lopti") and c.endswith("high (stage 2)"))
+    col = next(c for c in iso.columns if c.startswith("lopti") and c.endswith("high (high stage)"))
     assert iso[col][1] == pytest.approx(want)
 
 

@@ -14,10 +14,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tokendyn.hooks.records import FLUSH_SECONDS, RecordWriter
-from tokendyn.records import shard_files
+from tokendyn.records import FLUSH_SECONDS, RecordWriter, shard_files
 
-ROW = {"step": [0], "stage": ["train"], "update": ["real"], "update_stage": ["all"], "source_bin": [-1], "bin": [0],
+ROW = {"step": [0], "stage": ["train"], "update": ["real"], "update_stage": ["train"], "source_bin": [-1], "bin": [0],
        "bin_lo": [0.0], "bin_hi": [1.0], "lr": [1e-3]}  # fmt: skip
 
 
@@ -77,7 +76,7 @@ CHILD = textwrap.dedent(
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
             z = out.logits[:, -batch.c - 1 : -1].float()
             logps = torch.log_softmax(z, -1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
-            probe.tokens(step=step, completion_mask=batch.completion_mask, advantages=batch.advantages,
+            probe.begin_step(step=step, completion_mask=batch.completion_mask, advantages=batch.advantages,
                          completion_ids=batch.completion_ids, logps=logps)
             (-(logps * batch.advantages.unsqueeze(1)).sum()).backward()
             probe.end_step()

@@ -1,5 +1,6 @@
 """The rooms of the package import one way (DESIGN.md "Layout"): every ``import`` in src/tokendyn, nested ones
-included, read with ``ast`` and checked against the allowed arrows. A new upward import fails here."""
+included, read with ``ast``. Two checks: the room graph has no arrow up the room order (`ORDER`), and the module
+graph has no cycle at all (so no import inside a function is there to break one). A new upward import fails here."""
 
 from __future__ import annotations
 
@@ -10,35 +11,44 @@ import tokendyn
 
 SRC = Path(tokendyn.__file__).parent
 
-# room -> the rooms it may import (leaves: common, records, remedies, policy; "__init__" is the package root,
-# imported for its version)
-ALLOWED = {
-    "common": set(),
-    "records": {"common"},
-    "remedies": set(),
-    "policy": {"common"},
-    "tasks": {"common"},
-    "probe": {"common", "records", "remedies"},
-    "hooks": {"common", "records", "remedies", "policy", "probe", "tasks"},
-    "trainers": {"__init__", "common", "records", "remedies", "policy", "probe", "hooks", "tasks"},
-    "analysis": {"common", "records"},
-    "figures": {"common", "records", "analysis"},
-    "commands": {"common", "records", "policy", "trainers", "figures", "analysis"},
-    "cli": {"__init__", "common"},  # commands are found by name (importlib), not imported
-    "__init__": {"analysis"},  # load_run, imported on first use
-    "__main__": {"cli"},
+# the room order, bottom up: a room may import only rooms of a lower rank (DESIGN.md: cli -> hooks/trainers ->
+# probe -> (torch); figures -> analysis -> records on disk). "__init__" is the package root: it re-exports the entry
+# points, so it sits on top and no room imports it.
+ORDER = {
+    "version": 0,
+    "vocab": 0,
+    "common": 0,
+    "config": 1,
+    "records": 1,
+    "remedies": 1,
+    "policy": 1,
+    "tasks": 1,
+    "probe": 2,
+    "analysis": 2,
+    "hooks": 3,
+    "figures": 3,
+    "trainers": 4,
+    "commands": 5,
+    "cli": 6,  # commands are found by name (importlib), not imported
+    "__main__": 7,
+    "__init__": 8,
 }
 
 
-def room_of(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "__init__"
-
-
-def imports(path: Path) -> set[str]:
-    """The tokendyn modules ``path`` imports (relative imports resolved)."""
+def module_of(path: Path) -> str:
     rel = path.relative_to(SRC.parent).with_suffix("")
-    package = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_of(p): p for p in SRC.rglob("*.py")}
+
+
+def imports(module: str) -> set[str]:
+    """The tokendyn modules ``module`` imports, nested imports included; relative imports resolved, and
+    ``from package import name`` read as the submodule package.name where that is a module."""
+    path = MODULES[module]
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -49,30 +59,86 @@ def imports(path: Path) -> set[str]:
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            if name.split(".")[0] == "tokendyn":
+            if name.split(".")[0] != "tokendyn":
+                continue
+            subs = {f"{name}.{a.name}" for a in node.names} & set(MODULES)
+            found |= subs or {name}
+            if len(subs) < len(node.names):
                 found.add(name)
-    return found
+    return found - {module}
 
 
-def graph() -> dict[str, set[str]]:
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def room_graph() -> dict[str, set[str]]:
     """room -> rooms it imports (itself left out)."""
     out: dict[str, set[str]] = {}
-    for path in SRC.rglob("*.py"):
-        rel = path.relative_to(SRC)
-        room = rel.parts[0].removesuffix(".py")
-        targets = {room_of(m) for m in imports(path)} - {room}
-        out.setdefault(room, set()).update(targets)
+    for module in MODULES:
+        room = room_of(module)
+        out.setdefault(room, set()).update({room_of(m) for m in imports(module)} - {room})
     return out
 
 
-def test_rooms_import_one_way():
-    g = graph()
-    assert set(g) <= set(ALLOWED), f"rooms without a rule: {set(g) - set(ALLOWED)}"
-    wrong = {room: sorted(targets - ALLOWED[room]) for room, targets in g.items() if targets - ALLOWED[room]}
-    assert not wrong, f"imports against the layout: {wrong}"
+def module_cycle() -> list[str] | None:
+    """One import cycle between modules (as a path), or None. A package's __init__ imported by its own submodule is
+    a cycle too: importing the submodule runs the __init__ first."""
+    graph = {m: {t for t in imports(m) if t in MODULES} for m in MODULES}
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                return stack[stack.index(t) :] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
 
 
-def test_the_checker_sees_nested_and_relative_imports():
-    # probe/influence.py imports the remedies inside a function; trainers/ imports hooks/ with a relative import
-    assert "remedies" in graph()["probe"]
-    assert "hooks" in graph()["trainers"]
+def test_every_room_has_a_rank():
+    assert set(room_graph()) <= set(ORDER), f"rooms without a rank: {set(room_graph()) - set(ORDER)}"
+
+
+def test_no_arrow_points_up_the_room_order():
+    up = {
+        room: sorted(t for t in targets if ORDER[t] >= ORDER[room])
+        for room, targets in room_graph().items()
+        if any(ORDER[t] >= ORDER[room] for t in targets)
+    }
+    assert not up, f"imports up (or across) the room order: {up}"
+
+
+def test_no_module_import_cycle():
+    cycle = module_cycle()
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_nobody_imports_the_package_root():
+    assert not {room for room, targets in room_graph().items() if "__init__" in targets}
+
+
+def test_the_checker_sees_nested_relative_and_submodule_imports():
+    assert "tokendyn.remedies" in imports("tokendyn.probe.influence")  # inside a function
+    assert "tokendyn.vocab" in imports("tokendyn")  # `from tokendyn import vocab`: the submodule
+    assert "tokendyn.probe.parallel" in imports("tokendyn.probe.probe")  # `from tokendyn.probe import parallel`
+    assert "trainers" in room_graph()["__init__"]  # the root's TYPE_CHECKING imports count
+
+
+def test_the_cycle_finder_can_fail(monkeypatch):
+    real = imports
+    fake = {"tokendyn.vocab": {"tokendyn.config"}, "tokendyn.config": {"tokendyn.vocab"}}
+    monkeypatch.setitem(globals(), "imports", lambda m: fake.get(m, real(m)))
+    cycle = module_cycle()
+    assert cycle is not None and cycle[0] == cycle[-1] and set(cycle) == {"tokendyn.config", "tokendyn.vocab"}

@@ -10,7 +10,7 @@ import pytest
 
 import tokendyn
 from tokendyn.figures.data import load_runs
-from tokendyn.hooks.records import SCHEMAS, RecordWriter
+from tokendyn.records import SCHEMAS, RecordWriter
 
 BOUND = {"step": 1, "stage": "train", "rank": 0, "micro": 0, "point": "final_norm.out", "point_index": 0, "n": 3,
          "ratio_min": 1.0, "ratio_max": 2.0, "spearman": None, "nonfinite": 0, "unreached": 0, "direct_n": 0,

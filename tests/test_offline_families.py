@@ -69,7 +69,7 @@ def _in_training(model, batch, run_dir) -> None:
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         z = logits[:, P - 1 : -1].float() / T
         logps = torch.log_softmax(z, -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-        probe.tokens(step=0, completion_mask=cmask, advantages=adv, old_logps=old, completion_ids=completion,
+        probe.begin_step(step=0, completion_mask=cmask, advantages=adv, old_logp=old, completion_ids=completion,
                      logps=logps, temperature=T)  # fmt: skip
         grpo_loss(logps, old, adv, cmask).backward()
         probe.end_step()

@@ -159,7 +159,7 @@ def test_offline_probe_matches_the_in_training_probe(trained, tiny_model_dir, tm
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the analyses left it too
     kinds = {p.name.split("-rank")[0] for p in off_records.glob("*.parquet")}
     assert kinds == {p.name.split("-rank")[0] for p in train_records.glob("*.parquet")}
-    key = ["bin", "layer"]
+    key = ["bin", "group"]
     shares = (
         _frame(train_records, "shares")
         .filter(pl.col("step") == 0)
@@ -332,7 +332,7 @@ def test_bad_options_fail_before_writing(tiny_model_dir, tmp_path, capsys):
         (["--out", str(tmp_path / "a"), "--analyses", "shares,bogus"], "--analyses: unknown ['bogus']"),
         (["--out", str(tmp_path / "a"), "--bins", "0,2"], "--bins:"),
         (["--out", str(tmp_path / "a"), "--beta", "0.1"], "needs a 'ref_logp' column"),
-        (["--out", str(tmp_path / "a"), "--layers", "nope.*"], "nope"),  # found only once the model is loaded
+        (["--out", str(tmp_path / "a"), "--points", "nope.*"], "nope"),  # found only once the model is loaded
     ]
     for extra, fragment in cases:
         assert main(base + extra) == 2

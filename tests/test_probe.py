@@ -23,10 +23,10 @@ def _plain_step(model, batch, probe=None, old_shift=0.0, autocast=False, **field
     g = torch.Generator().manual_seed(5)
     old = (logps.detach() + old_shift * torch.randn(logps.shape, generator=g)).clamp(max=0)
     if probe is not None:
-        probe.tokens(
+        probe.begin_step(
             completion_mask=batch.completion_mask,
             advantages=batch.advantages,
-            old_logps=old,
+            old_logp=old,
             completion_ids=batch.completion_ids,
             logps=logps,
             temperature=T,
@@ -80,7 +80,7 @@ def test_hook_gradients_equal_captum_and_w_is_the_autograd_weight():
     with GradientProbe(model, check_tokens=None, direct_tokens=0, temperature=T, auto=True) as probe:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         logps = completion_logps(logits, batch, T)
-        probe.tokens(
+        probe.begin_step(
             completion_mask=batch.completion_mask,
             completion_ids=batch.completion_ids,
             logps=logps,
@@ -297,8 +297,8 @@ def test_bad_inputs_are_rejected_before_any_work():
     batch = make_batch(model, sample=False)
     probe = GradientProbe(model)
     mask = batch.completion_mask
-    with pytest.raises(ValueError, match="pi_old must be finite probabilities"):
-        probe.begin_step(0, completion_mask=mask, pi_old=torch.full(mask.shape, 1.5))
+    with pytest.raises(ValueError, match="old_logp must be log-probabilities <= 0"):
+        probe.begin_step(0, completion_mask=mask, old_logp=torch.full(mask.shape, 0.5))
     with pytest.raises(ValueError, match="advantages must have shape"):
         probe.begin_step(0, completion_mask=mask, advantages=torch.zeros(3))
     with pytest.raises(ValueError, match="temperature must be > 0"):
@@ -350,7 +350,7 @@ def test_watch_logps_and_custom_token_positions_align_like_the_default_layout():
     with GradientProbe(model, check_tokens=None, direct_tokens=0, temperature=T, auto=True) as probe:
         logits = model(input_ids=ids, attention_mask=amask).logits[:, :s]
         logps = completion_logps(logits, batch, T)
-        probe.tokens(completion_mask=batch.completion_mask, completion_ids=batch.completion_ids, logps=logps,
+        probe.begin_step(completion_mask=batch.completion_mask, completion_ids=batch.completion_ids, logps=logps,
                      token_positions=positions, temperature=T)  # fmt: skip
         (logps * batch.completion_mask).sum().backward()
         moved = probe.end_step()

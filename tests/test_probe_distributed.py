@@ -54,11 +54,11 @@ def dp_step(model, batch, rows: slice, world: int, run_dir=None) -> None:
         logps = completion_logps(out.logits, sub, T)
         old = (logps.detach() - 0.05 * (sub.completion_ids % 3)).clamp(max=0)
         if probe is not None:
-            probe.tokens(
+            probe.begin_step(
                 step=0,
                 completion_mask=sub.completion_mask,
                 advantages=sub.advantages,
-                old_logps=old,
+                old_logp=old,
                 completion_ids=sub.completion_ids,
                 logps=logps,
                 temperature=T,
@@ -228,8 +228,7 @@ def test_ddp_and_fsdp2_records_equal_one_process_on_the_global_batch(tmp_path):
     from test_records import BIN_COLS, BOUND_COLS, CHECK_COLS, assert_frames_close
 
     from tokendyn.analysis import analyze_run
-    from tokendyn.hooks.records import shard_files
-    from tokendyn.records import records_dir
+    from tokendyn.records import records_dir, shard_files
 
     _launch(tmp_path / "two")
     torch.set_num_threads(1)
@@ -310,7 +309,7 @@ def test_trl_rebalancing_analyses_under_ddp_equal_one_process_on_the_global_batc
     analyses at the rollout start see the same rows and parameters (equal to rounding); the stage-2 shares and the
     real change follow the real DDP vs one-process SGD steps (equal to float32 rounding of the averaged gradient).
     On the ranks, training with the analyses is bitwise training without them."""
-    from tokendyn.hooks.records import shard_files
+    from tokendyn.records import shard_files
 
     torch.set_num_threads(1)
     _launch(tmp_path / "two", "trl_analyses", str(tiny_model_dir))
@@ -343,7 +342,7 @@ if __name__ == "__main__":
             "the analyses changed training"
         )
     elif sys.argv[1] == "trl":
-        from tokendyn.hooks.records import shard_files
+        from tokendyn.records import shard_files
 
         trl_worker(sys.argv[2], sys.argv[3])
     else:

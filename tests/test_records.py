@@ -13,7 +13,7 @@ from _models import completion_logps, grpo_loss, make_batch, probed_rows, tiny_q
 from tokendyn.analysis import analyze_run, load
 from tokendyn.analysis import cli as analysis_cli
 from tokendyn.hooks import instrument
-from tokendyn.hooks.records import SCHEMAS, RecordWriter, shard_files, to_frame
+from tokendyn.records import SCHEMAS, RecordWriter, shard_files, to_frame
 
 torch.set_num_threads(1)
 T = 0.7
@@ -135,7 +135,7 @@ def test_instrumented_loop_records_and_analysis(tmp_path):
                 batch = make_batch(model, seed=step)
                 out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
                 logps = completion_logps(out.logits, batch, T)
-                probe.tokens(
+                probe.begin_step(
                     completion_mask=batch.completion_mask,
                     advantages=batch.advantages,
                     completion_ids=batch.completion_ids,

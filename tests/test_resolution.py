@@ -82,8 +82,8 @@ def test_counterfactual_signs_agree_with_a_float64_network():
         batch.input_ids, batch.attention_mask, batch.completion_mask, adv, temperature=batch.temperature
     )
     gap = _one_minus_pi64(model, batch)
-    res32 = counterfactual_change(model, batch, lr=1e-3).delta["all"]
-    res64 = counterfactual_change(copy.deepcopy(model).double(), batch, lr=1e-3).delta["all"]
+    res32 = counterfactual_change(model, batch, lr=1e-3).delta["train"]
+    res64 = counterfactual_change(copy.deepcopy(model).double(), batch, lr=1e-3).delta["train"]
     mask = batch.completion_mask & (res64.abs() > 1e-13)
     near = mask & (gap < 1e-5)
     assert int(near.sum()) >= 10

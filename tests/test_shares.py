@@ -7,7 +7,6 @@ import pytest
 import torch
 from _rebalance import TEMPERATURE, tiny_batch, tiny_model
 
-from tokendyn.probe.analysis_records import SCHEMAS, sample_tokens, write_records
 from tokendyn.probe.shares import (
     bin_gradients,
     bin_shares,
@@ -15,6 +14,7 @@ from tokendyn.probe.shares import (
     parameter_group,
     token_shares,
 )
+from tokendyn.probe.token_sample import sample_tokens
 from tokendyn.probe.tokenloss import (
     Objective,
     ProbeBatch,
@@ -23,6 +23,8 @@ from tokendyn.probe.tokenloss import (
     token_loss,
     trainable_parameters,
 )
+from tokendyn.records import SCHEMAS
+from tokendyn.records import write_frames as write_records
 
 torch.set_num_threads(1)
 
@@ -209,14 +211,14 @@ def test_shares_records_roundtrip(model32, batch32, tmp_path):
     res = gradient_shares(model32, batch32)
     df = res.bins.to_frame(step=7, stage="train")
     assert dict(df.schema) == SCHEMAS["shares"]
-    all_rows = df.filter(pl.col("layer") == "all")
+    all_rows = df.filter(pl.col("group") == "all")
     per_bin = all_rows.filter(pl.col("bin") >= 0)
     assert abs(per_bin["share"].sum() - 1.0) < 1e-6
     assert abs(per_bin["jvp_share"].sum() - 1.0) < 1e-4
     assert per_bin["bin_lo"].to_list() == [0.0, 0.25, 0.5, 0.75]
     files = write_records(tmp_path, {"shares": df}, rank=0) + write_records(tmp_path, {"shares": df}, rank=0)
     assert [f.name for f in files] == ["shares-rank000-000000.parquet", "shares-rank000-000001.parquet"]
-    from tokendyn.hooks.records import shard_files
+    from tokendyn.records import shard_files
 
     assert shard_files(tmp_path, "shares") == files
     back = pl.read_parquet(files[0])

@@ -48,20 +48,20 @@ def test_probe_records_without_changing_training(tiny_model_dir, tmp_path, lopti
     # the rebalancing analyses ran on the rollout samples, before and after the real update
     shares = pl.read_parquet(sorted((run_dir / "records").glob("shares-*.parquet")))
     per_step = (
-        shares.filter((pl.col("layer") == "all") & (pl.col("bin") >= 0))
+        shares.filter((pl.col("group") == "all") & (pl.col("bin") >= 0))
         .group_by("step", "stage")
         .agg(pl.col("share").sum())
     )
     assert per_step.height >= 1 and (per_step["share"] - 1).abs().max() < 1e-6
     # the whole loss at each rollout start; with Lopti also each stage's own update (eta = 0.5: quarter bins 0, 1
     # are stage 1's tokens, 2, 3 stage 2's), stage 2 one optimizer step later, after the real stage-1 update
-    staged = shares.filter(pl.col("layer") == "all").group_by("stage").agg(pl.col("step").unique().sort())
+    staged = shares.filter(pl.col("group") == "all").group_by("stage").agg(pl.col("step").unique().sort())
     steps_of = dict(zip(staged["stage"].to_list(), staged["step"].to_list(), strict=True))
     assert set(steps_of) == ({"train", "low", "high"} if lopti else {"train"})
     if lopti:
         assert steps_of["train"] == steps_of["low"] == [0, 2]
         assert steps_of["high"] == [1, 3]
-        rows = shares.filter((pl.col("layer") == "all") & (pl.col("bin") >= 0))
+        rows = shares.filter((pl.col("group") == "all") & (pl.col("bin") >= 0))
         outside = rows.filter(
             ((pl.col("stage") == "low") & (pl.col("bin") >= 2))
             | ((pl.col("stage") == "high") & (pl.col("bin") < 2))
@@ -70,7 +70,7 @@ def test_probe_records_without_changing_training(tiny_model_dir, tmp_path, lopti
     change = pl.read_parquet(sorted((run_dir / "records").glob("prob_change-*.parquet")))
     assert set(change["update"].unique()) == {"counterfactual", "real"}
     influence = pl.read_parquet(sorted((run_dir / "records").glob("influence-*.parquet")))
-    assert set(influence["update_stage"].unique()) == ({"stage1", "stage2"} if lopti else {"all"})
+    assert set(influence["update_stage"].unique()) == ({"low", "high"} if lopti else {"train"})
     assert list((run_dir / "records").glob("token_shares-*.parquet"))
 
     # each probed rollout's first micro-batch is a rollouts file that `tokendyn probe` reads
@@ -176,7 +176,7 @@ def test_instrument_records_a_step_whose_optimizer_step_raises(tmp_path):
         with instrument(model, tmp_path) as probe:
             out = model(input_ids=b.input_ids, attention_mask=b.attention_mask)
             logps = completion_logps(out.logits, b, 1.0)
-            probe.tokens(
+            probe.begin_step(
                 completion_mask=b.completion_mask,
                 advantages=b.advantages,
                 completion_ids=b.completion_ids,

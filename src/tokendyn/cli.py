@@ -13,8 +13,8 @@ import os
 import re
 import sys
 
-from tokendyn import __version__
 from tokendyn.common import UsageError  # re-exported: the CLI's input error type
+from tokendyn.version import __version__
 
 # command name -> module exposing ``register(subparsers)`` (which sets ``func`` on its parser)
 COMMANDS = {

@@ -37,13 +37,16 @@ def check_writable(path: str | os.PathLike, field: str) -> Path:
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
-    """Call ``write(tmp_path)`` then rename the temporary file onto ``path``."""
+    """The one atomic writer: call ``write(tmp_path)`` on a hidden temp file beside ``path``, fsync it, then rename
+    it onto ``path`` (os.replace, atomic on POSIX): readers see the old file or the new one, never a partial one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

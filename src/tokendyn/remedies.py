@@ -12,7 +12,7 @@ import math
 
 import torch
 
-LOPTI_ORDERS = ("low_first", "high_first")
+from tokendyn.vocab import LOPTI_ORDERS
 
 
 def _check_unit_interval(name: str, value: float, *, closed: bool) -> float:

@@ -38,7 +38,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stage", default=None, help="only this stage (e.g. train, low, high)")
     p.add_argument("--by-step", action="store_true", help="per-bin table per step instead of pooled")
     p.add_argument(
-        "--point", default=None, help="probe point shown in the per-bin table (default final_norm.out)"
+        "--points",
+        default=None,
+        help="probe points shown in the per-bin table, by name or glob as ProbeConfig.points "
+        "(e.g. 'layers.*.out'; default final_norm.out)",
     )
     p.add_argument("--out", default=None, help=f"output folder (default RUN_DIR/{ANALYSIS_DIR})")
     p.set_defaults(func=run)
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for d in run_dirs:  # every directory and the selection are checked before any work
             check_run_dir(d)
-            check_selection(d, args.steps, args.stage, args.point)
+            check_selection(d, args.steps, args.stage, args.points)
     except (NoRecordsError, SelectionError) as exc:
         print(f"tokendyn analyze: error: {exc}", file=sys.stderr)
         return 2
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     for d in run_dirs:
         console.rule(f"[bold]{run_label(d)}")
         tables = analyze_run(d, steps=args.steps, stage=args.stage, by_step=args.by_step, out_dir=args.out)
-        print_report(tables, console, point=args.point)
+        print_report(tables, console, points=args.points)
         out = args.out or f"{d.rstrip('/')}/{ANALYSIS_DIR}"
         written = [f"{n}.parquet" for n, df in tables.items() if df.height]
         skipped = [n for n, df in tables.items() if not df.height]

@@ -15,6 +15,8 @@ from pathlib import Path
 import polars as pl
 
 from tokendyn.analysis.load import load
+from tokendyn.records import run_lopti_order
+from tokendyn.vocab import FULL_UPDATES, TRAIN, stage_name
 
 
 def run_label(run_dir: str | Path) -> str:
@@ -57,14 +59,14 @@ def _pivot(frames: list[pl.DataFrame], value: str, index: str = "pi_old") -> pl.
 
 
 def shares(run_dirs) -> dict[str, pl.DataFrame]:
-    """{"share": s_b per bin and run, "norm_ratio": ||g_b||/||g||} (layer "all", bins >= 0) of the whole loss
+    """{"share": s_b per bin and run, "norm_ratio": ||g_b||/||g||} (group "all", bins >= 0) of the whole loss
     (stage "train"; a Lopti run's per-stage rows are left out so that the runs compare)."""
     label = short_labels(run_dirs)
     per_run = []
     for d in run_dirs:
         df = (
             load(d, "shares")
-            .filter((pl.col("layer") == "all") & (pl.col("bin") >= 0) & (pl.col("stage") == "train"))
+            .filter((pl.col("group") == "all") & (pl.col("bin") >= 0) & (pl.col("stage") == "train"))
             .collect()
         )
         if df.height == 0:
@@ -88,7 +90,7 @@ def correct_ratios(run_dirs, update: str = "counterfactual") -> pl.DataFrame:
             load(d, "prob_change")
             .filter(
                 (pl.col("update") == update)
-                & (pl.col("update_stage").is_in(["all", "total"]))
+                & (pl.col("update_stage").is_in(FULL_UPDATES))
                 & (pl.col("bin") >= 0)
             )
             .collect()
@@ -119,8 +121,8 @@ def correct_ratios(run_dirs, update: str = "counterfactual") -> pl.DataFrame:
 def isolation(run_dirs) -> pl.DataFrame:
     """Mean |delta pi| per target bin (token-weighted over steps) under an update with all tokens (all), only the
     lowest (low) or only the highest (high) source bin. A Lopti run updates each source bin in the stage that holds
-    it (low_first: the lowest in stage 1, the highest in stage 2): its columns name the stage, and "all" is given
-    per stage (all of that stage's tokens)."""
+    it (low_first: the lowest in the low stage first): its columns name the stage, and "all" is given per stage (all
+    of that stage's tokens)."""
     label = short_labels(run_dirs)
     per_run = []
     for d in run_dirs:
@@ -133,11 +135,19 @@ def isolation(run_dirs) -> pl.DataFrame:
         df = df.group_by("update_stage", "source_bin", "target_bin", "target_lo", "target_hi").agg(
             ((pl.col("mean_abs") * pl.col("count")).sum() / pl.col("count").sum()).alias("mean_abs")
         )
-        staged = "all" not in df["update_stage"].unique().to_list()
+        staged = TRAIN not in df["update_stage"].unique().to_list()
         columns = []  # (column name, update stage, source bin)
-        for stage in sorted(df["update_stage"].unique().to_list()):
+        order = [
+            stage_name(1, run_lopti_order(d)),
+            stage_name(2, run_lopti_order(d)),
+        ]  # the run's stage order
+        stages = sorted(
+            df["update_stage"].unique().to_list(),
+            key=lambda s: (s in order, order.index(s) if s in order else 0, s),
+        )
+        for stage in stages:
             have = df.filter(pl.col("update_stage") == stage)["source_bin"].unique().to_list()
-            where = f" ({stage[:5]} {stage[5:]})" if staged else ""
+            where = f" ({stage} stage)" if staged else ""
             columns.append((f"all{where}", stage, -1))
             columns += [(f"{name}{where}", stage, src) for name, src in (("low", sources[0]), ("high", sources[-1]))
                         if src in have]  # fmt: skip

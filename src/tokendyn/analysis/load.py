@@ -8,7 +8,8 @@ from pathlib import Path
 import polars as pl
 
 from tokendyn.common import UsageError
-from tokendyn.records import KINDS, SCHEMAS, records_dir, shard_files
+from tokendyn.records import records_dir, scan_records, shard_files
+from tokendyn.vocab import point_order, select_names
 
 
 class NoRecordsError(UsageError, FileNotFoundError):
@@ -30,16 +31,8 @@ def check_run_dir(run_dir: str | os.PathLike, kind: str = "binstats") -> Path:
 
 def load(run_dir: str | os.PathLike, kind: str) -> pl.LazyFrame:
     """Every shard of `kind` (all ranks, all flushes) concatenated lazily; an empty frame with the schema if none.
-    A column the schema gained after a shard was written reads as nulls (runs recorded by an older version load)."""
-    if kind not in SCHEMAS:
-        raise ValueError(f"unknown record kind {kind!r}; known: {', '.join(KINDS)}")
-    files = shard_files(run_dir, kind)
-    if not files:
-        return pl.LazyFrame(schema=SCHEMAS[kind])
-    # glob=False: a run directory may contain [ ] * ? in its name
-    return pl.scan_parquet(
-        [str(f) for f in files], schema=SCHEMAS[kind], glob=False, missing_columns="insert"
-    )
+    Runs recorded by an older version load (`tokendyn.records.scan_records`)."""
+    return scan_records(run_dir, kind)
 
 
 def select_steps(
@@ -68,25 +61,23 @@ def check_selection(
     run_dir: str | os.PathLike,
     steps: tuple[int | None, int | None] | None = None,
     stage: str | None = None,
-    point: str | None = None,
+    points: str | None = None,
 ) -> None:
-    """A selection (`--steps`, `--stage`, `--point`) that matches no binstats row of the run is a `SelectionError`
+    """A selection (`--steps`, `--stage`, `--points`) that matches no binstats row of the run is a `SelectionError`
     naming what the run holds; an analysis of nothing would print empty tables and overwrite earlier outputs."""
     have = load(run_dir, "binstats").select("step", "stage", "point").unique().collect()
     where = str(run_dir)
     stages = sorted(have["stage"].unique().to_list())
-    points = have["point"].unique().to_list()
-    points = sorted(
-        points, key=lambda p: (p == "final_norm.out", int(p.split(".")[1]) if p.count(".") == 2 else 0, p)
-    )
+    recorded = sorted(have["point"].unique().to_list(), key=point_order)
     if stage is not None and stage not in stages:
         raise SelectionError(
             f"--stage: {stage!r} matches no records in {where}; its stages: {', '.join(stages)}"
         )
-    if point is not None and point not in points:
-        raise SelectionError(
-            f"--point: {point!r} matches no records in {where}; its points: {', '.join(points)}"
-        )
+    if points is not None:
+        try:
+            select_names(recorded, points)
+        except ValueError as exc:
+            raise SelectionError(f"--{exc} (in {where})") from None
     if steps is None:
         return
     picked = have if stage is None else have.filter(pl.col("stage") == stage)

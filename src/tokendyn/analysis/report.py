@@ -21,7 +21,8 @@ from tokendyn.analysis.tables import (
     correct_summary,
     unreached,
 )
-from tokendyn.records import write_atomic
+from tokendyn.records import write_parquet
+from tokendyn.vocab import FINAL_NORM, point_order, select_names
 
 ANALYSIS_DIR = "analysis"
 
@@ -52,13 +53,26 @@ def analyze_run(
     }
     if "prob_change" in run.kinds:
         tables["correct"] = correct_summary(select_steps(run["prob_change"], steps))
+    if "notes" in run.kinds:
+        tables["notes"] = notes_table(run["notes"])
     if write:
         out = Path(out_dir) if out_dir is not None else path / ANALYSIS_DIR
         out.mkdir(parents=True, exist_ok=True)
         for name, df in tables.items():
             if df.height:
-                write_atomic(df, out / f"{name}.parquet")
+                write_parquet(df, out / f"{name}.parquet")
     return tables
+
+
+def notes_table(notes: pl.LazyFrame) -> pl.DataFrame:
+    """One row per condition that switched a check off (`GradientProbe.note`): its code, message, first step (null:
+    from the start) and the ranks that saw it."""
+    return (
+        notes.group_by("code", "message")
+        .agg(pl.col("step").min().alias("first_step"), pl.col("rank").unique().sort().alias("ranks"))
+        .sort("code")
+        .collect()
+    )
 
 
 def _fmt(v) -> str:
@@ -84,14 +98,18 @@ def rich_table(df: pl.DataFrame, title: str, columns: dict[str, str] | None = No
 
 
 def print_report(
-    tables: dict[str, pl.DataFrame], console: Console | None = None, point: str | None = None
+    tables: dict[str, pl.DataFrame], console: Console | None = None, points: str | None = None
 ) -> None:
-    """Terminal tables: the per-bin table (one point, default the final norm), the bound report, the checks."""
+    """Terminal tables: the per-bin table (the points selected by name or glob, default the final norm), the notes
+    of the run (checks that were off, and why), the bound report, the checks."""
     console = console or Console()
     bins = tables["bins"]
-    if point is None and bins.height:
-        point = "final_norm.out" if "final_norm.out" in bins["point"].to_list() else bins["point"][0]
-    shown = bins.filter(pl.col("point") == point) if point is not None else bins
+    recorded = sorted(set(bins["point"].to_list()), key=point_order) if bins.height else []
+    if points is None and recorded:
+        points = FINAL_NORM if FINAL_NORM in recorded else recorded[0]
+    chosen = select_names(recorded, points) if recorded else []
+    point = ", ".join(chosen)
+    shown = bins.filter(pl.col("point").is_in(chosen)) if recorded else bins
     shown = shown.with_columns(
         pl.format(
             "[{}, {}{}",
@@ -107,6 +125,7 @@ def print_report(
             {
                 "stage": "stage",
                 "step": "step",
+                **({"point": "point"} if len(chosen) > 1 else {}),
                 "pi_old": "pi_old",
                 "tokens": "tokens",
                 "share": "share",
@@ -146,6 +165,10 @@ def print_report(
     )
     for line in unreached(tables["bound"]):
         console.print(f"[red]error: {line}: its statistics are missing, not zero[/red]")
+    notes = tables.get("notes")
+    for code, message, first, _ranks in notes.iter_rows() if notes is not None else ():
+        since = "" if first is None else f" (from step {first})"
+        console.print(f"[yellow]note: {code}{since}: {message}[/yellow]")
     checks = tables["checks"]
     if not checks.height:
         console.print("no exact checks recorded (completion ids or the final norm were not probed)")

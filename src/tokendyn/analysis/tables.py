@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from tokendyn.vocab import FULL_UPDATES
+
 QUANTILES = (0.1, 0.5, 0.9)
 
 
@@ -262,9 +264,9 @@ CORRECT_COLUMNS = ("n_pos", "tie_pos", "correct_pos", "n_neg", "tie_neg", "corre
 
 def correct_summary(prob_change: pl.LazyFrame) -> pl.DataFrame:
     """Per kind of update (counterfactual, real), step size and bin of pi_old (-1: all tokens), over the steps of the
-    full update (update_stage "all", or Lopti's "total"): the correct ratios from the summed counts, ties apart:
+    full update (update_stage "train", or Lopti's "lopti"): the correct ratios from the summed counts, ties apart:
     A > 0: rose / (rose + fell); A < 0: fell / (rose + fell); pooled; with n and the ties of each sign."""
-    pc = prob_change.filter(pl.col("update_stage").is_in(["all", "total"]) & (pl.col("source_bin") == -1))
+    pc = prob_change.filter(pl.col("update_stage").is_in(FULL_UPDATES) & (pl.col("source_bin") == -1))
     pc = pc.with_columns(pl.col("tie_pos").fill_null(0), pl.col("tie_neg").fill_null(0)).with_columns(
         (pl.col("n_pos") - pl.col("tie_pos")).alias("d_pos"),
         (pl.col("n_neg") - pl.col("tie_neg")).alias("d_neg"),

@@ -1,8 +1,8 @@
 """Figures of what an update does to the tokens' probabilities: delta pi per bin after the full update (paper
 Fig. 1c), the isolation panels (Fig. 1e/f) and the whole influence matrix, the correct ratio per bin (Fig. 2b).
 
-All read the rebalancing records (``prob_change``, ``influence``); a Lopti run's full update is its "total" (both
-stages), a plain run's "all".
+All read the rebalancing records (``prob_change``, ``influence``); a Lopti run's full update is its "lopti" (both
+stages), a plain run's "train" (`tokendyn.vocab`).
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from matplotlib.patches import Patch
 
 from tokendyn.figures.data import MissingRecords, bin_label, need, optional, run_order
 from tokendyn.figures.style import new_figure, offsets, run_colors, run_markers, shade_bins, themed
+from tokendyn.vocab import FULL_UPDATES, HIGH, LOW, TRAIN
 
 QS = ("q01", "q05", "q25", "q50", "q75", "q95", "q99")
-FULL_STAGES = ("total", "all")  # the full update: both Lopti stages, else the single update
+FULL_STAGES = FULL_UPDATES  # the full update: both Lopti stages, else the single update
 
 
 def full_update(prob_change: pl.DataFrame, update: str | None = "counterfactual") -> pl.DataFrame:
     """Rows of the full update per run: source all tokens (-1), the given kind of update (fallback: whatever the
-    run has), update_stage "total" where present, else "all"."""
+    run has), update_stage "lopti" where present, else "train"."""
     pc = prob_change.filter(pl.col("source_bin") == -1)
     out = []
     for run in run_order(pc):
@@ -235,7 +236,7 @@ def isolation(influence: pl.DataFrame | None, *, sources: Sequence[int] | None =
                             transform=ax.transAxes)  # fmt: skip
                     ax.set_axis_off()
                     continue
-                stage = "all" if "all" in stages else sorted(stages)[0]
+                stage = TRAIN if TRAIN in stages else sorted(stages)[0]
                 rows = rows.filter(pl.col("update_stage") == stage).sort("target_bin")
                 ref = r.filter((pl.col("source_bin") == -1) & (pl.col("update_stage") == stage))
                 ref = ref.join(rows.select("target_bin"), on="target_bin", how="semi").sort("target_bin")
@@ -251,7 +252,7 @@ def isolation(influence: pl.DataFrame | None, *, sources: Sequence[int] | None =
                 ax.axhline(0, color="0.4", lw=0.8)
                 ax.set_xlim(0, 1)
                 ax.set_ylim(-ylim, ylim)
-                where = "" if stage == "all" else f", {_stage_title(stage)}"
+                where = "" if stage == TRAIN else f", {_stage_title(stage)}"
                 ax.set_title(f"update only π_old in {bin_label(s_lo, s_hi, s_hi >= 1)}{where}", fontsize=10)
                 ax.set_xlabel("π_old of the measured tokens")
                 ax.set_ylabel("probability change Δπ" if j == 0 else "")
@@ -265,8 +266,8 @@ def isolation(influence: pl.DataFrame | None, *, sources: Sequence[int] | None =
 
 
 def _stage_title(update_stage: str) -> str:
-    """ "stage1" -> "stage 1" (a counterfactual update restricted to one Lopti stage's tokens)."""
-    return f"stage {update_stage[5:]}" if update_stage.startswith("stage") else update_stage
+    """ "low" -> "low stage" (a counterfactual update restricted to one Lopti stage's tokens)."""
+    return f"{update_stage} stage" if update_stage in (LOW, HIGH) else update_stage
 
 
 def _lr_note(pooled: pl.DataFrame) -> str:
@@ -296,7 +297,7 @@ def influence_matrix(influence: pl.DataFrame | None) -> Figure:
                         cbar=False)  # fmt: skip
             ax.set_xlabel("measured tokens (target), π_old")
             ax.set_ylabel("updated tokens (source)")
-            ax.set_title(run if stage == "all" else f"{run}: {_stage_title(stage)}", fontsize=10)
+            ax.set_title(run if stage == TRAIN else f"{run}: {_stage_title(stage)}", fontsize=10)
             ax.tick_params(axis="x", rotation=0, labelsize=8)
             ax.tick_params(axis="y", rotation=0, labelsize=8)
         for k in range(len(panels), nrows * ncols):
@@ -323,7 +324,7 @@ def _influence_panel(pooled: pl.DataFrame, run: str, stage: str) -> tuple[np.nda
     sl = r.select("source_bin", "source_lo", "source_hi").unique().sort("source_bin")
     nt = tl.height
     tlab = [bin_label(a, b, i == nt - 1) for i, (_, a, b) in enumerate(tl.iter_rows())]
-    every = "all" if stage == "all" else "all of the stage"
+    every = "all" if stage == TRAIN else "all of the stage"
     slab = [every if s < 0 else bin_label(a, b, b >= 1) for s, a, b in sl.iter_rows()]
     m = np.full((sl.height, nt), np.nan)
     si = {s: i for i, s in enumerate(sl["source_bin"].to_list())}

@@ -27,8 +27,9 @@ from tokendyn.figures.style import (
     short_point,
     themed,
 )
+from tokendyn.vocab import ALL_PARAMETERS, EMBEDDINGS, FINAL_NORM_GROUP, LM_HEAD, group_order
 
-ALL = "all"
+ALL = ALL_PARAMETERS
 
 
 def _series(df: pl.DataFrame) -> list[tuple[str, str]]:
@@ -60,7 +61,7 @@ def _norm_from_shares(shares: pl.DataFrame) -> Figure:
     takes out how large each step's gradient happens to be. Means over the recorded steps ± standard error."""
     sh = (
         full_loss(shares)
-        .filter(pl.col("layer") == ALL)
+        .filter(pl.col("group") == ALL)
         .with_columns((pl.col("grad_norm") / pl.col("total_norm")).alias("rel"))
     )
     se = lambda c: (pl.col(c).std().fill_null(0) / pl.col(c).count().sqrt()).alias(f"{c}_se")  # noqa: E731
@@ -177,14 +178,14 @@ def layer_bin_heatmap(shares: pl.DataFrame | None = None, binstats: pl.DataFrame
     One panel per run (and Lopti stage)."""
     shares, binstats = optional(shares), optional(binstats)
     if shares is not None:
-        sh = full_loss(shares).filter(pl.col("layer") != ALL)
-        rel = sh.group_by("run", "stage", "layer", "bin").agg(
+        sh = full_loss(shares).filter(pl.col("group") != ALL).rename({"group": "row"})
+        rel = sh.group_by("run", "stage", "row", "bin").agg(
             (pl.col("grad_norm") / pl.col("total_norm")).mean().alias("v"), pl.col("bin_lo").mean(),
             pl.col("bin_hi").mean(),
         )  # fmt: skip
         panels = _series(sh)
         what, ylabel = "‖g_b‖ / ‖g‖ of the group's parameters", "parameter group"
-        key = "layer"
+        key = "row"
     elif binstats is not None:
         bs = binstats.filter(pl.col("quantity") == "norm")
         agg = bs.group_by("run", "stage", "point", "point_index", "bin").agg(
@@ -196,7 +197,7 @@ def layer_bin_heatmap(shares: pl.DataFrame | None = None, binstats: pl.DataFrame
         rel = (
             agg.join(allt, on=["run", "stage", "point"])
             .with_columns((pl.col("sum") / pl.col("count") / pl.col("a")).alias("v"))
-            .rename({"point": "layer"})
+            .rename({"point": "row"})
         )
         panels = _series(bs)
         what, ylabel = "per-token ‖∂L/∂h_l‖ / all tokens' mean", "probe point"
@@ -207,7 +208,7 @@ def layer_bin_heatmap(shares: pl.DataFrame | None = None, binstats: pl.DataFrame
     nrows = math.ceil(len(panels) / ncols)
     nst = {r: sum(1 for x, _ in panels if x == r) for r, _ in panels}
     with themed():
-        fig, axes = new_figure(nrows, ncols, w=4.8, h=max(3.2, 0.45 * rel["layer"].n_unique() + 1.6))
+        fig, axes = new_figure(nrows, ncols, w=4.8, h=max(3.2, 0.45 * rel["row"].n_unique() + 1.6))
         for k, (run, stage) in enumerate(panels):
             ax = axes[k // ncols, k % ncols]
             r = rel.filter((pl.col("run") == run) & (pl.col("stage") == stage) & (pl.col("bin") >= 0))
@@ -216,7 +217,7 @@ def layer_bin_heatmap(shares: pl.DataFrame | None = None, binstats: pl.DataFrame
             m = np.full((len(layers), bins.height), np.nan)
             li = {l: i for i, l in enumerate(layers)}  # noqa: E741
             bi = {b: i for i, b in enumerate(bins["bin"].to_list())}
-            for lay, b, v in r.select("layer", "bin", "v").iter_rows():
+            for lay, b, v in r.select("row", "bin", "v").iter_rows():
                 m[li[lay], bi[b]] = v
             xl = [bin_label(a, c, i == bins.height - 1) for i, (_, a, c) in enumerate(bins.iter_rows())]
             yl = [short_point(x) if key == "point_index" else _short_layer(x) for x in layers]
@@ -235,14 +236,8 @@ def layer_bin_heatmap(shares: pl.DataFrame | None = None, binstats: pl.DataFrame
 
 def _layer_order(r: pl.DataFrame, key: str) -> list[str]:
     if key == "point_index":
-        return r.select("layer", "point_index").unique().sort("point_index")["layer"].to_list()
-
-    def rank(g: str) -> tuple[int, int]:
-        if g.startswith("layers."):
-            return (1, int(g.split(".")[1]))
-        return ({"embeddings": 0, "final_norm": 2, "lm_head": 3}.get(g, 4), 0)
-
-    return sorted(r["layer"].unique().to_list(), key=rank)
+        return r.select("row", "point_index").unique().sort("point_index")["row"].to_list()
+    return sorted(r[key].unique().to_list(), key=group_order)
 
 
 def _stack(ax, x, values: np.ndarray, colors, width: float, labels=None) -> None:
@@ -286,8 +281,8 @@ def update_shares(shares: pl.DataFrame | None) -> Figure:
             for k, stage in enumerate(stages_of[run]):
                 r = sh.filter((pl.col("run") == run) & (pl.col("stage") == stage))
                 suffix = "" if stage == "train" else f"\nLopti stage {k + 1}: {stage}-probability tokens"
-                per_layer = r.group_by("layer", "bin").agg(pl.col("share").mean())
-                layers = _layer_order(per_layer, "layer")
+                per_layer = r.group_by("group", "bin").agg(pl.col("share").mean())
+                layers = _layer_order(per_layer, "group")
                 m = np.zeros((len(layers), nb))
                 for lay, b, v in per_layer.iter_rows():
                     m[layers.index(lay), b] = v
@@ -299,7 +294,7 @@ def update_shares(shares: pl.DataFrame | None) -> Figure:
                 ax.set_ylabel("share of the update s_b")
                 ax.set_title("per parameter group" + suffix, fontsize=10)
                 overall = (
-                    r.filter(pl.col("layer") == ALL)
+                    r.filter(pl.col("group") == ALL)
                     .pivot(on="bin", index="step", values="share")
                     .sort("step")
                 )
@@ -328,6 +323,6 @@ def update_shares(shares: pl.DataFrame | None) -> Figure:
 
 
 def _short_layer(g: str) -> str:
-    return {"embeddings": "embed", "final_norm": "final norm", "lm_head": "LM head", ALL: "all"}.get(
+    return {EMBEDDINGS: "embed", FINAL_NORM_GROUP: "final norm", LM_HEAD: "LM head", ALL: "all"}.get(
         g, g.replace("layers.", "layer ")
     )

@@ -17,6 +17,7 @@ from tokendyn.figures.gradients import per_token_norms
 from tokendyn.figures.style import method_kind
 from tokendyn.figures.tokens import envelope, token_counts
 from tokendyn.figures.training import accuracy_table
+from tokendyn.vocab import TRAIN
 
 
 def pct(x: float | None) -> str:
@@ -97,7 +98,7 @@ def prob_change(records: Records) -> str:
 def gradient_norm(records: Records) -> str:
     sh = records.get("shares")
     if sh is not None:
-        sh = full_loss(sh).filter(pl.col("layer") == "all")
+        sh = full_loss(sh).filter(pl.col("group") == "all")
         m = sh.group_by("run", "stage", "bin").agg(pl.col("grad_norm").mean(), pl.col("bin_lo").mean(),
                                                    pl.col("bin_hi").mean())  # fmt: skip
         lo, hi, e_lo, e_hi = _lowest_highest(m)
@@ -140,8 +141,8 @@ def gradient_norm(records: Records) -> str:
 def layer_heatmap(records: Records) -> str:
     sh = records.get("shares")
     if sh is not None:
-        r = full_loss(sh).filter((pl.col("layer") != "all") & (pl.col("bin") >= 0))
-        rel = r.group_by("run", "layer", "bin").agg(
+        r = full_loss(sh).filter((pl.col("group") != "all") & (pl.col("bin") >= 0))
+        rel = r.group_by("run", "group", "bin").agg(
             (pl.col("grad_norm") / pl.col("total_norm")).mean().alias("v")
         )
         lo = int(rel["bin"].min())
@@ -149,7 +150,7 @@ def layer_heatmap(records: Records) -> str:
         for run in run_order(rel):
             v = rel.filter((pl.col("run") == run) & (pl.col("bin") == lo))["v"]
             parts.append(f"{run}: {num(v.min())}–{num(v.max())}")
-        top = rel.group_by("run", "layer").agg(pl.col("bin").sort_by("v").last().alias("top"))
+        top = rel.group_by("run", "group").agg(pl.col("bin").sort_by("v").last().alias("top"))
         n_top = int((top["top"] == lo).sum())
         return (f"The lowest interval has the largest relative gradient in {n_top} of {top.height} (run, parameter "
                 "group) pairs; its ‖g_b‖ / ‖g‖ across groups: " + "; ".join(parts) + ".")  # fmt: skip
@@ -198,7 +199,7 @@ def influence_matrix(records: Records) -> str:
         r = off.filter(pl.col("run") == run).sort("mean_abs", descending=True)
         if r.height:
             t = r.row(0, named=True)
-            stage = "" if t["update_stage"] == "all" else f" ({t['update_stage']})"
+            stage = "" if t["update_stage"] == TRAIN else f" ({t['update_stage']} stage)"
             parts.append(
                 f"{run}{stage}: the strongest cross-interval effect is from [{t['source_lo']:g}, {t['source_hi']:g}) "
                 f"on [{t['target_lo']:g}, {t['target_hi']:g}), mean |Δπ| = {num(t['mean_abs'])}"
@@ -250,7 +251,7 @@ def correct_ratio(records: Records) -> str:
 
 
 def update_shares(records: Records) -> str:
-    all_sh = _need(records, "shares", "update shares").filter(pl.col("layer") == "all")
+    all_sh = _need(records, "shares", "update shares").filter(pl.col("group") == "all")
     sh = full_loss(all_sh)
     per = sh.group_by("run", "bin").agg(pl.col("share").mean(), pl.col("count").sum(), pl.col("bin_lo").mean(),
                                        pl.col("bin_hi").mean())  # fmt: skip

@@ -1,7 +1,7 @@
 """The correct ratio as a curve of the counterfactual step size (``probe_lr_sweep``): where the paper's lr = 1e-3
 SGD step (a first-order probe of the update direction) and larger, non-linear steps part ways.
 
-Reads the ``prob_change`` rows with update "sweep" (the full update: "all", or Lopti's "total" after both stages).
+Reads the ``prob_change`` rows with update "sweep" (the full update: "train", or Lopti's "lopti" after both stages).
 """
 
 from __future__ import annotations

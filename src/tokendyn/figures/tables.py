@@ -92,7 +92,7 @@ def shares_table(records: Records) -> pl.DataFrame:
     sh = records.get("shares")
     if sh is None:
         raise MissingRecords("update shares", ["shares"])
-    sh = sh.filter(pl.col("layer") == "all")
+    sh = sh.filter(pl.col("group") == "all")
     total = (
         sh.filter(pl.col("bin") < 0)
         .group_by("run", "stage")

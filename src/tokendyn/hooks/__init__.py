@@ -1,17 +1,7 @@
-"""Attaching probes to training: `instrument` (any loop) and the record writer (`tokendyn.hooks.records`).
+"""Attaching probes to training: `instrument` (any loop), `TrainerProbe` (TRL's GRPO loop, `tokendyn.hooks.trainer`)
+and the offline probe of a rollouts file (`tokendyn.hooks.offline`). Records are written by
+`tokendyn.records.RecordWriter`."""
 
-`instrument` is imported lazily so that `tokendyn.hooks.records` can be read without torch."""
+from tokendyn.hooks.loop import Recorder, instrument
 
-from __future__ import annotations
-
-from typing import Any
-
-__all__ = ["instrument"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "instrument":
-        from tokendyn.hooks.loop import instrument
-
-        return instrument
-    raise AttributeError(f"module 'tokendyn.hooks' has no attribute {name!r}")
+__all__ = ["Recorder", "instrument"]

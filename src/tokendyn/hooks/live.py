@@ -25,6 +25,7 @@ import polars as pl
 from transformers import TrainerCallback
 
 from tokendyn.records import shard_files
+from tokendyn.vocab import FULL_UPDATES
 
 ANALYSIS_KINDS = ("shares", "prob_change")
 
@@ -65,7 +66,7 @@ def analysis_metrics(kind: str, df: pl.DataFrame) -> dict[str, float]:
     counts after the counterfactual all-token update (``prob_change``)."""
     out: dict[str, float] = {}
     if kind == "shares":
-        rows = df.filter((pl.col("layer") == "all") & (pl.col("bin") >= 0))
+        rows = df.filter((pl.col("group") == "all") & (pl.col("bin") >= 0))
         for stage, b, share, norm, total in rows.select(
             "stage", "bin", "share", "grad_norm", "total_norm"
         ).rows():
@@ -78,7 +79,7 @@ def analysis_metrics(kind: str, df: pl.DataFrame) -> dict[str, float]:
         rows = df.filter(
             (pl.col("update") == "counterfactual")
             & (pl.col("source_bin") == -1)
-            & pl.col("update_stage").is_in(["all", "total"])
+            & pl.col("update_stage").is_in(FULL_UPDATES)
             & (pl.col("bin") >= 0)
         )
         ties = [c for c in ("tie_pos", "tie_neg") if c in df.columns]

@@ -14,7 +14,8 @@ read from a rollouts file (`tokendyn.hooks.rollouts`):
    file's old_logp, else the model's own pi (on-policy). Only activation gradients are computed (parameters are
    frozen for the pass, the embedding output carries the gradient): the probed gradients are those of the full
    backward, no parameter gradient is written;
-2. the rebalancing analyses (`tokendyn.probe.rebalance.analyze_batch`) on the first ``sample_sequences`` rows;
+2. the rebalancing analyses (`tokendyn.probe.rebalance.analyze_batch`) on the first ``sample_sequences`` rows (the
+   `ProbeConfig`'s analyses, less ``real_change``: no update is made here);
 3. everything is written to a staging folder beside RUN_DIR, renamed onto RUN_DIR at the end: RUN_DIR (absent or
    empty before) gets records/ and run.json all at once, or nothing.
 
@@ -27,7 +28,7 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,31 +36,19 @@ import torch
 from torch import nn
 
 from tokendyn.common import write_json
+from tokendyn.config import ProbeConfig
+from tokendyn.config import resolve as resolve_config
 from tokendyn.hooks.model_fit import POSITIONS, check_fits, model_limits, positions_from_masks
-from tokendyn.hooks.records import RecordWriter
+from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.rollouts import Rollouts, read_rollouts
 from tokendyn.probe.probe import GradientProbe
+from tokendyn.probe.rebalance import analyze_batch
+from tokendyn.probe.shares import jvp_attention
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, eval_mode, token_loss
+from tokendyn.records import RecordWriter, write_frames
+from tokendyn.vocab import TRAIN
 
-ANALYSES = ("shares", "token_shares", "prob_change", "influence")
-TOKEN_SHARES_PER_BIN = 32  # sampled token-share rows per bin, as the trainer keeps
 METHOD = "offline probe"
-
-
-def parse_analyses(value: str | Sequence[str] | None) -> tuple[str, ...]:
-    """'shares,influence' / a sequence / 'none' / '' / None -> the analyses (checked against ANALYSES)."""
-    if value is None:
-        return ()
-    items = value.split(",") if isinstance(value, str) else list(value)
-    items = [a.strip() for a in items if a.strip()]
-    if items in (["none"], []):
-        return ()
-    unknown = sorted(set(items) - set(ANALYSES))
-    if unknown:
-        raise ValueError(
-            f"analyses: unknown {unknown}; allowed: {', '.join(ANALYSES)} (comma-separated) or 'none'"
-        )
-    return tuple(dict.fromkeys(items))
 
 
 def check_run_dir(run_dir: str | os.PathLike) -> Path:
@@ -169,43 +158,34 @@ def probe_rollouts(
     tokenizer,
     rollouts: Rollouts | str | os.PathLike,
     run_dir: str | os.PathLike,
+    config: ProbeConfig | None = None,
     *,
-    bins=None,
-    points: str | Sequence[str] | None = None,
     temperature: float | None = None,
     batch_size: int = 16,
-    sample_sequences: int = 8,
-    analyses: str | Sequence[str] | None = ANALYSES,
-    lr: float = 1e-3,
-    lr_sweep: Sequence[float] = (),
     objective: Objective | None = None,
     seed: int = 0,
-    sample_tokens: int = 128,
-    direct_tokens: int = 16,
     progress: bool = False,
     meta: dict | None = None,
     positions: str = "mask",
+    **options,
 ) -> OfflineResult:
     """Probe one rollout batch offline and write the training records to RUN_DIR (see the module docstring).
 
     rollouts: a validated `Rollouts` or anything `read_rollouts` takes; tokenizer: needed for text rollouts (and
-    for the pad id; None: 0). bins / points: as `GradientProbe` (default the paper's bins, every layer and the
-    final norm). temperature: None = the file's, else 1.0. analyses: a subset of ANALYSES (or 'none');
+    for the pad id; None: 0). config: the probe's `ProbeConfig` (``**options`` override its fields: points, bins,
+    sample_sequences, analyses, lr, lr_sweep, ...). temperature: None = the file's, else 1.0.
     objective: default `Objective(0.2, 0.28)` (TRL's clipped surrogate, beta 0; any TRL loss option: `Objective`).
-    lr_sweep: step sizes of the counterfactual SGD sweep (records update "sweep"). meta: extra run.json fields.
+    meta: extra run.json fields.
     positions: "mask" (position ids from the attention masks, as the sampler had them) or "model" (the model's
     default; TRL's training forward passes none); see `positions_from_masks`.
     Everything is checked before any forward; on any error nothing is written."""
     t0 = time.time()
     rollouts = read_rollouts(rollouts)
     temperature = resolve_temperature(rollouts, temperature)
-    wanted = parse_analyses(analyses)
+    cfg = resolve_config(config, options)
+    wanted = cfg.active_analyses
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
-    if isinstance(sample_sequences, bool) or not isinstance(sample_sequences, int) or sample_sequences < 0:
-        raise ValueError(
-            f"sample_sequences: must be an integer >= 0 (0: no analyses), got {sample_sequences!r}"
-        )
     if positions not in POSITIONS:
         raise ValueError(f"positions: must be one of {', '.join(POSITIONS)}, got {positions!r}")
     objective = objective or Objective(eps_low=0.2, eps_high=0.28)
@@ -217,32 +197,11 @@ def probe_rollouts(
     run_dir = check_run_dir(run_dir)
     rollouts = rollouts.encode(tokenizer)
     _check_ids(rollouts, model)
-    n_analysed = min(sample_sequences, rollouts.n) if wanted else 0
-    from tokendyn.probe.rebalance import RebalanceOptions
-
-    options = RebalanceOptions(
-        shares="shares" in wanted,
-        token_shares=TOKEN_SHARES_PER_BIN if "token_shares" in wanted else 0,
-        prob_change="prob_change" in wanted,
-        influence="influence" in wanted,
-        lr=float(lr),
-        lr_sweep=tuple(lr_sweep),
-        seed=seed,
-    )
-    if options.token_shares and n_analysed:
-        from tokendyn.probe.shares import jvp_attention
-
+    n_analysed = min(cfg.sample_sequences, rollouts.n) if set(wanted) - {"real_change"} else 0
+    analyses = rebalance_options(cfg, seed)
+    if analyses.token_shares and n_analysed:
         jvp_attention(model)  # raises for attention kernels forward-mode AD cannot go through
-    probe = GradientProbe(
-        model,
-        points=points,
-        bins=bins,
-        sample_tokens=sample_tokens,
-        direct_tokens=direct_tokens,
-        temperature=temperature,
-        seed=seed,
-        rank=0,
-    )
+    probe = GradientProbe(model, cfg, temperature=temperature, seed=seed, rank=0)
     pad_id = 0
     if tokenizer is not None:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
@@ -254,7 +213,7 @@ def probe_rollouts(
     staging = run_dir.parent / f".{run_dir.name}.staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        writer = RecordWriter(staging, rank=0, flush_every=16)
+        writer = RecordWriter(staging, rank=0, flush_every=16, flush_seconds=cfg.flush_seconds)
         probe.sink = writer.add
         with _progress(progress) as bar:
             task = bar.add_task("probing micro-batches", total=len(chunks)) if bar is not None else None
@@ -269,10 +228,10 @@ def probe_rollouts(
                     batch = _probe_batch(b, temperature, normalizer=float(max(n_tokens, 1)))
                     probe.begin_step(
                         0,
-                        "train",
+                        TRAIN,
                         completion_mask=batch.completion_mask,
                         advantages=b["advantages"],
-                        old_logps=b.get("old_per_token_logps"),
+                        old_logp=b.get("old_per_token_logps"),
                         completion_ids=b["completion_ids"],
                         temperature=temperature,
                     )
@@ -289,7 +248,7 @@ def probe_rollouts(
                 sample = rollouts.batch(range(n_analysed), pad_id, device)
                 with positions_from_masks(model, positions):
                     _analyse(
-                        model, _probe_batch(sample, temperature, None), probe, options, objective, staging
+                        model, _probe_batch(sample, temperature, None), probe, analyses, objective, staging
                     )
         files = [p.relative_to(staging) for p in sorted((staging / "records").glob("*.parquet"))]
         info = {
@@ -304,14 +263,12 @@ def probe_rollouts(
             "pi_old": "old_logp column" if rollouts.old_logp is not None else "on-policy (the model's pi)",
             "input": "token ids" if rollouts.prompts is None else "text (tokenized here)",
             "ignored_columns": list(rollouts.ignored),
+            "probe": cfg.to_dict(),
             "options": {
-                "bins": probe.bins.describe(),
                 "points": probe.point_names,
                 "temperature": temperature,
                 "batch_size": batch_size,
-                "sample_sequences": sample_sequences,
-                "analyses": list(wanted),
-                "lr": float(lr),
+                "analyses": [a for a in wanted if a != "real_change"],
                 "objective": asdict(objective),
                 "normalizer": "scored tokens of the whole file",
                 "positions": positions,
@@ -334,15 +291,12 @@ def probe_rollouts(
 def _analyse(model, batch: ProbeBatch, probe: GradientProbe, options, objective, out: Path) -> None:
     """The rebalancing analyses on the sample, as the trainer runs them on its own (token mean over the sample,
     pi_old fixed once); bins: the probe's fixed edges (quantile bins: the paper's)."""
-    from tokendyn.probe.rebalance import analyze_batch
-    from tokendyn.records import write_frames
-
     edges = probe.bins.edges
     frames = analyze_batch(
         model,
         batch,
         step=0,
-        stage="train",
+        stage=TRAIN,
         edges=list(edges) if edges is not None else None,
         options=options,
         objective=objective,

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import types
+import typing
+from dataclasses import MISSING, fields
+
+from tokendyn.config import ProbeConfig, ProbeConfigError
 
 # no float64: the probe takes vector_norm(..., dtype=float32) of the gradients, which refuses float64 input
 DTYPES = ("float32", "bfloat16", "float16")
@@ -36,22 +41,8 @@ def register(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="sampling temperature T (default: the file's column, else 1.0)",
     )
-    p.add_argument(
-        "--bins", default="0,0.25,0.5,0.75,1", help="pi_old bins: edges, intervals:K or quantiles:K"
-    )
-    p.add_argument("--layers", nargs="+", default=None, help="probe points by name or glob (default: all)")
+    add_probe_arguments(p)
     p.add_argument("--batch_size", type=int, default=16, help="completions per forward + backward (>= 1)")
-    p.add_argument(
-        "--sample_sequences", type=int, default=8, help="sequences the rebalancing analyses run on (0 = none)"
-    )
-    p.add_argument(
-        "--analyses",
-        default="shares,token_shares,prob_change,influence",
-        help="comma-separated subset of shares,token_shares,prob_change,influence, or 'none'",
-    )
-    p.add_argument(
-        "--lr", type=float, default=1e-3, help="learning rate of the counterfactual SGD step (> 0)"
-    )
     p.add_argument("--epsilon", type=float, default=0.2, help="lower clip range of the ratio (>= 0)")
     p.add_argument("--epsilon_high", type=float, default=0.28, help="upper clip range of the ratio (>= 0)")
     p.add_argument("--delta", type=float, default=None, help="two-sided ratio cap (> 1; default none)")
@@ -79,13 +70,6 @@ def register(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="dr_grpo's constant normaliser (> 0; dr_grpo only)",
     )
-    p.add_argument(
-        "--lr_sweep",
-        type=float,
-        nargs="+",
-        default=None,
-        help="step sizes of a counterfactual SGD sweep (> 0)",
-    )
     p.add_argument("--seed", type=int, default=0, help="seed of the token samples")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")
@@ -100,43 +84,68 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _optional(kind):
+    """argparse type of an ``X | None`` option: 'none' -> None, else ``kind(text)``."""
+
+    def parse(text: str):
+        return None if text.strip().lower() == "none" else kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def add_probe_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag ``--<field>`` per `ProbeConfig` field (its help text; a flag not given is absent from the namespace
+    and keeps ProbeConfig's default; 'none' sets an optional field to None)."""
+    hints = typing.get_type_hints(ProbeConfig)
+    for f in fields(ProbeConfig):
+        hint, kw = hints[f.name], {}
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) is tuple or any(typing.get_origin(a) is tuple for a in args):
+            inner = typing.get_args(hint if typing.get_origin(hint) is tuple else args[0])[0]
+            kw = {"nargs": "+", "type": inner}
+        elif isinstance(hint, types.UnionType):
+            kw = {"type": _optional(args[0])}
+        elif hint in (int, float):
+            kw = {"type": hint}
+        default = f.default if f.default is not MISSING else None
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        p.add_argument(
+            f"--{f.name}", default=argparse.SUPPRESS, help=f"{f.metadata['help']} (default {shown})", **kw
+        )
+
+
+def probe_config(args: argparse.Namespace) -> ProbeConfig:
+    """The `ProbeConfig` of the flags given (an error names the flag)."""
+    given = {f.name: getattr(args, f.name) for f in fields(ProbeConfig) if hasattr(args, f.name)}
+    try:
+        return ProbeConfig(**given)
+    except ProbeConfigError as exc:
+        raise ValueError(f"--{exc}") from None
+
+
 def _check_args(args: argparse.Namespace):
-    """Value ranges; returns (analyses, objective). Raises ValueError naming the flag."""
-    from tokendyn.hooks.offline import parse_analyses
-    from tokendyn.probe.bins import BinSpec
+    """Value ranges; returns (probe config, objective). Raises ValueError naming the flag."""
     from tokendyn.probe.tokenloss import Objective
 
     def finite(name: str, v: float | None) -> None:
         if v is not None and not math.isfinite(v):
             raise ValueError(f"--{name}: must be a finite number, got {v!r}")
 
-    for name in ("temperature", "lr", "epsilon", "epsilon_high", "delta", "beta"):
+    for name in ("temperature", "epsilon", "epsilon_high", "delta", "beta"):
         finite(name, getattr(args, name))
     if args.temperature is not None and not args.temperature > 0:
         raise ValueError(f"--temperature: must be > 0, got {args.temperature:g}")
     if args.batch_size < 1:
         raise ValueError(f"--batch_size: must be >= 1, got {args.batch_size}")
-    if args.sample_sequences < 0:
-        raise ValueError(f"--sample_sequences: must be >= 0 (0 = no analyses), got {args.sample_sequences}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr: must be > 0, got {args.lr:g}")
     for name in ("epsilon", "epsilon_high", "beta"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name}: must be >= 0, got {getattr(args, name):g}")
     if args.delta is not None and not args.delta > 1:
         raise ValueError(f"--delta: must be > 1 (or left unset), got {args.delta:g}")
-    try:
-        BinSpec.parse(args.bins)
-    except ValueError as exc:
-        raise ValueError(f"--bins: {exc}") from None
-    try:
-        analyses = parse_analyses(args.analyses)
-    except ValueError as exc:
-        raise ValueError(f"--{exc}") from None
+    config = probe_config(args)
     finite("top_entropy_quantile", args.top_entropy_quantile)
     finite("entropy_coef", args.entropy_coef)
-    if args.lr_sweep is not None and not all(math.isfinite(x) and x > 0 for x in args.lr_sweep):
-        raise ValueError(f"--lr_sweep: every step size must be a finite number > 0, got {args.lr_sweep}")
     try:
         objective = Objective(
             eps_low=args.epsilon,
@@ -153,7 +162,7 @@ def _check_args(args: argparse.Namespace):
     except ValueError as exc:  # "objective: <field> ..." -> the flag
         field = str(exc).removeprefix("objective: ").split(" ", 1)
         raise ValueError(f"--{field[0]}: {field[1] if len(field) > 1 else exc}") from None
-    return analyses, objective
+    return config, objective
 
 
 def _device(name: str):
@@ -185,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     from tokendyn.hooks.rollouts import read_rollouts
 
     console = Console(stderr=True)
-    analyses, objective = _check_args(args)
+    options, objective = _check_args(args)
     rollouts = read_rollouts(args.rollouts)
     temperature = resolve_temperature(rollouts, args.temperature)
     if args.beta > 0 and rollouts.ref_logp is None:
@@ -223,14 +232,9 @@ def run(args: argparse.Namespace) -> int:
         tokenizer,
         rollouts,
         args.out,
-        bins=args.bins,
-        points=args.layers,
+        options,
         temperature=temperature,
         batch_size=args.batch_size,
-        sample_sequences=args.sample_sequences,
-        analyses=analyses,
-        lr=args.lr,
-        lr_sweep=tuple(args.lr_sweep or ()),
         objective=objective,
         seed=args.seed,
         progress=True,

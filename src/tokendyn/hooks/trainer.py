@@ -3,7 +3,7 @@
 The trainer calls three methods: `begin(inputs, stage)` at the top of its loss (after the Lopti
 stage masking, with exactly the tensors the loss uses), `end()` after the micro-step's backward,
 and `close()` at the end of training. A probed optimizer step records every micro-batch of it;
-Lopti's stages are recorded apart (stage "low" / "high"); plain GRPO is stage "train". No extra
+Lopti's stages are recorded apart (stage "low" / "high", `tokendyn.vocab.stage_name`); plain GRPO is stage "train". No extra
 forward or backward pass is made for these statistics: they are read from the training backward.
 
 The rebalancing analyses (`tokendyn.probe.rebalance`) are the one deliberate extra cost: on probed
@@ -25,12 +25,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import polars as pl
 import torch
 from transformers import TrainerCallback
 
-from ..probe.parallel import is_fully_sharded
-from ..probe.probe import GradientProbe
-from .records import RecordWriter
+from tokendyn.hooks.options import rebalance_options
+from tokendyn.hooks.rollouts import dump_rollouts
+from tokendyn.probe.change import completion_probs, fix_pi_old
+from tokendyn.probe.parallel import is_fully_sharded
+from tokendyn.probe.probe import GradientProbe
+from tokendyn.probe.rebalance import analyze_batch, real_change_frame, stage_shares_frame
+from tokendyn.probe.tokenloss import Objective, ProbeBatch
+from tokendyn.records import RecordWriter, write_frames
+from tokendyn.vocab import stage_name
 
 # the rows of a rollout batch the analyses read (TRL's keys, and the Lopti masks of `TokendynGRPOTrainer`)
 SAMPLE_KEYS = (
@@ -47,19 +54,12 @@ SAMPLE_KEYS = (
 )
 
 
-def stage_name(stage: int, order: str) -> str:
-    """0 -> "train"; Lopti stage 1/2 -> "low"/"high" (reversed for ``high_first``)."""
-    if stage == 0:
-        return "train"
-    first, second = ("low", "high") if order == "low_first" else ("high", "low")
-    return first if stage == 1 else second
-
-
 class TrainerProbe(TrainerCallback):
     """Owns the probe and its record writer for one trainer (also a callback: closes at train end)."""
 
     def __init__(self, trainer, run_dir: str | Path):
         args = trainer.args
+        cfg = self.config = args.probe_config()
         self.trainer = trainer
         self.every = int(args.probe_every)
         self.order = getattr(args, "lopti_order", "low_first")
@@ -67,15 +67,11 @@ class TrainerProbe(TrainerCallback):
             run_dir,
             rank=trainer.accelerator.process_index,
             flush_every=8,
-            flush_seconds=getattr(args, "probe_flush_seconds", 30.0),
+            flush_seconds=cfg.flush_seconds,
         )
         self.probe = GradientProbe(
             trainer.accelerator.unwrap_model(trainer.model),
-            points=args.probe_layers,
-            bins=args.probe_bins,
-            sample_tokens=args.probe_sample_tokens,
-            direct_tokens=args.probe_direct_tokens,
-            direct_every=args.probe_direct_every,
+            cfg,
             temperature=args.temperature,
             seed=args.seed,
             sink=self.writer.add,
@@ -85,24 +81,13 @@ class TrainerProbe(TrainerCallback):
         ).attach()
         self._open = False
         self.run_dir = Path(run_dir)
-        self.analyses = args.probe_analysis_set
-        self.sample = int(args.probe_sample_sequences)
+        self.analyses = cfg.active_analyses
+        self.sample = cfg.sample_sequences
         self._pending_real = None
         self._pending_stage2 = None  # (batch, stage-2 mask) of a Lopti rollout, for the stage-2 shares
         self._sample_rows: dict | None = None  # the analysed rows of the global rollout batch (rank 0)
         if self.analyses:
-            from ..probe.rebalance import RebalanceOptions
-            from ..probe.tokenloss import Objective
-
-            self.options = RebalanceOptions(
-                shares="shares" in self.analyses,
-                token_shares=32 if "token_shares" in self.analyses else 0,
-                prob_change="prob_change" in self.analyses,
-                influence="influence" in self.analyses,
-                lr=float(args.probe_lr),
-                lr_sweep=tuple(args.probe_lr_sweep or ()),
-                seed=args.seed,
-            )
+            self.options = rebalance_options(cfg, seed=args.seed)
             self.objective = Objective.from_config(args)  # the trained loss, or an error naming what is not
             edges = self.probe.bins.edges
             self.edges = list(edges) if edges is not None else None  # quantile bins: the paper's edges here
@@ -150,8 +135,6 @@ class TrainerProbe(TrainerCallback):
         if not self.due() or t._step % self._generate_every():
             return
         if t.args.probe_dump_rollouts and t.accelerator.is_main_process:
-            from .rollouts import dump_rollouts
-
             dump_rollouts(
                 inputs, self.run_dir / "rollouts" / f"step-{t.state.global_step:06d}.parquet", t.temperature
             )
@@ -171,12 +154,6 @@ class TrainerProbe(TrainerCallback):
             raise RuntimeError(
                 "probe: no rollout batch was handed to TrainerProbe.rollout before its analyses"
             )
-        import polars as pl
-
-        from ..probe.rebalance import analyze_batch
-        from ..probe.tokenloss import ProbeBatch
-        from ..records import write_frames
-
         mask = sample["completion_mask"]
         if "tool_mask" in sample:
             mask = mask * sample["tool_mask"]
@@ -203,15 +180,12 @@ class TrainerProbe(TrainerCallback):
                 options=self.options,
                 objective=self.objective,
                 stage_masks=stage_masks,
+                lopti_order=self.order,
             )
             if "real_change" in self.analyses:
-                from ..probe.change import completion_probs
-
                 self._pending_real = (completion_probs(model, batch), batch, step)
             if stage_masks is not None and self.options.shares:
                 if batch.old_logp is None:  # on-policy: fix pi_old now, it stays the rollout's for stage 2
-                    from ..probe.change import fix_pi_old
-
                     batch, _ = fix_pi_old(model, batch)
                 frames["shares"] = pl.concat([frames["shares"], self._stage_shares(batch, stage_masks[0], 1)])
                 self._pending_stage2 = (batch, stage_masks[1])
@@ -225,8 +199,6 @@ class TrainerProbe(TrainerCallback):
 
     def _stage_shares(self, batch, mask, stage: int):
         """`shares` rows of one Lopti stage (stage "low"/"high") at the current parameters."""
-        from ..probe.rebalance import stage_shares_frame
-
         t = self.trainer
         return stage_shares_frame(
             t.accelerator.unwrap_model(t.model),
@@ -239,8 +211,6 @@ class TrainerProbe(TrainerCallback):
         )
 
     def _stage2_shares(self) -> None:
-        from ..records import write_frames
-
         batch, mask = self._pending_stage2
         self._pending_stage2 = None
         self.probe.enabled = False
@@ -254,9 +224,6 @@ class TrainerProbe(TrainerCallback):
         """After the rollout batch's last optimizer step: the real probability change of the sample."""
         if self._pending_real is None or self.trainer._step % self._generate_every():
             return
-        from ..probe.rebalance import real_change_frame
-        from ..records import write_frames
-
         pi_before, batch, step = self._pending_real
         self._pending_real = None
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
@@ -281,7 +248,7 @@ class TrainerProbe(TrainerCallback):
             stage_name(stage, self.order),
             completion_mask=mask,
             advantages=inputs["advantages"],
-            old_logps=inputs.get("old_per_token_logps"),
+            old_logp=inputs.get("old_per_token_logps"),
             completion_ids=inputs["completion_ids"],
             temperature=self.trainer.temperature,
         )

@@ -11,36 +11,24 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_EDGES: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+from tokendyn.config import DEFAULT_EDGES, interval_edges, parse_bins, validate_edges
+
+__all__ = [
+    "DEFAULT_EDGES",
+    "BinSpec",
+    "assign_bins",
+    "bin_bounds",
+    "interval_edges",
+    "quantile_edges",
+    "validate_edges",
+]
 
 ReduceFn = Callable[[torch.Tensor], torch.Tensor]
-
-
-def interval_edges(n: int) -> tuple[float, ...]:
-    """Edges of n equal intervals of [0, 1]: e_k = k / n, k = 0..n."""
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"bins: the number of intervals must be an integer >= 1, got {n!r}")
-    return tuple(k / n for k in range(n + 1))
 
 
 def bin_bounds(edges: Sequence[float] | torch.Tensor, b: int) -> tuple[float, float]:
     """(lo, hi) of bin b of ``edges``; b = -1 (all tokens) spans the whole range."""
     return (float(edges[0]), float(edges[-1])) if b < 0 else (float(edges[b]), float(edges[b + 1]))
-
-
-def validate_edges(edges: Sequence[float]) -> tuple[float, ...]:
-    """Check custom edges: at least two, strictly increasing, first 0 and last 1 (they must cover [0, 1])."""
-    try:
-        out = tuple(float(e) for e in edges)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"bins: edges must be numbers in [0, 1], got {edges!r}") from exc
-    if len(out) < 2:
-        raise ValueError(f"bins: need at least two edges, got {list(out)}")
-    if out[0] != 0.0 or out[-1] != 1.0:
-        raise ValueError(f"bins: edges must start at 0 and end at 1 (they cover [0, 1]), got {list(out)}")
-    if any(b <= a for a, b in zip(out, out[1:], strict=False)):
-        raise ValueError(f"bins: edges must be strictly increasing, got {list(out)}")
-    return out
 
 
 def assign_bins(pi: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
@@ -98,39 +86,10 @@ class BinSpec:
     def parse(cls, spec: BinSpec | str | int | Sequence[float] | None) -> BinSpec:
         """Accepts None (the paper's [0,.25,.5,.75,1]), a BinSpec, an int n (n intervals), a sequence of edges,
         or a string: "intervals:4", "quantiles:4", "edges:0,0.1,0.5,1" or "0,0.1,0.5,1"."""
-        if spec is None:
-            return cls()
         if isinstance(spec, BinSpec):
             return spec
-        if isinstance(spec, bool):
-            raise ValueError(f"bins: expected intervals:N, quantiles:N or a list of edges, got {spec!r}")
-        if isinstance(spec, int):
-            return cls(kind="intervals", n=spec, edges=interval_edges(spec))
-        if isinstance(spec, str):
-            text = spec.strip()
-            head, _, tail = text.partition(":")
-            head = head.strip().lower()
-            if head in ("intervals", "quantiles") and tail:
-                try:
-                    n = int(tail)
-                except ValueError as exc:
-                    raise ValueError(f"bins: '{spec}': the count after ':' must be an integer >= 1") from exc
-                if n < 1:
-                    raise ValueError(f"bins: '{spec}': the count after ':' must be an integer >= 1")
-                if head == "intervals":
-                    return cls(kind="intervals", n=n, edges=interval_edges(n))
-                return cls(kind="quantiles", n=n, edges=None)
-            body = tail if head == "edges" else text
-            try:
-                values = [float(x) for x in body.split(",") if x.strip()]
-            except ValueError as exc:
-                raise ValueError(
-                    f"bins: cannot parse {spec!r}; use intervals:N, quantiles:N or comma-separated edges"
-                ) from exc
-            edges = validate_edges(values)
-            return cls(kind="edges", n=len(edges) - 1, edges=edges)
-        edges = validate_edges(spec)
-        return cls(kind="edges", n=len(edges) - 1, edges=edges)
+        kind, n, edges = parse_bins(spec)
+        return cls(kind=kind, n=n, edges=edges)
 
     def describe(self) -> str:
         if self.kind == "quantiles":

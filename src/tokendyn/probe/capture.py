@@ -1,8 +1,7 @@
-"""State of one probed forward/backward, position alignment, and process-group helpers."""
+"""State of one probed forward/backward, position alignment, and the all-reduce of the statistics (the process rank
+is `tokendyn.records.process_rank`)."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -14,12 +13,6 @@ def in_backward() -> bool:
     """True while the autograd engine runs (e.g. a checkpointed layer recomputed in backward)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
-
-
-def dist_rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

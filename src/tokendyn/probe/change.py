@@ -43,6 +43,8 @@ from tokendyn.probe.tokenloss import (
     token_loss,
     trainable_parameters,
 )
+from tokendyn.records import to_frame
+from tokendyn.vocab import LOPTI, TRAIN
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
@@ -193,7 +195,7 @@ class InPlaceUpdate:
 @dataclass
 class ChangeResult:
     """pi before every stage and after the last, and delta pi per stage (relative to the state the stage started
-    from); ``delta["total"]`` is after the last stage minus before the first (present with two or more stages)."""
+    from); ``delta["lopti"]`` is after the last stage minus before the first (present with two or more stages)."""
 
     pi_before: torch.Tensor  # (B, C) float64
     pi_after: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -230,15 +232,16 @@ def counterfactual_change(
     undone exactly (`InPlaceUpdate`: the model is left bitwise as it was).
 
     ``stages``: (name, token mask or None for all tokens), applied in order with the same optimizer, each one
-    step on L_mask = sum_{t in mask} l_t; default ``[("all", None)]``, the paper's one-step diagnostic. Lopti:
-    ``[("stage1", low), ("stage2", high)]``. ``optimizer``: params -> torch.optim.Optimizer; default plain SGD(lr).
+    step on L_mask = sum_{t in mask} l_t; default ``[("train", None)]``, the paper's one-step diagnostic. Lopti:
+    ``[("low", low), ("high", high)]`` (`tokendyn.vocab`). ``optimizer``: params -> torch.optim.Optimizer; default
+    plain SGD(lr).
     """
-    stages = [("all", None)] if stages is None else list(stages)
+    stages = [(TRAIN, None)] if stages is None else list(stages)
     if not stages:
         raise ValueError("change: stages must hold at least one (name, mask)")
     names = [s[0] for s in stages]
-    if len(set(names)) != len(names) or "total" in names:
-        raise ValueError(f"change: stage names must be distinct and not 'total', got {names}")
+    if len(set(names)) != len(names) or LOPTI in names:
+        raise ValueError(f"change: stage names must be distinct and not {LOPTI!r}, got {names}")
     batch, pi0 = fix_pi_old(model, batch)
     result = ChangeResult(pi0)
     before = pi0
@@ -251,8 +254,8 @@ def counterfactual_change(
             result.delta[name] = _masked(after - before, batch.completion_mask)
             before = after
     if len(stages) > 1:
-        result.delta["total"] = _masked(before - pi0, batch.completion_mask)
-        result.param_step["total"] = result.param_step[stages[-1][0]]
+        result.delta[LOPTI] = _masked(before - pi0, batch.completion_mask)
+        result.param_step[LOPTI] = result.param_step[stages[-1][0]]
     return result
 
 
@@ -336,17 +339,16 @@ def change_frame(
     step: int,
     stage: str = "train",
     update: str = "counterfactual",
-    update_stage: str = "all",
+    update_stage: str = TRAIN,
     source_bin: int = -1,
     lr: float | None = None,
     param_step: float | None = None,
 ):
     """The `prob_change` record of one delta pi: one row per bin of pi_old (``bins``: (B, C), -1 on padding) and
     one for all tokens (bin -1). ``update``: "counterfactual", "sweep" (the counterfactual step at another step size,
-    `tokendyn.probe.rebalance.RebalanceOptions.lr_sweep`) or "real"; ``update_stage``: "all", "stage1", "stage2",
-    "total"; ``source_bin``: the bin the update was restricted to (-1: all tokens); ``param_step``: the update's
+    `tokendyn.probe.rebalance.RebalanceOptions.lr_sweep`) or "real"; ``update_stage``: "train", "low", "high",
+    "lopti" (`tokendyn.vocab`); ``source_bin``: the bin the update was restricted to (-1: all tokens); ``param_step``: the update's
     ||delta theta|| / ||theta||."""
-    from tokendyn.probe.analysis_records import to_frame
 
     rows = []
     k = edges.numel() - 1

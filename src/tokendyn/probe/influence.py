@@ -33,6 +33,8 @@ from tokendyn.probe.bins import bin_bounds
 from tokendyn.probe.change import InPlaceUpdate, OptimizerFactory, delta_summary, fix_pi_old, sgd
 from tokendyn.probe.shares import as_edges
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index
+from tokendyn.records import to_frame
+from tokendyn.vocab import HIGH, LOW, TRAIN
 
 
 def lopti_stage_masks(
@@ -66,7 +68,7 @@ class InfluenceResult:
     source_counts: dict[tuple[str, int], int]
     lr: float | None
 
-    def matrix(self, update_stage: str = "all", quantity: str = "mean_abs") -> torch.Tensor:
+    def matrix(self, update_stage: str = TRAIN, quantity: str = "mean_abs") -> torch.Tensor:
         """M[source, target] as a (K + 1, K) tensor; row 0 is source = all tokens, row b + 1 source bin b; NaN
         where a source has no tokens. quantity: mean_abs, mean, correct_pos, correct_neg, correct_pooled."""
         k = self.edges.numel() - 1
@@ -80,7 +82,6 @@ class InfluenceResult:
 
     def to_frame(self, step: int, stage: str = "train"):
         """The `influence` record: one row per (update_stage, source bin, target bin); bin -1 is all tokens."""
-        from tokendyn.probe.analysis_records import to_frame
 
         e = self.edges
         k = e.numel() - 1
@@ -115,6 +116,7 @@ def influence(
     edges: torch.Tensor | tuple[float, ...] | list[float] | None = None,
     *,
     stage_masks: Sequence[torch.Tensor] | None = None,
+    stage_names: tuple[str, str] = (LOW, HIGH),
     lr: float = 1e-3,
     optimizer: OptimizerFactory | None = None,
     objective: Objective | None = None,
@@ -122,8 +124,8 @@ def influence(
 ) -> InfluenceResult:
     """delta pi of every token after a counterfactual update restricted to each source bin (module docstring).
 
-    ``stage_masks``: None (one update stage "all") or the two Lopti stage masks (update stages "stage1",
-    "stage2"). ``sources``: the source bins to run (default all bins); source -1 (all tokens of the stage) is
+    ``stage_masks``: None (one update stage "train") or the two Lopti stage masks, in the run's order, named
+    ``stage_names`` (low, high; high, low for the reversed order). ``sources``: the source bins to run (default all bins); source -1 (all tokens of the stage) is
     always run. Cost per stage: (len(sources) + 1) x (forward + backward + optimizer step + forward).
     ``optimizer``: params -> torch.optim.Optimizer, default plain SGD(lr)."""
     edges_t = as_edges(edges)
@@ -133,13 +135,15 @@ def influence(
         raise ValueError(f"influence: sources must be bin indices in 0..{k - 1}, got {sources}")
     valid = batch.completion_mask
     if stage_masks is None:
-        stages = [("all", valid)]
+        stages = [(TRAIN, valid)]
     else:
         if len(stage_masks) != 2:
             raise ValueError(
                 f"influence: stage_masks must be two (B, C) masks (Lopti), got {len(stage_masks)}"
             )
-        stages = [(f"stage{i + 1}", m.bool().to(valid.device) & valid) for i, m in enumerate(stage_masks)]
+        stages = [
+            (n, m.bool().to(valid.device) & valid) for n, m in zip(stage_names, stage_masks, strict=True)
+        ]
     batch, pi_start = fix_pi_old(model, batch)
     bins = bin_index(torch.exp(batch.old_logp.to(torch.float64)), valid, edges_t)
     deltas: dict[tuple[str, int], torch.Tensor] = {}

@@ -15,9 +15,7 @@ class StepInputs:
     stage: str
     completion_mask: torch.Tensor  # [B, C] bool
     advantages: torch.Tensor | None  # [B, C] float (a per-completion [B] advantage is broadcast)
-    pi_old: (
-        torch.Tensor | None
-    )  # [B, C] float64 in [0, 1]; None: on-policy, pi_old = pi (detached) at the forward
+    pi_old: torch.Tensor | None  # [B, C] float64 exp(old_logp) in [0, 1]; None: on-policy (pi, detached)
     completion_ids: torch.Tensor | None  # [B, C] sampled ids o_t (needed for the exact checks and "direct")
     temperature: float
     token_positions: torch.Tensor | None  # [B, C] sequence index of o_t; default: the last C positions
@@ -44,8 +42,7 @@ def validate_inputs(
     stage: str,
     completion_mask: torch.Tensor,
     advantages: torch.Tensor | None = None,
-    pi_old: torch.Tensor | None = None,
-    old_logps: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
     completion_ids: torch.Tensor | None = None,
     temperature: float = 1.0,
     token_positions: torch.Tensor | None = None,
@@ -83,19 +80,12 @@ def validate_inputs(
             )
         adv = adv.to(torch.float64)
 
-    if pi_old is not None and old_logps is not None:
-        raise ValueError("probe: give pi_old or old_logps, not both")
     p_old = None
-    if pi_old is not None:
-        p_old = _tensor("pi_old", pi_old, shape, valid.device).detach().to(torch.float64)
-        if _bad(~torch.isfinite(p_old) | (p_old < -1e-6) | (p_old > 1 + 1e-6), valid):
-            raise ValueError("probe: pi_old must be finite probabilities in [0, 1] on the completion tokens")
-        p_old = p_old.clamp(0.0, 1.0)
-    elif old_logps is not None:
-        lp = _tensor("old_logps", old_logps, shape, valid.device).detach().to(torch.float64)
+    if old_logp is not None:
+        lp = _tensor("old_logp", old_logp, shape, valid.device).detach().to(torch.float64)
         if _bad(torch.isnan(lp) | (lp > 1e-6), valid):
             raise ValueError(
-                "probe: old_logps must be log-probabilities <= 0 (not NaN) on the completion tokens"
+                "probe: old_logp must be log-probabilities <= 0 (not NaN) on the completion tokens"
             )
         p_old = torch.exp(lp).clamp(0.0, 1.0)
 

@@ -12,13 +12,13 @@ checks at the LM head (which need the head's input) are off.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
-FINAL_NORM = "final_norm.out"
+from tokendyn.vocab import FINAL_NORM, layer_point, select_names
+
 _LAYER_ATTRS = ("layers", "h", "blocks")
 _NORM_ATTRS = ("norm", "ln_f", "final_layer_norm", "final_layernorm")
 _NESTED = ("decoder", "language_model")
@@ -84,7 +84,7 @@ def discover_points(model: nn.Module) -> list[ProbePoint]:
     layers = next(
         getattr(backbone, a) for a in _LAYER_ATTRS if isinstance(getattr(backbone, a, None), nn.ModuleList)
     )
-    points = [ProbePoint(f"layers.{i}.out", layer, i) for i, layer in enumerate(layers)]
+    points = [ProbePoint(layer_point(i), layer, i) for i, layer in enumerate(layers)]
     head_input = head_input_module(backbone)
     if head_input is not None:
         points.append(ProbePoint(FINAL_NORM, head_input, len(points)))
@@ -92,24 +92,9 @@ def discover_points(model: nn.Module) -> list[ProbePoint]:
 
 
 def select_points(points: Sequence[ProbePoint], selection: str | Sequence[str] | None) -> list[ProbePoint]:
-    """Pick points by exact name or glob pattern (`layers.*.out`, `layers.1?.out`); None or "all" keeps all.
-
-    A comma-separated string is split. Order is the forward order. A selector that matches nothing is an error
-    that lists the available names.
-    """
-    if selection is None or selection == "all":
-        return list(points)
-    selectors = [s.strip() for s in selection.split(",")] if isinstance(selection, str) else list(selection)
-    selectors = [s for s in selectors if s]
-    if not selectors:
-        raise ValueError("probe points: empty selection; use None/'all', names or glob patterns")
-    names = [p.name for p in points]
-    chosen: set[str] = set()
-    for sel in selectors:
-        matched = [n for n in names if fnmatch.fnmatchcase(n, sel)]
-        if not matched:
-            raise ValueError(f"probe points: {sel!r} matches no point; available: {', '.join(names)}")
-        chosen.update(matched)
+    """Pick points by exact name or glob pattern (`tokendyn.vocab.select_names`); None or "all" keeps all, in the
+    forward order."""
+    chosen = set(select_names([p.name for p in points], selection, "probe points"))
     return [p for p in points if p.name in chosen]
 
 

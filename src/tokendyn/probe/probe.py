@@ -12,26 +12,30 @@ divided by the number of processes that average them (`data_parallel_size`, `tok
 
 Driving it (one micro-batch = one forward + one backward):
     begin_step(...) -> forward -> backward -> end_step()      (trainer: inputs known before the forward)
-    forward -> tokens(..., logps=logps) -> backward            (custom loop, auto=True; the step ends by itself)
+    forward -> begin_step(..., logps=logps) -> backward        (custom loop, auto=True; the step ends by itself)
+
+Loud, not silent: every condition that switches a check off (a soft-capped or scaled LM head, a backbone without a
+final norm, a step without completion ids) warns once and becomes a `notes` record (`tokendyn analyze` lists them).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import nn
 
+from tokendyn.config import ProbeConfig
+from tokendyn.config import resolve as resolve_config
 from tokendyn.probe import parallel
 from tokendyn.probe.bins import BinSpec
 from tokendyn.probe.capture import (
     Pass,
     all_reduce_sum,
     completion_positions,
-    dist_rank,
     gather_completion,
     in_backward,
 )
@@ -49,6 +53,7 @@ from tokendyn.probe.points import (
 from tokendyn.probe.reduce import HeadCheckData, StepData, StepResult, reduce_step
 from tokendyn.probe.replay import LayerCall, replay_direct_norms
 from tokendyn.probe.stats import LogHistogram, bottom_k_sample
+from tokendyn.records import process_rank
 
 Sink = Callable[[dict[str, dict[str, list]]], None]
 
@@ -61,48 +66,27 @@ class GradientProbe:
 
     Args:
         model: a Hugging Face causal LM (DDP / PEFT wrappers are unwrapped; FSDP2 `fully_shard` is supported).
-        points: names or glob patterns (`layers.*.out`, `final_norm.out`); default: every layer and the final norm.
-        bins: probability bins of pi_old (`BinSpec.parse`); default the paper's [0, .25, .5, .75, 1].
-        sample_tokens: tokens per micro-batch kept as raw rows (`tokens` records).
-        direct_tokens: tokens whose "direct" gradient is computed (one batched backward, see `direct_norms`: cost
-            ~ the most tokens falling in one row, in backward passes); 0 disables.
-        direct_every: compute the direct gradients on every n-th probed micro-batch only (1: all).
-        direct_chunk: backward passes batched at once (memory: chunk x the probed activations).
-        direct_memory_mb: cap, in MiB, on the gradients one batched backward of the direct gradients holds
-            (slots x the probed points' b x S x H x itemsize; `direct.plan_direct`): fewer slots per backward, then
-            fewer points per backward; a micro-batch where one point's one slot is over the cap gets no direct
-            gradients (a warning names this setting). None: no cap (`direct_chunk` slots of every point).
-        check_tokens: tokens per micro-batch for the exact LM-head checks; None: all tokens. Their cost does not
-            grow with V beyond one pass over the head (`tokendyn.probe.head`): float64 chunks of the head, u and
-            the ratios for the tokens (tokens x H float64); nothing tokens x V is kept.
-        sigma_every: sigma_max(W) of the LM head (for the provable bound at its input) is recomputed by power
-            iteration (`head.sigma_max_power`, warm-started) on the first checked micro-batch and then on every
-            n-th; in between the last value is used, raised to the micro-batch's own lower bound
-            max_t ||W^T (e_o - pi_t)|| / ||e_o - pi_t|| (`checks` records the value and the step it was computed at).
+        config: the probe's options (`tokendyn.ProbeConfig`: points, bins, sample_tokens, direct_tokens,
+            direct_every, direct_chunk, direct_memory_mb, check_tokens, sigma_every, ...); default `ProbeConfig()`.
         temperature: default sampling temperature T (logits are divided by T in the loss).
+        seed: seed of the token samples (per rank).
         auto: capture every forward with gradients even without a prior `begin_step` (custom loops).
         sink: called with the records (kind -> column -> list) of every finished micro-batch.
+        rank: this process's rank (default `tokendyn.records.process_rank()`).
         data_parallel_size: n, the number of processes whose gradients are averaged (DDP, FSDP2); w and the
             norms are recorded as d/d of the averaged loss L = (1/n) sum_r L_r, i.e. this process's gradient / n,
             so that merged records equal one process on the global batch (`tokendyn.probe.parallel`). None: the
             DDP group's size when `model` is a DistributedDataParallel, the world size when it is sharded with
             `fully_shard`, else 1. Pass 1 when each process's loss already carries the global normalisation and
             nothing averages the gradients.
+        **options: ProbeConfig fields overriding ``config`` (``GradientProbe(model, direct_tokens=0)``).
     """
 
     def __init__(
         self,
         model: nn.Module,
-        points: str | Sequence[str] | None = None,
-        bins: BinSpec | str | int | Sequence[float] | None = None,
+        config: ProbeConfig | None = None,
         *,
-        sample_tokens: int = 128,
-        direct_tokens: int = 16,
-        direct_every: int = 1,
-        direct_chunk: int = 8,
-        direct_memory_mb: float | None = 512,
-        check_tokens: int | None = 256,
-        sigma_every: int = 16,
         temperature: float = 1.0,
         seed: int = 0,
         auto: bool = False,
@@ -110,51 +94,33 @@ class GradientProbe:
         rank: int | None = None,
         hist: LogHistogram | None = None,
         data_parallel_size: int | None = None,
+        **options,
     ) -> None:
-        for name, v in (("sample_tokens", sample_tokens), ("direct_tokens", direct_tokens)):
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"probe: {name} must be an integer >= 0, got {v!r}")
-        for name, v in (
-            ("direct_every", direct_every),
-            ("direct_chunk", direct_chunk),
-            ("sigma_every", sigma_every),
-        ):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"probe: {name} must be an integer >= 1, got {v!r}")
-        if check_tokens is not None and (not isinstance(check_tokens, int) or check_tokens < 0):
-            raise ValueError(
-                f"probe: check_tokens must be None (all) or an integer >= 0, got {check_tokens!r}"
-            )
-        if direct_memory_mb is not None and (
-            isinstance(direct_memory_mb, bool)
-            or not isinstance(direct_memory_mb, int | float)
-            or not direct_memory_mb > 0
-        ):
-            raise ValueError(
-                f"probe: direct_memory_mb must be None (no cap) or a number > 0, got {direct_memory_mb!r}"
-            )
-        if not float(temperature) > 0:
-            raise ValueError(f"probe: temperature must be > 0, got {temperature}")
+        cfg = self.config = resolve_config(config, options)
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not temperature > 0:
+            raise ValueError(f"probe: temperature must be a number > 0, got {temperature!r}")
         parallel.check_supported(model)
         self.data_parallel_size = parallel.resolve_data_parallel_size(model, data_parallel_size)
         self.model = unwrap_model(model)
         self._all_points = discover_points(self.model)  # every layer and the final norm: replay inputs
-        self.points = select_points(self._all_points, points)
+        self.points = select_points(self._all_points, cfg.points)
         self.point_names = [p.name for p in self.points]
-        self.bins = BinSpec.parse(bins)
-        self.sample_tokens, self.direct_tokens, self.direct_chunk = sample_tokens, direct_tokens, direct_chunk
-        self.direct_every = direct_every
-        self.direct_memory_mb = direct_memory_mb
-        self.sigma_every = sigma_every
+        self.bins = BinSpec.parse(cfg.bins)
+        self.sample_tokens, self.direct_tokens = cfg.sample_tokens, cfg.direct_tokens
+        self.direct_every, self.direct_chunk = cfg.direct_every, cfg.direct_chunk
+        self.direct_memory_mb, self.sigma_every = cfg.direct_memory_mb, cfg.sigma_every
         self._n_prepared = 0
-        self.check_tokens = check_tokens
+        self.check_tokens = cfg.check_tokens
         self.temperature = float(temperature)
         self.auto, self.sink, self.enabled = auto, sink, True
-        self.rank = dist_rank() if rank is None else rank
+        self.rank = process_rank() if rank is None else rank
         self.hist = hist or LogHistogram()
         self.generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + self.rank)
         self.has_final = FINAL_NORM in self.point_names
         self.head_ok = self.has_final and head_transform_supported(self.model)
+        self._notes: list[dict] = []  # notes not yet handed to the sink
+        self._noted: set[str] = set()
+        self._note_disabled_checks()
         self.last: StepResult | None = None
         self._handles: list = []
         self._pass: Pass | None = None
@@ -166,6 +132,47 @@ class GradientProbe:
         self._sigma: tuple[float, torch.Tensor, int] | None = None  # (sigma_max, its singular vector, step)
         self._n_checks = 0
         self._replay = False  # direct gradients by layer replay (FSDP2, reentrant checkpointing)
+
+    # ---- notes: conditions that switch a check off -----------------------------------------------------------
+    def _note_disabled_checks(self) -> None:
+        name = type(self.model).__name__
+        if FINAL_NORM not in {p.name for p in self._all_points}:
+            self.note(
+                "no_final_norm",
+                f"{name} has no final norm or projection before its LM head (post-LN backbone): the exact checks "
+                "at the LM head and the direct gradients are off",
+            )
+        elif not self.has_final:
+            self.note(
+                "final_norm_not_probed",
+                f"{FINAL_NORM} is not among the probed points: the exact checks at the LM head and the direct "
+                "gradients are off",
+            )
+        elif not self.head_ok:
+            self.note(
+                "head_transform",
+                f"{name}'s logits are not a plain affine map of the final hidden state (soft-capped or scaled "
+                "LM head): the exact checks at the LM head and the direct gradients are off",
+            )
+
+    def note(self, code: str, message: str, step: int | None = None) -> None:
+        """Warn once per ``code`` and keep the note for the records (kind ``notes``, handed to the sink with the
+        next finished micro-batch, or at detach)."""
+        if code in self._noted:
+            return
+        self._noted.add(code)
+        warnings.warn(f"probe: {message}", stacklevel=3)
+        self._notes.append({"step": step, "rank": self.rank, "code": code, "message": message})
+
+    @property
+    def notes(self) -> list[str]:
+        """The codes of every note so far (`note`)."""
+        return sorted(self._noted)
+
+    def _flush_notes(self) -> None:
+        if self._notes and self.sink is not None:
+            rows, self._notes = self._notes, []
+            self.sink({"notes": {k: [r[k] for r in rows] for k in ("step", "rank", "code", "message")}})
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def attach(self) -> GradientProbe:
@@ -194,6 +201,7 @@ class GradientProbe:
         return self
 
     def detach(self) -> None:
+        self._flush_notes()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -222,9 +230,10 @@ class GradientProbe:
 
     # ---- driving ---------------------------------------------------------------------------------------------
     def begin_step(self, step: int | None = None, stage: str = "train", **fields) -> None:
-        """Announce a micro-batch: completion_mask (required), advantages, pi_old or old_logps (None: on-policy),
+        """Announce a micro-batch: completion_mask (required), advantages, old_logp (log pi_old; None: on-policy),
         completion_ids, temperature, token_positions, logps. Call before the forward (or after it, before the
-        backward). A finished previous step (backward seen) is ended first."""
+        backward); a custom loop with ``auto=True`` may call it after the forward with ``logps=``. A finished
+        previous step (backward seen) is ended first."""
         step = self._next_step if step is None else step
         temperature = fields.pop("temperature", None)
         inputs = validate_inputs(
@@ -233,6 +242,13 @@ class GradientProbe:
             temperature=self.temperature if temperature is None else temperature,
             **fields,
         )
+        if inputs.completion_ids is None and self.head_ok:
+            self.note(
+                "no_completion_ids",
+                "a step without completion_ids: the exact checks at the LM head and the direct gradients are off "
+                "for such steps",
+                step,
+            )
         cur = self._pass
         if cur is not None and cur.inputs is not None:
             if not cur.backward_seen:
@@ -248,10 +264,6 @@ class GradientProbe:
             self._prepare(cur)
         else:
             self._pending = inputs
-
-    def tokens(self, **fields) -> None:
-        """The custom-loop call: the batch's completion tokens (same fields as `begin_step`, `step` optional)."""
-        self.begin_step(**fields)
 
     def watch_logps(self, logps: torch.Tensor) -> None:
         """Read w = dL/dlogps from this per-token log-prob tensor [B, C] of the current step (before backward)."""
@@ -287,7 +299,7 @@ class GradientProbe:
             return None
         if not p.prepared:
             warnings.warn(
-                f"probe: step {inp.step}: the per-token log-probs were never seen (pass logps=... to tokens() or "
+                f"probe: step {inp.step}: the per-token log-probs were never seen (pass logps=... to begin_step() or "
                 "watch_logps()); nothing recorded",
                 stacklevel=2,
             )
@@ -311,6 +323,7 @@ class GradientProbe:
         self.last = result
         if self.sink is not None:
             self.sink(result.records)
+        self._flush_notes()
         return result
 
     # ---- hooks -----------------------------------------------------------------------------------------------

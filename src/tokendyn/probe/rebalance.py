@@ -19,11 +19,13 @@ import polars as pl
 import torch
 from torch import nn
 
-from tokendyn.probe.analysis_records import token_shares_frame
+from tokendyn.config import TOKEN_SHARES_PER_BIN
 from tokendyn.probe.change import change_frame, counterfactual_change, fix_pi_old, real_change
 from tokendyn.probe.influence import influence
 from tokendyn.probe.shares import METHODS, as_edges, gradient_shares
+from tokendyn.probe.token_sample import token_shares_frame
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index
+from tokendyn.vocab import HIGH, LOPTI, LOW, TRAIN, stage_name
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class RebalanceOptions:
     curve)."""
 
     shares: bool = True
-    token_shares: int = 64
+    token_shares: int = TOKEN_SHARES_PER_BIN
     prob_change: bool = True
     influence: bool = True
     lr: float = 1e-3
@@ -61,10 +63,10 @@ class RebalanceOptions:
             raise ValueError(f"rebalance: lr must be > 0, got {self.lr!r}")
 
 
-def _stages(stage_masks: Sequence[torch.Tensor] | None) -> list[tuple[str, torch.Tensor | None]]:
+def _stages(stage_masks: Sequence[torch.Tensor] | None, order: str) -> list[tuple[str, torch.Tensor | None]]:
     if stage_masks is None:
-        return [("all", None)]
-    return [("stage1", stage_masks[0]), ("stage2", stage_masks[1])]
+        return [(TRAIN, None)]
+    return [(stage_name(1, order), stage_masks[0]), (stage_name(2, order), stage_masks[1])]
 
 
 @analysis_forward
@@ -78,11 +80,14 @@ def analyze_batch(
     options: RebalanceOptions | None = None,
     objective: Objective | None = None,
     stage_masks: Sequence[torch.Tensor] | None = None,
+    lopti_order: str = "low_first",
 ) -> dict[str, pl.DataFrame]:
     """The `shares`, `token_shares`, `prob_change` (counterfactual, and "sweep" rows for ``options.lr_sweep``) and
-    `influence` frames of one batch, for the analyses switched on. ``stage_masks``: the two Lopti stage masks (then the counterfactual update and the
-    influence matrix run per stage), or None. The model is left bitwise as it was (the counterfactual updates are
-    made in place and undone, `tokendyn.probe.change.InPlaceUpdate`); ``.grad`` and any optimizer are untouched."""
+    `influence` frames of one batch, for the analyses switched on. ``stage_masks``: the two Lopti stage masks in the
+    run's order ``lopti_order`` (then the counterfactual update and the influence matrix run per stage, update stages
+    low / high and lopti for both), or None (update stage train). The model is left bitwise as it was (the
+    counterfactual updates are made in place and undone, `tokendyn.probe.change.InPlaceUpdate`); ``.grad`` and any
+    optimizer are untouched."""
     opts = options or RebalanceOptions()
     edges_t = as_edges(edges)
     batch, _ = fix_pi_old(model, batch)  # pi_old fixed once for every analysis
@@ -90,13 +95,16 @@ def analyze_batch(
     bins = bin_index(pi_old, batch.completion_mask, edges_t)
     frames: dict[str, pl.DataFrame] = {}
     all_delta = None
-    stages = _stages(stage_masks)
+    stages = _stages(stage_masks, lopti_order)
     if opts.influence:
-        inf = influence(model, batch, edges_t, stage_masks=stage_masks, lr=opts.lr, objective=objective)
+        names = tuple(n for n, _ in stages) if stage_masks is not None else (LOW, HIGH)
+        inf = influence(
+            model, batch, edges_t, stage_masks=stage_masks, stage_names=names, lr=opts.lr, objective=objective
+        )
         frames["influence"] = inf.to_frame(step, stage)
         deltas = {name: inf.deltas[(name, -1)] for name, _ in stages}
         if len(stages) > 1:
-            deltas["total"] = sum(deltas.values())
+            deltas[LOPTI] = sum(deltas.values())
         main = None
     elif opts.prob_change:
         main = counterfactual_change(model, batch, stages, lr=opts.lr, objective=objective)
@@ -104,7 +112,7 @@ def analyze_batch(
     else:
         deltas, main = {}, None
     if deltas:
-        all_delta = deltas["all"] if stage_masks is None else deltas["total"]
+        all_delta = deltas[TRAIN] if stage_masks is None else deltas[LOPTI]
     if opts.prob_change:
         steps_of = main.param_step if main is not None else {}
         parts = [
@@ -112,7 +120,7 @@ def analyze_batch(
                          param_step=steps_of.get(name))
             for name, d in deltas.items()
         ]  # fmt: skip
-        full = "all" if stage_masks is None else "total"
+        full = TRAIN if stage_masks is None else LOPTI
         for lr in opts.lr_sweep:
             res = counterfactual_change(model, batch, stages, lr=lr, objective=objective)
             parts.append(

@@ -2,7 +2,7 @@
 
 Kinds: `binstats` (per point, bin, quantity), `hist` (non-empty log cells), `bound` (per point: envelope and rank
 correlation, total and direct), `checks` (the exact LM-head / logits checks), `tokens` (the bounded token sample).
-The column sets are the schemas in `tokendyn.hooks.records`.
+The column sets are the schemas in `tokendyn.records`.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tokendyn.config import SHARE_METHODS
 from tokendyn.probe.bins import DEFAULT_EDGES, bin_bounds
 from tokendyn.probe.tokenloss import (
     Objective,
@@ -41,9 +42,20 @@ from tokendyn.probe.tokenloss import (
     token_loss,
     trainable_parameters,
 )
+from tokendyn.records import to_frame
+from tokendyn.vocab import (
+    ALL_PARAMETERS,
+    EMBEDDINGS,
+    FINAL_NORM_GROUP,
+    LM_HEAD,
+    OTHER,
+    TRAIN,
+    group_order,
+    layer_group,
+)
 
-ALL = "all"
-METHODS = ("stream", "loop", "batched")
+ALL = ALL_PARAMETERS
+METHODS = SHARE_METHODS
 _SUM_CHUNK = 1 << 22  # elements per float64 partial sum (32 MiB of float64 per operand)
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 _FINAL_NORM = re.compile(r"(?:^|\.)(?:norm|ln_f|final_layer_norm|final_layernorm)\.[^.]+$")
@@ -57,20 +69,14 @@ def parameter_group(name: str) -> str:
     embedding matrix and counts as ``embeddings``."""
     m = _LAYER.search(name)
     if m:
-        return f"layers.{int(m.group(1))}"
+        return layer_group(int(m.group(1)))
     if _EMBED.search(name):
-        return "embeddings"
+        return EMBEDDINGS
     if _HEAD.search(name):
-        return "lm_head"
+        return LM_HEAD
     if _FINAL_NORM.search(name):
-        return "final_norm"
-    return "other"
-
-
-def _group_order(group: str) -> tuple[int, int]:
-    if group.startswith("layers."):
-        return (1, int(group.split(".")[1]))
-    return ({"embeddings": 0, "final_norm": 2, "lm_head": 3}.get(group, 4), 0)
+        return FINAL_NORM_GROUP
+    return OTHER
 
 
 def parameter_groups(model: nn.Module) -> dict[str, str]:
@@ -145,7 +151,7 @@ class GroupSums:
 
     def __init__(self, names: list[str], groups: list[str], k: int) -> None:
         self.names = names
-        self.groups = [ALL, *sorted(set(groups), key=_group_order)]
+        self.groups = [ALL, *sorted(set(groups), key=group_order)]
         col = {grp: j for j, grp in enumerate(self.groups)}
         self.cols = [(0, col[grp]) for grp in groups]
         self.sq = torch.zeros(k, len(self.groups), dtype=torch.float64)
@@ -308,10 +314,8 @@ class BinShares:
     def share(self) -> torch.Tensor:
         return self.dot / self.total_norm.pow(2).unsqueeze(0)
 
-    def to_frame(self, step: int, stage: str = "train"):
-        """The `shares` record (see `tokendyn.probe.analysis_records.SCHEMAS`); bin -1 is all tokens."""
-        from tokendyn.probe.analysis_records import to_frame
-
+    def to_frame(self, step: int, stage: str = TRAIN):
+        """The `shares` record (see `tokendyn.records.SCHEMAS`); bin -1 is all tokens."""
         k, g = self.dot.shape
         cols: dict[str, list] = {
             c: []
@@ -321,7 +325,7 @@ class BinShares:
                 "bin",
                 "bin_lo",
                 "bin_hi",
-                "layer",
+                "group",
                 "count",
                 "grad_norm",
                 "dot",
@@ -341,7 +345,7 @@ class BinShares:
                 lo, hi = bin_bounds(self.edges, b)
                 cols["bin_lo"].append(lo)
                 cols["bin_hi"].append(hi)
-                cols["layer"].append(group)
+                cols["group"].append(group)
                 cols["count"].append(sum(self.counts) if b < 0 else self.counts[b])
                 cols["grad_norm"].append(total if b < 0 else float(self.grad_norm[b, j]))
                 cols["dot"].append(total**2 if b < 0 else float(self.dot[b, j]))

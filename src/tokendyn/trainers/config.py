@@ -7,21 +7,57 @@ message naming the field and the accepted values.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from functools import partial
 
 from trl import GRPOConfig
 
-from ..remedies import LOPTI_ORDERS
+from tokendyn.config import ProbeConfig, ProbeConfigError
+from tokendyn.probe.tokenloss import Objective
+from tokendyn.remedies import LOPTI_ORDERS
 
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp")
-PROBE_ANALYSES = ("shares", "token_shares", "prob_change", "influence", "real_change")
 
 
 def _is_number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
+PROBE_PREFIX = "probe_"
+
+
+def _cli_type(annotation):
+    """The HfArgumentParser-friendly type of a ProbeConfig field: tuples become lists (``nargs="+"``)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is tuple:
+        return list[args[0]]
+    if isinstance(annotation, types.UnionType) and any(typing.get_origin(a) is tuple for a in args):
+        return list[next(typing.get_args(a)[0] for a in args if typing.get_origin(a) is tuple)] | None
+    return annotation
+
+
+def with_probe_fields(cls):
+    """Add one field ``probe_<name>`` per `ProbeConfig` field to ``cls`` (before ``@dataclass``): same default, same
+    help text, a CLI-friendly type. The trainer's probe options are derived from ProbeConfig, never written twice."""
+    hints = typing.get_type_hints(ProbeConfig)
+    annotations = cls.__dict__.get("__annotations__", {})
+    for f in fields(ProbeConfig):
+        name = PROBE_PREFIX + f.name
+        meta = {"help": f.metadata["help"] + f" (`ProbeConfig.{f.name}`)"}
+        if isinstance(f.default, tuple):
+            value = field(default_factory=partial(list, f.default), metadata=meta)
+        else:
+            value = field(default=f.default, metadata=meta)
+        annotations[name] = _cli_type(hints[f.name])
+        setattr(cls, name, value)
+    cls.__annotations__ = annotations
+    return cls
+
+
 @dataclass
+@with_probe_fields
 class TokendynGRPOConfig(GRPOConfig):
     r"""
     Configuration of [`TokendynGRPOTrainer`]: all of [`trl.GRPOConfig`] and the fields below.
@@ -93,58 +129,8 @@ class TokendynGRPOConfig(GRPOConfig):
         default=0,
         metadata={
             "help": "Record per-token activation-gradient statistics (binned by pi_old) from the real training "
-            "backward every this many optimizer steps into OUTPUT_DIR/records; 0 (default) = off."
-        },
-    )
-    probe_layers: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Probed places, by name or glob (`layers.3.out`, `layers.*.out`, `final_norm.out`); default: "
-            "every decoder layer's output and the final norm's output (the LM head's input)."
-        },
-    )
-    probe_bins: str = field(
-        default="0,0.25,0.5,0.75,1",
-        metadata={
-            "help": "Probability bins of pi_old: comma-separated edges (default the paper's 0,.25,.5,.75,1), "
-            "`intervals:K` (K equal intervals) or `quantiles:K` (K quantile bins of the step's tokens)."
-        },
-    )
-    probe_sample_tokens: int = field(
-        default=128, metadata={"help": "Raw token rows kept per probed micro-batch (a bounded sample)."}
-    )
-    probe_direct_tokens: int = field(
-        default=16,
-        metadata={
-            "help": "Tokens per probed micro-batch whose 'direct' gradient (their own loss term only) is computed "
-            "with one batched backward; 0 = off."
-        },
-    )
-    probe_flush_seconds: float = field(
-        default=30.0,
-        metadata={
-            "help": "Records are written every 8 probed micro-batches and at least every this many seconds (checked "
-            "when a micro-batch is recorded; 0 = at once): a kill loses at most the records of the last this many "
-            "seconds. Every checkpoint flushes them too."
-        },
-    )
-    probe_direct_every: int = field(
-        default=10, metadata={"help": "Compute the direct gradients on every n-th probed micro-batch only."}
-    )
-
-    probe_sample_sequences: int = field(
-        default=8,
-        metadata={
-            "help": "Rebalancing analyses (gradient shares per bin, per-token JVP shares, probability change, "
-            "influence matrix) run every probe_every steps on the first this many sequences of the rollout batch "
-            "(of all processes, in rank order, before TRL shuffles it; run and written by rank 0); 0 = off."
-        },
-    )
-    probe_analyses: str = field(
-        default="shares,token_shares,prob_change,influence,real_change",
-        metadata={
-            "help": "Which rebalancing analyses run, comma-separated from: shares, token_shares, prob_change, "
-            "influence, real_change (the probability change of the sample after the real update); 'none' = off."
+            "backward every this many optimizer steps into OUTPUT_DIR/records; 0 (default) = off. The probe's "
+            "options are the probe_<field> flags, one per `tokendyn.ProbeConfig` field."
         },
     )
     probe_dump_rollouts: bool = field(
@@ -154,30 +140,19 @@ class TokendynGRPOConfig(GRPOConfig):
             "(OUTPUT_DIR/rollouts/step-NNNNNN.parquet) that `tokendyn probe` reads."
         },
     )
-    probe_lr: float = field(
-        default=1e-3,
-        metadata={"help": "Learning rate of the counterfactual SGD updates (the paper's diagnostic: 1e-3)."},
-    )
-    probe_lr_sweep: list[float] | None = field(
-        default=None,
-        metadata={
-            "help": "Step sizes of an extra counterfactual SGD sweep (with the prob_change analysis), e.g. "
-            "1e-3 1e-2 1e-1 1: the correct ratio per bin as a curve of the step size (update 'sweep')."
-        },
-    )
 
     def __post_init__(self):
         self._validate_tokendyn_fields()
         super().__post_init__()
         self._validate_lopti_schedule()
 
-    @property
-    def probe_analysis_set(self) -> tuple[str, ...]:
-        """The rebalancing analyses switched on (empty when off)."""
-        text = (self.probe_analyses or "").strip()
-        if text.lower() in ("", "none") or not self.probe_sample_sequences:
-            return ()
-        return tuple(a.strip() for a in text.split(",") if a.strip())
+    def probe_config(self) -> ProbeConfig:
+        """The `ProbeConfig` of the probe_<field> fields (validated; an error names the probe_ field)."""
+        values = {f.name: getattr(self, PROBE_PREFIX + f.name) for f in fields(ProbeConfig)}
+        try:
+            return ProbeConfig(**values)
+        except ProbeConfigError as exc:
+            raise ValueError(f"{PROBE_PREFIX}{exc.field}: {exc.message}") from None
 
     @property
     def lopti_enabled(self) -> bool:
@@ -203,47 +178,21 @@ class TokendynGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"lopti_order must be one of {', '.join(LOPTI_ORDERS)}; got {self.lopti_order!r}"
             )
-        for name in ("probe_every", "probe_sample_tokens", "probe_direct_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if not isinstance(self.probe_direct_every, int) or self.probe_direct_every < 1:
-            raise ValueError(f"probe_direct_every must be an integer >= 1, got {self.probe_direct_every!r}")
-        if not isinstance(self.probe_sample_sequences, int) or self.probe_sample_sequences < 0:
-            raise ValueError(
-                f"probe_sample_sequences must be an integer >= 0, got {self.probe_sample_sequences!r}"
-            )
-        unknown = set(self.probe_analysis_set) - set(PROBE_ANALYSES)
-        if unknown:
-            raise ValueError(
-                f"probe_analyses: unknown {sorted(unknown)}; allowed: {', '.join(PROBE_ANALYSES)} (or 'none')"
-            )
-        if not _is_number(self.probe_flush_seconds) or self.probe_flush_seconds < 0:
-            raise ValueError(f"probe_flush_seconds must be a number >= 0, got {self.probe_flush_seconds!r}")
+        if (
+            not isinstance(self.probe_every, int)
+            or isinstance(self.probe_every, bool)
+            or self.probe_every < 0
+        ):
+            raise ValueError(f"probe_every must be an integer >= 0, got {self.probe_every!r}")
+        probe = self.probe_config()
         if not _is_number(self.temperature) or self.temperature <= 0:
             raise ValueError(
                 f"temperature must be a number > 0 (the sampling temperature), got {self.temperature!r}"
             )
-        if self.probe_every and self.probe_analysis_set:
-            from tokendyn.probe.tokenloss import Objective
-
+        if self.probe_every and probe.active_analyses:
             Objective.from_config(
                 self
             )  # the analyses must reproduce the trained loss: else fail now, naming it
-        if not _is_number(self.probe_lr) or self.probe_lr <= 0:
-            raise ValueError(f"probe_lr must be a number > 0, got {self.probe_lr!r}")
-        if self.probe_lr_sweep is not None and (
-            not isinstance(self.probe_lr_sweep, list | tuple)
-            or not all(_is_number(x) and x > 0 for x in self.probe_lr_sweep)
-        ):
-            raise ValueError(f"probe_lr_sweep must be a list of numbers > 0, got {self.probe_lr_sweep!r}")
-        if self.probe_every:
-            from tokendyn.probe.bins import BinSpec
-
-            try:
-                BinSpec.parse(self.probe_bins)
-            except ValueError as exc:
-                raise ValueError(f"probe_bins: {exc}") from None
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"advantage_estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}; got {self.advantage_estimator!r}"

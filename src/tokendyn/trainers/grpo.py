@@ -102,14 +102,14 @@ class TokendynGRPOTrainer(GRPOTrainer):
         needs_pi_old = self.advantage_reweight_alpha > 0 or self.lopti_enabled
         if needs_pi_old and output.get("old_per_token_logps") is None:
             output["old_per_token_logps"] = self._sampling_logps(output)
-        old_logps = output.get("old_per_token_logps")
+        old_logp = output.get("old_per_token_logps")
         if self.advantage_reweight_alpha > 0:
-            advantages = reweight_advantages(advantages, old_logps, self.advantage_reweight_alpha)
-            weight = self.advantage_reweight_alpha * torch.exp(old_logps) + 1 - self.advantage_reweight_alpha
+            advantages = reweight_advantages(advantages, old_logp, self.advantage_reweight_alpha)
+            weight = self.advantage_reweight_alpha * torch.exp(old_logp) + 1 - self.advantage_reweight_alpha
             self._log_global_mean("reweight/mean_weight", (weight * mask).sum(), mask.sum())
         output["advantages"] = advantages
         if self.lopti_enabled:
-            stage1, stage2 = self._stage_masks(old_logps, mask)
+            stage1, stage2 = self._stage_masks(old_logp, mask)
             output[STAGE_MASK_KEYS[1]], output[STAGE_MASK_KEYS[2]] = stage1, stage2
             self._log_global_mean("lopti/stage1_fraction", stage1.sum(), mask.sum())
             self._log_global_mean("lopti/stage2_fraction", stage2.sum(), mask.sum())
@@ -159,12 +159,12 @@ class TokendynGRPOTrainer(GRPOTrainer):
         advantages = reinforce_pp_advantages(rewards, global_mask)
         return self._local_rows(advantages, like=mask)
 
-    def _stage_masks(self, old_logps: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stage_masks(self, old_logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.lopti_quantile is None:  # fixed eta: a per-token rule, no communication needed
-            return lopti_masks(old_logps, mask, eta=self.lopti_eta, order=self.lopti_order)
+            return lopti_masks(old_logp, mask, eta=self.lopti_eta, order=self.lopti_order)
         # quantile: the threshold is taken over the valid tokens of the whole (all-process) rollout batch
         stage1, stage2 = lopti_masks(
-            self._gather_rows(old_logps),
+            self._gather_rows(old_logp),
             self._gather_rows(mask),
             quantile=self.lopti_quantile,
             order=self.lopti_order,

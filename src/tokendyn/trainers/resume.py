@@ -118,7 +118,7 @@ def truncate_records(run_dir: str | os.PathLike, step: int) -> int:
     every dumped rollouts file of such a step. Returns the rows dropped."""
     import polars as pl
 
-    from tokendyn.records import KINDS, shard_files, write_atomic
+    from tokendyn.records import KINDS, shard_files, write_parquet
 
     dropped = 0
     for kind in KINDS:
@@ -132,7 +132,7 @@ def truncate_records(run_dir: str | os.PathLike, step: int) -> int:
                 continue
             dropped += frame.height - keep.height
             if keep.height:
-                write_atomic(keep, f)
+                write_parquet(keep, f)
             else:
                 f.unlink()
     dumps = Path(run_dir) / "rollouts"

@@ -186,10 +186,10 @@ def versions() -> dict:
     import transformers
     import trl
 
-    import tokendyn
+    from tokendyn.version import __version__
 
     return {
-        "tokendyn": tokendyn.__version__,
+        "tokendyn": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -1,18 +1,13 @@
-"""Record kinds of the rebalancing analyses (shares, token_shares, prob_change, influence) and their writer.
-
-Files follow the layout of `tokendyn.hooks.records` (RUN_DIR/records/{kind}-rank{RRR}-{NNNNNN}.parquet, NNNNNN the
-rank's flush counter of that kind, written to a temp file then renamed), so `tokendyn.hooks.records.shard_files`
-finds them. Bin -1 means "all tokens" in every kind; bin_lo/bin_hi carry the edges used.
-"""
+"""The per-bin token sample of the per-token shares, and its `token_shares` record frame (schemas, files and the
+writer are in `tokendyn.records`)."""
 
 from __future__ import annotations
 
 import polars as pl
 import torch
 
-from tokendyn.records import KINDS, SCHEMAS, to_frame, write_frames  # noqa: F401  (schemas live with the files)
-
-write_records = write_frames
+from tokendyn.records import to_frame
+from tokendyn.vocab import TRAIN
 
 
 def sample_tokens(bins: torch.Tensor, per_bin: int, seed: int = 0) -> torch.Tensor:
@@ -42,7 +37,7 @@ def token_shares_frame(
     completion_ids: torch.Tensor,
     *,
     step: int,
-    stage: str = "train",
+    stage: str = TRAIN,
     per_bin: int = 64,
     seed: int = 0,
     delta_pi: torch.Tensor | None = None,

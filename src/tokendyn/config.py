@@ -1,0 +1,280 @@
+"""`ProbeConfig`: every option of the probe and its analyses, defined once (a leaf module: no torch, no polars).
+
+`GradientProbe`, `instrument`, `probe_rollouts` and the trainer take it; the trainer's fields are ``probe_<field>``,
+made from these fields (`tokendyn.trainers.config`), and the CLI flags are ``--probe_<field>`` (train) or
+``--<field>`` (probe). Bad values fail at construction with a `ProbeConfigError` naming the field and what is allowed.
+
+Bin specs are parsed here too (torch-free, so that the configuration checks run before torch is imported):
+``"0,0.25,0.5,0.75,1"`` / ``"edges:0,0.1,1"`` (edges), ``"intervals:K"`` (K equal intervals), ``"quantiles:K"``
+(K bins at the step's quantiles of pi_old), an int K (K intervals) or a sequence of edges.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+
+from tokendyn.vocab import ALL_POINTS, ANALYSES
+
+DEFAULT_EDGES: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+SHARE_METHODS = ("stream", "loop", "batched")
+TOKEN_SHARES_PER_BIN = 32  # token-share rows kept per bin (trainer, offline probe and RebalanceOptions alike)
+
+
+class ProbeConfigError(ValueError):
+    """A probe option out of range; ``field`` names it (the trainer reports it as ``probe_<field>``)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+# ---- bin specs ---------------------------------------------------------------------------------------------------
+def interval_edges(n: int) -> tuple[float, ...]:
+    """Edges of n equal intervals of [0, 1]: e_k = k / n, k = 0..n."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"bins: the number of intervals must be an integer >= 1, got {n!r}")
+    return tuple(k / n for k in range(n + 1))
+
+
+def validate_edges(edges: Sequence[float]) -> tuple[float, ...]:
+    """Check custom edges: at least two, strictly increasing, first 0 and last 1 (they must cover [0, 1])."""
+    try:
+        out = tuple(float(e) for e in edges)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bins: edges must be numbers in [0, 1], got {edges!r}") from exc
+    if len(out) < 2:
+        raise ValueError(f"bins: need at least two edges, got {list(out)}")
+    if out[0] != 0.0 or out[-1] != 1.0:
+        raise ValueError(f"bins: edges must start at 0 and end at 1 (they cover [0, 1]), got {list(out)}")
+    if any(b <= a for a, b in zip(out, out[1:], strict=False)):
+        raise ValueError(f"bins: edges must be strictly increasing, got {list(out)}")
+    return out
+
+
+def parse_bins(spec: str | int | Sequence[float] | None) -> tuple[str, int, tuple[float, ...] | None]:
+    """(kind, n, edges) of a bin spec (module docstring); kind "edges", "intervals" or "quantiles" (edges None)."""
+    if spec is None:
+        return "edges", len(DEFAULT_EDGES) - 1, DEFAULT_EDGES
+    if isinstance(spec, bool):
+        raise ValueError(f"bins: expected intervals:N, quantiles:N or a list of edges, got {spec!r}")
+    if isinstance(spec, int):
+        return "intervals", spec, interval_edges(spec)
+    if isinstance(spec, str):
+        text = spec.strip()
+        head, _, tail = text.partition(":")
+        head = head.strip().lower()
+        if head in ("intervals", "quantiles") and tail:
+            try:
+                n = int(tail)
+            except ValueError as exc:
+                raise ValueError(f"bins: '{spec}': the count after ':' must be an integer >= 1") from exc
+            if n < 1:
+                raise ValueError(f"bins: '{spec}': the count after ':' must be an integer >= 1")
+            return (head, n, interval_edges(n) if head == "intervals" else None)
+        body = tail if head == "edges" else text
+        try:
+            values = [float(x) for x in body.split(",") if x.strip()]
+        except ValueError as exc:
+            raise ValueError(
+                f"bins: cannot parse {spec!r}; use intervals:N, quantiles:N or comma-separated edges"
+            ) from exc
+        edges = validate_edges(values)
+        return "edges", len(edges) - 1, edges
+    edges = validate_edges(spec)
+    return "edges", len(edges) - 1, edges
+
+
+def describe_bins(kind: str, n: int, edges: tuple[float, ...] | None) -> str:
+    """The canonical spec text of parsed bins: "quantiles:K", else the comma-separated edges."""
+    return f"quantiles:{n}" if kind == "quantiles" else ",".join(f"{e:g}" for e in edges or ())
+
+
+# ---- the configuration -------------------------------------------------------------------------------------------
+def _opt(default, help_text: str, **meta):
+    return field(default=default, metadata={"help": help_text, **meta})
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """The probe's options (help text in each field's metadata; `ProbeConfig.help()` lists them)."""
+
+    # -- where and how the training backward is read (GradientProbe)
+    points: tuple[str, ...] | None = _opt(
+        None,
+        "Probed places by name or glob (`layers.3.out`, `layers.*.out`, `final_norm.out`; comma-separated or a "
+        "list); None or 'all': every decoder layer's output and the final norm's output (the LM head's input).",
+    )
+    bins: str = _opt(
+        "0,0.25,0.5,0.75,1",
+        "Probability bins of pi_old: comma-separated edges (default the paper's 0,.25,.5,.75,1), `intervals:K` "
+        "(K equal intervals) or `quantiles:K` (K quantile bins of the step's tokens); an int K or a list of edges "
+        "is accepted too.",
+    )
+    sample_tokens: int = _opt(128, "Raw token rows kept per probed micro-batch (a bounded sample); >= 0.")
+    direct_tokens: int = _opt(
+        16,
+        "Tokens per probed micro-batch whose 'direct' gradient (their own loss term only) is computed with one "
+        "batched backward; 0 = off.",
+    )
+    direct_every: int = _opt(1, "Compute the direct gradients on every n-th probed micro-batch only; >= 1.")
+    direct_chunk: int = _opt(
+        8,
+        "Backward passes of the direct gradients batched at once (memory: chunk x the probed activations); >= 1.",
+    )
+    direct_memory_mb: float | None = _opt(
+        512, "Memory cap of the direct-gradient backward, in MB; None = no cap; > 0."
+    )
+    check_tokens: int | None = _opt(
+        256, "Tokens per probed micro-batch checked exactly at the LM head; None = every token; >= 0."
+    )
+    sigma_every: int = _opt(
+        16, "Probed micro-batches between power-iteration refreshes of the LM head's sigma_max; >= 1."
+    )
+    flush_seconds: float = _opt(
+        30.0,
+        "Records are written at least every this many seconds (0 = at every micro-batch): a kill loses at most "
+        "the records of the last this many seconds; >= 0.",
+    )
+    # -- the rebalancing analyses on a sample of the batch
+    sample_sequences: int = _opt(
+        8,
+        "Sequences of the rollout batch the rebalancing analyses run on (the first ones of all processes, in rank "
+        "order; run and written by rank 0); 0 = no analyses.",
+    )
+    analyses: tuple[str, ...] = _opt(
+        ANALYSES,
+        "Which rebalancing analyses run, from: shares (per-bin gradients and update shares), token_shares "
+        "(per-token JVP shares), prob_change (the counterfactual probability change), influence (the influence "
+        "matrix), real_change (the change after the real update; training only); comma-separated or a list; "
+        "'none' = off.",
+        choices=list(ANALYSES),
+    )
+    token_shares: int = _opt(TOKEN_SHARES_PER_BIN, "Token-share rows kept per bin (token_shares); >= 0.")
+    lr: float = _opt(
+        1e-3, "Learning rate of the counterfactual SGD updates (the paper's diagnostic: 1e-3); > 0."
+    )
+    lr_sweep: tuple[float, ...] = _opt(
+        (),
+        "Step sizes of an extra counterfactual SGD sweep (with prob_change), e.g. 1e-3 1e-2 1e-1 1: the correct "
+        "ratio per bin as a curve of the step size (update 'sweep'); each > 0.",
+    )
+    share_method: str = _opt(
+        "stream",
+        "How the per-bin gradients are taken: 'stream' (g, then one g_b at a time: two parameter-sized buffers), "
+        "'loop' (one backward per bin, every g_b held) or 'batched' (one batched backward, every g_b held).",
+        choices=list(SHARE_METHODS),
+    )
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise in place once
+        set_(self, "points", _points(self.points))
+        try:
+            kind, n, edges = parse_bins(self.bins)
+        except ValueError as exc:
+            raise ProbeConfigError("bins", str(exc).removeprefix("bins: ")) from None
+        set_(self, "bins", f"intervals:{n}" if kind == "intervals" else describe_bins(kind, n, edges))
+        for name in ("sample_tokens", "direct_tokens", "sample_sequences", "token_shares"):
+            _int(name, getattr(self, name), 0)
+        for name in ("direct_every", "direct_chunk", "sigma_every"):
+            _int(name, getattr(self, name), 1)
+        if self.check_tokens is not None:
+            _int("check_tokens", self.check_tokens, 0, "None (every token) or ")
+        if self.direct_memory_mb is not None:
+            _number("direct_memory_mb", self.direct_memory_mb, "None (no cap) or a number > 0", lo=0.0)
+            set_(self, "direct_memory_mb", float(self.direct_memory_mb))
+        _number("flush_seconds", self.flush_seconds, "a number >= 0", lo=0.0, closed=True)
+        set_(self, "flush_seconds", float(self.flush_seconds))
+        _number("lr", self.lr, "a number > 0", lo=0.0)
+        set_(self, "lr", float(self.lr))
+        set_(self, "analyses", _analyses(self.analyses))
+        sweep = self.lr_sweep
+        if sweep is None:
+            sweep = ()
+        if isinstance(sweep, str | bytes) or not isinstance(sweep, Sequence):
+            raise ProbeConfigError("lr_sweep", f"must be a list of numbers > 0, got {sweep!r}")
+        for x in sweep:
+            _number("lr_sweep", x, "a list of numbers > 0", lo=0.0, value=sweep)
+        set_(self, "lr_sweep", tuple(sorted({float(x) for x in sweep})))
+        if self.share_method not in SHARE_METHODS:
+            raise ProbeConfigError(
+                "share_method", f"must be one of {', '.join(SHARE_METHODS)}, got {self.share_method!r}"
+            )
+
+    @property
+    def active_analyses(self) -> tuple[str, ...]:
+        """The analyses that run: `analyses`, or none when `sample_sequences` is 0."""
+        return self.analyses if self.sample_sequences else ()
+
+    def replace(self, **changes) -> ProbeConfig:
+        """A copy with some fields changed (validated again)."""
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise TypeError(f"ProbeConfig has no option {', '.join(map(repr, unknown))}; options: {names()}")
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """The options as plain JSON values (run.json)."""
+        return {
+            f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)
+        }
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        """field -> its help text."""
+        return {f.name: f.metadata["help"] for f in fields(cls)}
+
+
+def names() -> str:
+    return ", ".join(f.name for f in fields(ProbeConfig))
+
+
+def resolve(config: ProbeConfig | None, options: dict) -> ProbeConfig:
+    """``config`` (default `ProbeConfig()`) with the keyword ``options`` applied: the one way every entry point
+    (`GradientProbe`, `instrument`, `probe_rollouts`) turns its arguments into a checked configuration."""
+    if config is not None and not isinstance(config, ProbeConfig):
+        raise TypeError(f"config must be a ProbeConfig (or None), got {type(config).__name__}")
+    base = config or ProbeConfig()
+    return base.replace(**options) if options else base
+
+
+def _points(value) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, Sequence) or not all(isinstance(s, str) for s in items):
+        raise ProbeConfigError(
+            "points", f"must be None, 'all', or point names / glob patterns, got {value!r}"
+        )
+    items = tuple(s.strip() for s in items if s.strip())
+    if not items:
+        raise ProbeConfigError("points", "empty selection; use None or 'all', names or glob patterns")
+    return None if items == (ALL_POINTS,) else items
+
+
+def _analyses(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    raw = [value] if isinstance(value, str) else list(value)
+    items = [a.strip() for part in raw for a in str(part).split(",") if a.strip()]
+    if items in (["none"], []):
+        return ()
+    unknown = sorted(set(items) - set(ANALYSES))
+    if unknown:
+        raise ProbeConfigError(
+            "analyses", f"unknown {unknown}; allowed: {', '.join(ANALYSES)} (comma-separated) or 'none'"
+        )
+    return tuple(a for a in ANALYSES if a in items)
+
+
+def _int(name: str, value, lo: int, prefix: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ProbeConfigError(name, f"must be {prefix}an integer >= {lo}, got {value!r}")
+
+
+def _number(name: str, x, allowed: str, *, lo: float, closed: bool = False, value=None) -> None:
+    ok = not isinstance(x, bool) and isinstance(x, int | float) and math.isfinite(x)
+    if not ok or not (x >= lo if closed else x > lo):
+        raise ProbeConfigError(name, f"must be {allowed}, got {value if value is not None else x!r}")
