@@ -238,9 +238,7 @@ def test_in_place_counterfactual_equals_the_copy_based_update(small_chunks, mode
 def test_in_place_lopti_stages_with_adam_equal_the_copy_based_update(small_chunks, model, batch):
     low, high = lopti_stage_masks(batch, eta=0.5)
     snap = _bitwise(model)
-    res = counterfactual_change(
-        model, batch, [("low", low), ("high", high)], optimizer=_adam, objective=OBJ
-    )
+    res = counterfactual_change(model, batch, [("low", low), ("high", high)], optimizer=_adam, objective=OBJ)
     assert _same(model, snap)
     _, (pi1, pi2) = _copy_based(model, batch, [low, high], _adam, OBJ)
     assert float((res.pi_after["low"] - pi1).abs().max()) < 1e-12

@@ -132,7 +132,9 @@ def test_nobody_imports_the_package_root():
 def test_the_checker_sees_nested_relative_and_submodule_imports():
     assert "tokendyn.remedies" in imports("tokendyn.probe.influence")  # inside a function
     assert "tokendyn.vocab" in imports("tokendyn")  # `from tokendyn import vocab`: the submodule
-    assert "tokendyn.probe.parallel" in imports("tokendyn.probe.probe")  # `from tokendyn.probe import parallel`
+    assert "tokendyn.probe.parallel" in imports(
+        "tokendyn.probe.probe"
+    )  # `from tokendyn.probe import parallel`
     assert "trainers" in room_graph()["__init__"]  # the root's TYPE_CHECKING imports count
 
 
