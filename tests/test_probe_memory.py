@@ -186,7 +186,7 @@ def _on_policy_step(model, batch, probe, step: int) -> None:
     logps = completion_logps(
         model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch, T
     )
-    probe.tokens(
+    probe.begin_step(
         step=step,
         completion_mask=batch.completion_mask,
         advantages=batch.advantages,
@@ -248,7 +248,7 @@ def test_sigma_is_refreshed_every_sigma_every_checks_and_recorded_with_its_step(
     # a probe resumed from the state a checkpoint keeps refreshes on the same schedule: the same records
     resumed, _ = _probed_steps(sigma_every=3, steps=5, resume_at=2)
     assert resumed == checks
-    with pytest.raises(ValueError, match="sigma_every must be an integer >= 1"):
+    with pytest.raises(ValueError, match="sigma_every: must be an integer >= 1"):
         GradientProbe(tiny_qwen2(), sigma_every=0)
 
 
@@ -325,7 +325,7 @@ def test_a_direct_memory_cap_below_one_slot_skips_with_a_warning_naming_it(monke
     assert rec["bound"]["direct_n"] == [0, 0, 0, 0] and all(v is None for v in rec["tokens"]["direct_norm"])
     assert rec["checks"]["head_violations"] == [0]  # the rest of the step is recorded
     for bad in (0, -1.0, "512", True):
-        with pytest.raises(ValueError, match="direct_memory_mb must be None"):
+        with pytest.raises(ValueError, match="direct_memory_mb: must be None"):
             GradientProbe(tiny_qwen2(), direct_memory_mb=bad)
 
 
@@ -387,7 +387,7 @@ def test_a_sharded_lm_head_gives_the_one_process_records(tmp_path):
     from test_records import BIN_COLS, BOUND_COLS, CHECK_COLS, assert_frames_close
 
     from tokendyn.analysis import analyze_run
-    from tokendyn.hooks.records import shard_files
+    from tokendyn.records import shard_files
 
     out = tmp_path / "two"
     env = {

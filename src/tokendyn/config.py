@@ -119,7 +119,12 @@ class ProbeConfig:
         "Tokens per probed micro-batch whose 'direct' gradient (their own loss term only) is computed with one "
         "batched backward; 0 = off.",
     )
-    direct_every: int = _opt(1, "Compute the direct gradients on every n-th probed micro-batch only; >= 1.")
+    direct_every: int = _opt(
+        10,
+        "Compute the direct gradients on every n-th probed micro-batch only (1: every one); >= 1. They cost about "
+        "one extra backward per token in a row, so the default samples them to keep the probe cheap enough to leave "
+        "on.",
+    )
     direct_chunk: int = _opt(
         8,
         "Backward passes of the direct gradients batched at once (memory: chunk x the probed activations); >= 1.",
