@@ -21,12 +21,16 @@ import sys
 from pathlib import Path
 
 import polars as pl
+import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
 BINS = {"intervals": None, "quantiles": "quantiles:3"}
 T = 0.7
 PROBE = {"check_tokens": None, "sample_tokens": 128, "direct_tokens": 64, "temperature": T}
+# FSDP2 analyses vs one process: the same float32 model, run whole (all-gathered layers, the head on all positions
+# at once) instead of backbone + chunked head; max |difference| / max |value| of each column
+FSDP_RTOL = 1e-5
 
 
 def _model_and_batch():
@@ -147,6 +151,66 @@ def trl_worker(model_dir: str, out_dir: str) -> None:
 
 
 ANALYSED = ("shares", "token_shares", "prob_change", "influence")
+
+
+def analysis_sample(model, batch):
+    """The analysed sample as a `ProbeBatch` (pi_old a fixed perturbation of the unsharded model's pi, so that both
+    runs bin the same tokens) and its two Lopti stage masks (eta 0.5)."""
+    from tokendyn.probe.influence import lopti_stage_masks
+    from tokendyn.probe.tokenloss import ProbeBatch, completion_logp
+
+    pb = ProbeBatch(
+        batch.input_ids, batch.attention_mask, batch.completion_mask, batch.advantages, temperature=T
+    )
+    with torch.no_grad():
+        logp = completion_logp(model, pb, float64=True)
+    pb = pb.with_old_logp((logp - 0.05 * (pb.completion_ids % 3)).clamp(max=0.0))
+    return pb, lopti_stage_masks(pb, eta=0.5)
+
+
+def rebalancing_frames(model, pb, masks) -> dict[str, pl.DataFrame]:
+    """Every rebalancing analysis of `pb`: with the Lopti stages (shares, prob_change with an lr sweep, influence,
+    and the stage-2 shares) and without (update_stage "all"), on an SGD lr large enough to move pi visibly."""
+    from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch, stage_shares_frame
+
+    opts = RebalanceOptions(token_shares=8, lr=0.05, lr_sweep=(0.05, 1.0))
+    lopti = analyze_batch(model, pb, step=0, options=opts, stage_masks=masks)
+    plain = analyze_batch(model, pb, step=1, options=opts)
+    frames = {k: pl.concat([v, plain[k]]) for k, v in lopti.items() if k in plain}
+    frames["shares"] = pl.concat(
+        [frames["shares"], stage_shares_frame(model, pb, masks[1], step=0, stage="high")]
+    )
+    return frames
+
+
+def fsdp_analyses_worker(out_dir: str) -> None:
+    """Every rank runs the rebalancing analyses on the same global sample of an FSDP2-sharded model and writes what
+    it got; the model is bitwise unchanged by them, and the training step after them (probed) has bitwise the
+    gradients of the same step without probe or analyses."""
+    import torch.distributed as dist
+
+    from tokendyn.probe.parallel import local
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, batch = _model_and_batch()
+    pb, masks = analysis_sample(reference, batch)
+    model, _ = _wrapped("fsdp")
+    before = [local(p).clone() for p in model.parameters()]
+    with pytest.warns(UserWarning, match="per-token shares"):
+        frames = rebalancing_frames(model, pb, masks)
+    assert all(torch.equal(a, local(b)) for a, b in zip(before, model.parameters(), strict=True))
+    for kind, frame in frames.items():
+        frame.write_parquet(Path(out_dir) / f"{kind}-rank{rank}.parquet")
+    rows = slice(rank * 4, (rank + 1) * 4)
+    dp_step(model, batch, rows, world, Path(out_dir) / "probed")
+    plain, _ = _wrapped("fsdp")
+    dp_step(plain, batch, rows, world)
+    same = [torch.equal(a, b) for a, b in zip(_grads(plain), _grads(model), strict=True)]
+    assert all(same), f"{same.count(False)} parameter gradients changed by the analyses"
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def sampled_rollouts(prompts: list[str], trainer) -> dict:
@@ -300,6 +364,36 @@ def test_ddp_and_fsdp2_records_equal_one_process_on_the_global_batch(tmp_path):
     print(json.dumps(ratios))
 
 
+def test_rebalancing_analyses_under_fsdp2_equal_one_process_on_the_same_sample(tmp_path):
+    """FSDP2 `fully_shard` (every decoder layer, then the root) on 2 ranks, every rank analysing the same 8 sequences,
+    against one process on the unsharded model: per-bin shares and norms, the counterfactual delta pi (its correct
+    ratios and ties exactly), the lr sweep and the influence matrix, with and without Lopti stages. The per-token
+    shares are not computed under FSDP2 (a warning, and the shares' jvp_share null). Both ranks record the same."""
+    _launch(tmp_path, "fsdp_analyses")
+    torch.set_num_threads(1)
+    model, batch = _model_and_batch()
+    pb, masks = analysis_sample(model, batch)
+    one = rebalancing_frames(model, pb, masks)
+    diffs = {}
+    for kind in ("shares", "prob_change", "influence"):
+        a, b = (pl.read_parquet(tmp_path / f"{kind}-rank{r}.parquet") for r in (0, 1))
+        assert a.equals(b), f"{kind}: the ranks differ"
+        ref = one[kind]
+        if kind == "shares":
+            assert b["jvp_share"].null_count() == b.height and ref["jvp_share"].null_count() < ref.height
+            b, ref = b.drop("jvp_share"), ref.drop("jvp_share")
+        floats = [c for c, t in ref.schema.items() if t == pl.Float64 and c not in ("lr", "bin_lo", "bin_hi")]
+        # ratios of counts: exact when the signs of delta pi agree
+        exact = [c for c in floats if c.startswith("correct_")]
+        keys = [c for c in ref.columns if c not in floats or c in exact]
+        ref, b = ref.sort(keys, nulls_last=True), b.sort(keys, nulls_last=True)
+        assert ref.height > 0 and ref.select(keys).equals(b.select(keys)), kind
+        diffs[kind] = max(_max_rel(b[c], ref[c]) for c in floats if c not in exact)
+    print(json.dumps(diffs))
+    assert all(v < FSDP_RTOL for v in diffs.values()), diffs
+    assert "token_shares" in one and not (tmp_path / "token_shares-rank0.parquet").exists()
+
+
 def test_trl_trainer_under_ddp_records_the_global_loss_gradient(tiny_model_dir, tmp_path):
     _launch(tmp_path, "trl", str(tiny_model_dir))
 
@@ -342,6 +436,8 @@ if __name__ == "__main__":
         assert all(torch.equal(a, b) for a, b in zip(probed, plain, strict=True)), (
             "the analyses changed training"
         )
+    elif sys.argv[1] == "fsdp_analyses":
+        fsdp_analyses_worker(sys.argv[2])
     elif sys.argv[1] == "trl":
         from tokendyn.hooks.records import shard_files
 
