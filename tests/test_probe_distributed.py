@@ -394,6 +394,106 @@ def test_rebalancing_analyses_under_fsdp2_equal_one_process_on_the_same_sample(t
     assert "token_shares" in one and not (tmp_path / "token_shares-rank0.parquet").exists()
 
 
+class _Accelerator:
+    """The parts of accelerate's `Accelerator` that `TrainerProbe` uses, over torch.distributed (or one process)."""
+
+    def __init__(self) -> None:
+        dist = torch.distributed
+        on = dist.is_initialized()
+        self.process_index, self.num_processes = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+        self.is_main_process = self.process_index == 0
+
+    def unwrap_model(self, model):
+        return model
+
+    def pad_across_processes(self, t, **kwargs):
+        return t  # every rank's rows have the same length here
+
+    def gather(self, t):
+        out = [torch.empty_like(t) for _ in range(self.num_processes)]
+        torch.distributed.all_gather(out, t.contiguous())
+        return torch.cat(out)
+
+
+def trainer_probe_analyses(model, batch, rows: slice, run_dir: Path) -> None:
+    """`TrainerProbe`'s dispatch on one probed rollout batch: this rank's rows handed to `rollout` (the analysed
+    sample: the first 6 rows of the global batch, across both ranks' rows), `analyze`, then `on_step_end` (the real
+    change, with no update between: zero) in the trainer's order, on a stand-in for TRL's trainer."""
+    from dataclasses import fields
+    from types import SimpleNamespace
+
+    from tokendyn.hooks.trainer import TrainerProbe
+    from tokendyn.trainers.config import TokendynGRPOConfig
+
+    defaults = {f.name: f.default for f in fields(TokendynGRPOConfig) if f.name.startswith("probe_")}
+    analyses = ("shares", "token_shares", "prob_change", "influence", "real_change")
+    args = SimpleNamespace(
+        **{**defaults, "probe_every": 1, "probe_sample_sequences": 6, "probe_lr": 0.05},
+        probe_analysis_set=analyses, temperature=T, seed=0, epsilon=0.2, epsilon_high=0.28,
+        steps_per_generation=1, lopti_order="low_first",
+    )  # fmt: skip
+    trainer = SimpleNamespace(
+        args=args, accelerator=_Accelerator(), model=model, _tokenizer=SimpleNamespace(pad_token_id=0),
+        state=SimpleNamespace(global_step=0), _step=0, temperature=T, num_iterations=1,
+    )  # fmt: skip
+    probe = TrainerProbe(trainer, run_dir)
+    pb, _ = analysis_sample(_model_and_batch()[0], batch)
+    p = pb.input_ids.size(1) - pb.n_completion
+    output = {
+        "prompt_ids": pb.input_ids[:, :p], "prompt_mask": pb.attention_mask[:, :p],
+        "completion_ids": pb.completion_ids, "completion_mask": pb.completion_mask.long(),
+        "advantages": pb.advantages[:, 0].float(), "old_per_token_logps": pb.old_logp.float(),
+    }  # fmt: skip
+    probe.rollout({k: v[rows] for k, v in output.items()})
+    probe.analyze({})
+    probe.on_step_end(args, trainer.state, None)
+    probe.close()
+
+
+def fsdp_trainer_worker(out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, _ = _wrapped("fsdp")
+    _, batch = _model_and_batch()
+    with pytest.warns(UserWarning, match="per-token shares"):
+        trainer_probe_analyses(model, batch, slice(4 * rank, 4 * rank + 4), Path(out_dir) / "run")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_trainer_probe_runs_the_analyses_on_every_fsdp2_rank_and_rank0_writes(tmp_path):
+    """The trainer's dispatch under FSDP2: every rank analyses the gathered sample (a collective), rank 0 alone
+    writes, the records equal one process's over the same global rows, and the skipped per-token shares are noted
+    once in the records directory."""
+    from tokendyn.hooks.records import shard_files
+    from tokendyn.records import records_dir
+
+    _launch(tmp_path / "two", "fsdp_trainer")
+    torch.set_num_threads(1)
+    model, batch = _model_and_batch()
+    trainer_probe_analyses(model, batch, slice(0, 8), tmp_path / "one" / "run")
+    diffs = {}
+    for kind in ("shares", "prob_change", "influence"):
+        files = shard_files(tmp_path / "two" / "run", kind)
+        assert files and all("-rank000-" in f.name for f in files), [f.name for f in files]
+        one, two = (pl.read_parquet(shard_files(tmp_path / d / "run", kind)) for d in ("one", "two"))
+        one, two = one.drop("jvp_share", strict=False), two.drop("jvp_share", strict=False)
+        floats = [c for c, t in one.schema.items() if t == pl.Float64 and not c.startswith("correct_")]
+        keys = [c for c in one.columns if c not in floats]
+        one, two = one.sort(keys, nulls_last=True), two.sort(keys, nulls_last=True)
+        assert one.height > 0 and one.select(keys).equals(two.select(keys)), kind
+        diffs[kind] = max(_max_rel(two[c], one[c]) for c in floats)
+    print(json.dumps(diffs))
+    assert all(v < FSDP_RTOL for v in diffs.values()), diffs
+    assert shard_files(tmp_path / "one" / "run", "token_shares")
+    assert not shard_files(tmp_path / "two" / "run", "token_shares")
+    notes = (records_dir(tmp_path / "two" / "run") / "notes.txt").read_text().splitlines()
+    assert len(notes) == 1 and "per-token shares" in notes[0]
+
+
 def test_trl_trainer_under_ddp_records_the_global_loss_gradient(tiny_model_dir, tmp_path):
     _launch(tmp_path, "trl", str(tiny_model_dir))
 
@@ -436,6 +536,8 @@ if __name__ == "__main__":
         assert all(torch.equal(a, b) for a, b in zip(probed, plain, strict=True)), (
             "the analyses changed training"
         )
+    elif sys.argv[1] == "fsdp_trainer":
+        fsdp_trainer_worker(sys.argv[2])
     elif sys.argv[1] == "fsdp_analyses":
         fsdp_analyses_worker(sys.argv[2])
     elif sys.argv[1] == "trl":
