@@ -94,7 +94,7 @@ class TrainerProbe(TrainerCallback):
         self.sample = int(args.probe_sample_sequences)
         self._pending_real = None
         self._pending_stage2 = None  # (batch, stage-2 mask) of a Lopti rollout, for the stage-2 shares
-        self._sample_rows: dict | None = None  # the analysed rows of the global rollout batch (rank 0; FSDP2: all)
+        self._sample_rows: dict | None = None  # the analysed rows of the global batch (rank 0; FSDP2: all)
         self._noted = False  # the FSDP2 note on the per-token shares, written once
         if self.analyses:
             from ..probe.rebalance import RebalanceOptions
