@@ -14,6 +14,7 @@ Run by pytest, this file launches itself under `torchrun --nproc_per_node 2`; as
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -21,12 +22,21 @@ import sys
 from pathlib import Path
 
 import polars as pl
+import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
 BINS = {"intervals": None, "quantiles": "quantiles:3"}
 T = 0.7
 PROBE = {"check_tokens": None, "sample_tokens": 128, "direct_tokens": 64, "temperature": T}
+# FSDP2 analyses vs one process, max |difference| / max |value| of each column. The float32 forwards agree bitwise
+# here (one CPU thread; the model called whole instead of backbone + chunked head) and FSDP2 averages identical
+# gradients exactly, so only the order of the float64 sums over shards differs (measured <= 5e-16)
+FSDP_RTOL = 1e-9
+FSDP_WRAPS = (
+    "fsdp",
+    "fsdp_keep",
+)  # layers resharded after their forward, or kept gathered until the backward
 
 
 def _model_and_batch():
@@ -147,6 +157,67 @@ def trl_worker(model_dir: str, out_dir: str) -> None:
 
 
 ANALYSED = ("shares", "token_shares", "prob_change", "influence")
+
+
+def analysis_sample(model, batch):
+    """The analysed sample as a `ProbeBatch` (pi_old a fixed perturbation of the unsharded model's pi, so that both
+    runs bin the same tokens) and its two Lopti stage masks (eta 0.5)."""
+    from tokendyn.probe.influence import lopti_stage_masks
+    from tokendyn.probe.tokenloss import ProbeBatch, completion_logp
+
+    pb = ProbeBatch(
+        batch.input_ids, batch.attention_mask, batch.completion_mask, batch.advantages, temperature=T
+    )
+    with torch.no_grad():
+        logp = completion_logp(model, pb, float64=True)
+    pb = pb.with_old_logp((logp - 0.05 * (pb.completion_ids % 3)).clamp(max=0.0))
+    return pb, lopti_stage_masks(pb, eta=0.5)
+
+
+def rebalancing_frames(model, pb, masks) -> dict[str, pl.DataFrame]:
+    """Every rebalancing analysis of `pb`: with the Lopti stages (shares, prob_change with an lr sweep, influence,
+    and the stage-2 shares) and without (update_stage "all"), on an SGD lr large enough to move pi visibly."""
+    from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch, stage_shares_frame
+
+    opts = RebalanceOptions(token_shares=8, lr=0.05, lr_sweep=(0.05, 1.0))
+    lopti = analyze_batch(model, pb, step=0, options=opts, stage_masks=masks)
+    plain = analyze_batch(model, pb, step=1, options=opts)
+    frames = {k: pl.concat([v, plain[k]]) for k, v in lopti.items() if k in plain}
+    frames["shares"] = pl.concat(
+        [frames["shares"], stage_shares_frame(model, pb, masks[1], step=0, stage="high")]
+    )
+    return frames
+
+
+def fsdp_analyses_worker(out_dir: str) -> None:
+    """Every rank runs the rebalancing analyses on the same global sample of an FSDP2-sharded model and writes what
+    it got; the model is bitwise unchanged by them, and the training step after them (probed) has bitwise the
+    gradients of the same step without probe or analyses."""
+    import torch.distributed as dist
+
+    from tokendyn.probe.parallel import local
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, batch = _model_and_batch()
+    pb, masks = analysis_sample(reference, batch)
+    rows = slice(rank * 4, (rank + 1) * 4)
+    for wrap in FSDP_WRAPS:
+        model, _ = _wrapped(wrap)
+        before = [local(p).clone() for p in model.parameters()]
+        with pytest.warns(UserWarning, match="per-token shares"):
+            frames = rebalancing_frames(model, pb, masks)
+        assert all(torch.equal(a, local(b)) for a, b in zip(before, model.parameters(), strict=True)), wrap
+        for kind, frame in frames.items():
+            frame.write_parquet(Path(out_dir) / f"{wrap}-{kind}-rank{rank}.parquet")
+        dp_step(model, batch, rows, world, Path(out_dir) / f"probed-{wrap}")
+        plain, _ = _wrapped(wrap)
+        dp_step(plain, batch, rows, world)
+        same = [torch.equal(a, b) for a, b in zip(_grads(plain), _grads(model), strict=True)]
+        assert all(same), f"{wrap}: {same.count(False)} parameter gradients changed by the analyses"
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def sampled_rollouts(prompts: list[str], trainer) -> dict:
@@ -299,6 +370,141 @@ def test_ddp_and_fsdp2_records_equal_one_process_on_the_global_batch(tmp_path):
     print(json.dumps(ratios))
 
 
+def test_rebalancing_analyses_under_fsdp2_equal_one_process_on_the_same_sample(tmp_path):
+    """FSDP2 `fully_shard` (every decoder layer, then the root) on 2 ranks, every rank analysing the same 8 sequences,
+    against one process on the unsharded model: per-bin shares and norms, the counterfactual delta pi (its correct
+    ratios and ties exactly), the lr sweep and the influence matrix, with and without Lopti stages. The per-token
+    shares are not computed under FSDP2 (a warning, and the shares' jvp_share null). Both ranks record the same."""
+    _launch(tmp_path, "fsdp_analyses")
+    torch.set_num_threads(1)
+    model, batch = _model_and_batch()
+    pb, masks = analysis_sample(model, batch)
+    one = rebalancing_frames(model, pb, masks)
+    diffs = {}
+    for wrap, kind in itertools.product(FSDP_WRAPS, ("shares", "prob_change", "influence")):
+        a, b = (pl.read_parquet(tmp_path / f"{wrap}-{kind}-rank{r}.parquet") for r in (0, 1))
+        assert a.equals(b), f"{wrap} {kind}: the ranks differ"
+        ref = one[kind]
+        if kind == "shares":
+            assert b["jvp_share"].null_count() == b.height and ref["jvp_share"].null_count() < ref.height
+            b, ref = b.drop("jvp_share"), ref.drop("jvp_share")
+        floats = [c for c, t in ref.schema.items() if t == pl.Float64 and c not in ("lr", "bin_lo", "bin_hi")]
+        # ratios of counts: exact when the signs of delta pi agree
+        exact = [c for c in floats if c.startswith("correct_")]
+        keys = [c for c in ref.columns if c not in floats or c in exact]
+        ref, b = ref.sort(keys, nulls_last=True), b.sort(keys, nulls_last=True)
+        assert ref.height > 0 and ref.select(keys).equals(b.select(keys)), kind
+        diffs[f"{wrap}:{kind}"] = max(_max_rel(b[c], ref[c]) for c in floats if c not in exact)
+    print(json.dumps(diffs))
+    assert all(v < FSDP_RTOL for v in diffs.values()), diffs
+    assert "token_shares" in one and not list(tmp_path.glob("*token_shares*"))
+
+
+class _Accelerator:
+    """The parts of accelerate's `Accelerator` that `TrainerProbe` uses, over torch.distributed (or one process)."""
+
+    def __init__(self) -> None:
+        dist = torch.distributed
+        on = dist.is_initialized()
+        self.process_index, self.num_processes = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+        self.is_main_process = self.process_index == 0
+
+    def unwrap_model(self, model):
+        return model
+
+    def pad_across_processes(self, t, **kwargs):
+        return t  # every rank's rows have the same length here
+
+    def gather(self, t):
+        out = [torch.empty_like(t) for _ in range(self.num_processes)]
+        torch.distributed.all_gather(out, t.contiguous())
+        return torch.cat(out)
+
+
+def trainer_probe_analyses(model, batch, rows: slice, run_dir: Path) -> None:
+    """`TrainerProbe`'s dispatch on one probed rollout batch: this rank's rows handed to `rollout` (the analysed
+    sample: the first 6 rows of the global batch, across both ranks' rows), `analyze`, then `on_step_end` (the real
+    change, with no update between: zero) in the trainer's order, on a stand-in for TRL's trainer."""
+    from dataclasses import MISSING, fields
+    from types import SimpleNamespace
+
+    from tokendyn import ProbeConfig
+    from tokendyn.hooks.trainer import TrainerProbe
+    from tokendyn.trainers.config import TokendynGRPOConfig
+
+    defaults = {
+        f.name: f.default
+        for f in fields(TokendynGRPOConfig)
+        if f.name.startswith("probe_") and f.default is not MISSING
+    }
+    config = ProbeConfig(sample_sequences=6, lr=0.05)  # every analysis (the default)
+    args = SimpleNamespace(
+        **{**defaults, "probe_every": 1, "probe_sample_sequences": 6, "probe_lr": 0.05},
+        probe_config=lambda: config, temperature=T, seed=0, epsilon=0.2, epsilon_high=0.28,
+        steps_per_generation=1, lopti_order="low_first",
+    )  # fmt: skip
+    trainer = SimpleNamespace(
+        args=args, accelerator=_Accelerator(), model=model, _tokenizer=SimpleNamespace(pad_token_id=0),
+        state=SimpleNamespace(global_step=0), _step=0, temperature=T, num_iterations=1,
+    )  # fmt: skip
+    probe = TrainerProbe(trainer, run_dir)
+    pb, _ = analysis_sample(_model_and_batch()[0], batch)
+    p = pb.input_ids.size(1) - pb.n_completion
+    output = {
+        "prompt_ids": pb.input_ids[:, :p], "prompt_mask": pb.attention_mask[:, :p],
+        "completion_ids": pb.completion_ids, "completion_mask": pb.completion_mask.long(),
+        "advantages": pb.advantages[:, 0].float(), "old_per_token_logps": pb.old_logp.float(),
+    }  # fmt: skip
+    probe.rollout({k: v[rows] for k, v in output.items()})
+    probe.analyze({})
+    probe.on_step_end(args, trainer.state, None)
+    probe.close()
+
+
+def fsdp_trainer_worker(out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, _ = _wrapped("fsdp")
+    _, batch = _model_and_batch()
+    with pytest.warns(UserWarning, match="per-token shares"):
+        trainer_probe_analyses(model, batch, slice(4 * rank, 4 * rank + 4), Path(out_dir) / "run")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_trainer_probe_runs_the_analyses_on_every_fsdp2_rank_and_rank0_writes(tmp_path):
+    """The trainer's dispatch under FSDP2: every rank analyses the gathered sample (a collective), rank 0 alone
+    writes, the records equal one process's over the same global rows, and the skipped per-token shares are noted
+    once as a `notes` record."""
+    from tokendyn.records import shard_files
+
+    _launch(tmp_path / "two", "fsdp_trainer")
+    torch.set_num_threads(1)
+    model, batch = _model_and_batch()
+    trainer_probe_analyses(model, batch, slice(0, 8), tmp_path / "one" / "run")
+    diffs = {}
+    for kind in ("shares", "prob_change", "influence"):
+        files = shard_files(tmp_path / "two" / "run", kind)
+        assert files and all("-rank000-" in f.name for f in files), [f.name for f in files]
+        one, two = (pl.read_parquet(shard_files(tmp_path / d / "run", kind)) for d in ("one", "two"))
+        one, two = one.drop("jvp_share", strict=False), two.drop("jvp_share", strict=False)
+        floats = [c for c, t in one.schema.items() if t == pl.Float64 and not c.startswith("correct_")]
+        keys = [c for c in one.columns if c not in floats]
+        one, two = one.sort(keys, nulls_last=True), two.sort(keys, nulls_last=True)
+        assert one.height > 0 and one.select(keys).equals(two.select(keys)), kind
+        diffs[kind] = max(_max_rel(two[c], one[c]) for c in floats)
+    print(json.dumps(diffs))
+    assert all(v < FSDP_RTOL for v in diffs.values()), diffs
+    assert shard_files(tmp_path / "one" / "run", "token_shares")
+    assert not shard_files(tmp_path / "two" / "run", "token_shares")
+    notes = pl.read_parquet(shard_files(tmp_path / "two" / "run", "notes"))
+    assert set(notes["code"]) == {"fsdp_no_token_shares"}, notes
+    assert all("per-token shares" in m for m in notes["message"])
+
+
 def test_trl_trainer_under_ddp_records_the_global_loss_gradient(tiny_model_dir, tmp_path):
     _launch(tmp_path, "trl", str(tiny_model_dir))
 
@@ -341,6 +547,10 @@ if __name__ == "__main__":
         assert all(torch.equal(a, b) for a, b in zip(probed, plain, strict=True)), (
             "the analyses changed training"
         )
+    elif sys.argv[1] == "fsdp_trainer":
+        fsdp_trainer_worker(sys.argv[2])
+    elif sys.argv[1] == "fsdp_analyses":
+        fsdp_analyses_worker(sys.argv[2])
     elif sys.argv[1] == "trl":
         from tokendyn.records import shard_files
 

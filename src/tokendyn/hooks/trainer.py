@@ -13,8 +13,11 @@ modified), and after the batch's last optimizer step the same sequences are re-s
 global rollout batch is the ranks' generation batches concatenated in rank order, in the sampler's order, before
 TRL shuffles it into micro-batches: the batch one process would generate from the same prompts (TRL hands process
 r the prompts r * n .. (r + 1) * n - 1 of it). `rollout(output)` gathers those rows on every rank (padded across
-processes as one process pads them); the analyses then run on rank 0 alone, on the unwrapped model (they make no
-collective call), and only rank 0 writes their records. With Lopti, the
+processes as one process pads them); under DDP the analyses then run on rank 0 alone, on the unwrapped model (they
+make no collective call); under FSDP2 every rank runs them on the same gathered rows (each forward and backward is a
+collective; norms and inner products are summed over the ranks' shards, `tokendyn.probe.parallel`), and the per-token
+shares are skipped there (`tokendyn.probe.shares.FSDP_NO_TOKEN_SHARES`, a `notes` record that `tokendyn analyze`
+prints). Only rank 0 writes their records. With Lopti, the
 `shares` record also holds each stage's decomposition (stage "low" / "high", `stage_shares_frame`): the gradient of
 the stage's loss on the same sequences, at the parameters the stage starts from (stage 2: after the real stage-1
 optimizer steps), recorded at the global step where it is taken (stage 2: later than the rollout's other records).
@@ -35,6 +38,7 @@ from tokendyn.probe.change import completion_probs, fix_pi_old
 from tokendyn.probe.parallel import is_fully_sharded
 from tokendyn.probe.probe import GradientProbe
 from tokendyn.probe.rebalance import analyze_batch, real_change_frame, stage_shares_frame
+from tokendyn.probe.shares import FSDP_NO_TOKEN_SHARES
 from tokendyn.probe.tokenloss import Objective, ProbeBatch
 from tokendyn.records import RecordWriter, write_frames
 from tokendyn.vocab import stage_name
@@ -85,7 +89,7 @@ class TrainerProbe(TrainerCallback):
         self.sample = cfg.sample_sequences
         self._pending_real = None
         self._pending_stage2 = None  # (batch, stage-2 mask) of a Lopti rollout, for the stage-2 shares
-        self._sample_rows: dict | None = None  # the analysed rows of the global rollout batch (rank 0)
+        self._sample_rows: dict | None = None  # the analysed rows of the global batch (rank 0; FSDP2: all)
         if self.analyses:
             self.options = rebalance_options(cfg, seed=args.seed)
             self.objective = Objective.from_config(args)  # the trained loss, or an error naming what is not
@@ -122,7 +126,16 @@ class TrainerProbe(TrainerCallback):
                     value = acc.pad_across_processes(value, dim=1, pad_index=pad_index, pad_first=first)
                 value = acc.gather(value).to(dtype)
             sample[key] = value[: self.sample]
-        self._sample_rows = sample if acc.is_main_process else None
+        self._sample_rows = sample if acc.is_main_process or self._sharded() else None
+
+    def _sharded(self) -> bool:
+        """FSDP2: every rank takes part in the analyses (their forwards and backwards are collectives)."""
+        return is_fully_sharded(self.trainer.accelerator.unwrap_model(self.trainer.model))
+
+    def _write(self, frames: dict) -> None:
+        """Rank 0 writes the analyses' records (under FSDP2 every rank computed the same ones)."""
+        if self.trainer.accelerator.is_main_process:
+            write_frames(self.run_dir, frames, rank=self.trainer.accelerator.process_index)
 
     def analyze(self, inputs: dict) -> None:
         """The rebalancing analyses of a rollout batch (first micro-step of a probed rollout only); with Lopti also
@@ -141,15 +154,12 @@ class TrainerProbe(TrainerCallback):
         if not self.analyses:
             return
         model = t.accelerator.unwrap_model(t.model)
-        if is_fully_sharded(model):
-            raise ValueError(
-                "probe: the rebalancing analyses (probe_analyses: shares, token_shares, prob_change, influence, "
-                "real_change) do not run on FSDP2-sharded parameters yet; set probe_analyses to none (the per-bin "
-                "gradient records work under FSDP2) or train with DDP"
-            )
+        sharded = is_fully_sharded(model)
         sample, self._sample_rows = self._sample_rows, None
-        if not t.accelerator.is_main_process:
-            return  # rank 0 analyses the global sample
+        if not (t.accelerator.is_main_process or sharded):
+            return  # DDP: rank 0 analyses the global sample; FSDP2: every rank does, on the same rows
+        if sharded and "token_shares" in self.analyses:
+            self.probe.note("fsdp_no_token_shares", FSDP_NO_TOKEN_SHARES, step=t.state.global_step)
         if sample is None:
             raise RuntimeError(
                 "probe: no rollout batch was handed to TrainerProbe.rollout before its analyses"
@@ -191,7 +201,7 @@ class TrainerProbe(TrainerCallback):
                 self._pending_stage2 = (batch, stage_masks[1])
         finally:
             self.probe.enabled = True
-        write_frames(self.run_dir, frames, rank=t.accelerator.process_index)
+        self._write(frames)
 
     def _stage2_start(self) -> int:
         """Micro-step (modulo the rollout period) at which Lopti's stage 2 begins."""
@@ -218,7 +228,7 @@ class TrainerProbe(TrainerCallback):
             frame = self._stage_shares(batch, mask, 2)
         finally:
             self.probe.enabled = True
-        write_frames(self.run_dir, {"shares": frame}, rank=self.trainer.accelerator.process_index)
+        self._write({"shares": frame})
 
     def on_step_end(self, args, state, control, **kwargs):
         """After the rollout batch's last optimizer step: the real probability change of the sample."""
@@ -232,7 +242,7 @@ class TrainerProbe(TrainerCallback):
             frame = real_change_frame(pi_before, model, batch, step=step, edges=self.edges)
         finally:
             self.probe.enabled = True
-        write_frames(self.run_dir, {"prob_change": frame}, rank=self.trainer.accelerator.process_index)
+        self._write({"prob_change": frame})
 
     def due(self) -> bool:
         return self.every > 0 and self.trainer.state.global_step % self.every == 0

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from tokendyn.probe.bins import bin_bounds
+from tokendyn.probe.parallel import gradients, local, reshard, sum_over_ranks
 from tokendyn.probe.shares import dot64
 from tokendyn.probe.tokenloss import (
     Objective,
@@ -73,13 +74,13 @@ class HostSnapshot:
     tensor: at no time is there a second copy of all of them on the device."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = {n: _to_host(t) for n, t in tensors.items()}
+        self.tensors = {n: _to_host(local(t)) for n, t in tensors.items()}  # FSDP2: this rank's shard
 
     def restore(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy every saved tensor back into the (same-named, same-shape) tensor given, in place."""
         with torch.no_grad():
             for n, t in tensors.items():
-                t.copy_(self.tensors[n])
+                local(t).copy_(self.tensors[n])
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -95,13 +96,22 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 def _state_to_host(obj):
     """An optimizer ``state_dict`` with every tensor copied to host memory (the state is not aliased)."""
-    if torch.is_tensor(obj):
-        return _to_host(obj)
+    if torch.is_tensor(obj):  # (a DTensor's state, FSDP2, stays a copy of its shard on the device)
+        return obj.detach().clone() if local(obj) is not obj else _to_host(obj)
     if isinstance(obj, dict):
         return {k: _state_to_host(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return type(obj)(_state_to_host(v) for v in obj)
     return obj
+
+
+def _like(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The gradient g (FSDP2: this rank's shard) in the layout of the parameter p (a DTensor: the same shard)."""
+    if local(p) is p:
+        return g
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
 @dataclass
@@ -121,7 +131,11 @@ class InPlaceUpdate:
     gradient by ``torch.autograd.grad``; ``.grad`` of each parameter is set aside and put back), `probs(batch)`
     measures pi at the current parameters, `save()` / `load(saved)` go back to an earlier point (parameters and
     optimizer state; Lopti's stage 2 starts from one, the influence sources restart from it). Memory on the device:
-    no parameter copy, one gradient during a step, and the analysis optimizer's state (none for plain SGD)."""
+    no parameter copy, one gradient during a step, and the analysis optimizer's state (none for plain SGD).
+
+    FSDP2: every rank makes the same steps on the same batch (each step's forward and backward are collectives);
+    each rank saves and restores its own shards, the gradient is FSDP2's reduce-scattered one
+    (`tokendyn.probe.parallel.gradients`), and the model is resharded whenever its parameters change in place."""
 
     def __init__(
         self, model: nn.Module, optimizer: OptimizerFactory, objective: Objective | None = None
@@ -134,7 +148,9 @@ class InPlaceUpdate:
         self._moved = False
 
     def __enter__(self) -> InPlaceUpdate:
-        self.start_norm2 = sum(dot64(p, p) for p in self.params.values())
+        reshard(self.model)  # FSDP2: the registered parameters are the shards (`parallel.reshard`)
+        self.params = trainable_parameters(self.model)
+        self.start_norm2 = self._sum_over_ranks(sum(dot64(local(p), local(p)) for p in self.params.values()))
         self.start = HostSnapshot(self.params)
         self.optimizer = self.optimizer_factory(list(self.params.values()))
         self._fresh_state = _state_to_host(self.optimizer.state_dict())
@@ -143,21 +159,26 @@ class InPlaceUpdate:
     def __exit__(self, *exc) -> None:
         if self.start is not None:
             self.start.restore(self.params)
+            reshard(self.model)
         self.start, self.optimizer, self._moved = None, None, False
+
+    def _sum_over_ranks(self, x: float) -> float:
+        return float(sum_over_ranks(torch.tensor([x], dtype=torch.float64), self.model))
 
     def step(self, batch: ProbeBatch, mask: torch.Tensor | None = None) -> float:
         """One optimizer step on L_mask = sum_{t in mask} l_t (mask None: every token), in place. Returns L_mask."""
         tensors = list(self.params.values())
+        reshard(self.model)
         with eval_mode(self.model):
             terms = token_loss(self.model, batch, self.objective).terms
             loss = terms.sum() if mask is None else (terms * mask.to(terms.device, terms.dtype)).sum()
-            grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+            grads = gradients(self.model, loss, tensors)
         del terms
         kept = [p.grad for p in tensors]
         self._moved = True
         try:
             for p, g in zip(tensors, grads, strict=True):
-                p.grad = torch.zeros_like(p) if g is None else g
+                p.grad = torch.zeros_like(p) if g is None else _like(g, p)
             del grads
             self.optimizer.step()
         finally:
@@ -173,9 +194,10 @@ class InPlaceUpdate:
         host memory one tensor at a time)."""
         num = 0.0
         for n, p in self.params.items():
-            d = p.detach() - self.start.tensors[n].to(p.device, non_blocking=True)
+            d = local(p).detach() - self.start.tensors[n].to(p.device, non_blocking=True)
             num += dot64(d, d)
             del d
+        num = self._sum_over_ranks(num)
         return (num / self.start_norm2) ** 0.5 if self.start_norm2 > 0 else float("nan")
 
     def save(self) -> Saved:
@@ -188,6 +210,7 @@ class InPlaceUpdate:
     def load(self, saved: Saved) -> None:
         """Back to a saved point: parameters copied in place, the optimizer's state loaded (as a copy)."""
         saved.params.restore(self.params)
+        reshard(self.model)
         self.optimizer.load_state_dict(_state_to_host(saved.optimizer))
         self._moved = saved.params is not self.start
 

@@ -217,3 +217,96 @@ def agree_max(n: int, model: nn.Module, device: torch.device) -> int:
     t = torch.tensor([n], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t)
+
+
+# --- the rebalancing analyses on FSDP2-sharded parameters ------------------------------------------------------
+#
+# Every rank runs the analyses on the same batch. A forward and a backward of the model go through FSDP2's hooks
+# (all-gather before each module, reduce-scatter of the gradients after), so every rank must make them in the same
+# order. `torch.autograd.grad` does not reach the sharded parameters (the graph holds the gathered copies), so a
+# gradient is taken by a backward into ``.grad`` (each parameter's own ``.grad`` set aside and put back): FSDP2
+# averages it over the ranks, and the ranks' losses are the same loss, so the average is that loss's gradient.
+# Norms and inner products are summed over each rank's shard (float64) and then over the ranks (`sum_over_ranks`).
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of the model sharded with `fully_shard` (empty when none is)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard(model: nn.Module) -> None:
+    """Register every FSDP2 module's sharded parameters again (a no-op where they are). FSDP2 leaves the root's
+    parameters gathered after a forward that no backward follows (eval, no grad), and a later forward reuses that
+    copy: before the parameters are changed in place, or read as shards, they must be resharded."""
+    for m in fsdp_modules(model):
+        m.reshard()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the same storage), a plain tensor as it is."""
+    if _is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def sum_over_ranks(t: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """t summed over the ranks (in place) when the model is FSDP2-sharded (t holds sums over this rank's
+    shards), else t: a collective under FSDP2."""
+    dist = torch.distributed
+    if fsdp_modules(model) and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def _param_groups(model: nn.Module) -> list:
+    return [g for m in fsdp_modules(model) for g in m._get_fsdp_state()._fsdp_param_groups]
+
+
+def gradients(
+    model: nn.Module,
+    outputs: torch.Tensor,
+    params: list[torch.Tensor],
+    grad_outputs: torch.Tensor | None = None,
+    *,
+    retain_graph: bool = False,
+) -> list[torch.Tensor | None]:
+    """d <outputs, grad_outputs> / d params (grad_outputs None: outputs is a scalar), None for a parameter the
+    outputs do not reach. Plain parameters: ``torch.autograd.grad``. FSDP2: a backward into ``.grad`` (module
+    comment above), and this rank's shard of each gradient is returned (``.grad`` put back as it was; the
+    gradients are reduce-scattered even inside a no-sync accumulation window, whose flags are restored after).
+    A collective under FSDP2."""
+    if not fsdp_modules(model):
+        return list(
+            torch.autograd.grad(outputs, params, grad_outputs, retain_graph=retain_graph, allow_unused=True)
+        )
+    groups = _param_groups(model)
+    if any(getattr(p, "unsharded_accumulated_grad", None) is not None for g in groups for p in g.fsdp_params):
+        raise RuntimeError(
+            "probe: FSDP2 holds gradients accumulated without synchronisation; the analyses must run before a "
+            "micro-step's backward, outside a no-sync accumulation window's middle"
+        )
+    flags = [(g.reduce_grads, g.all_reduce_grads) for g in groups]
+    roots = [m._get_fsdp_state()._state_ctx for m in fsdp_modules(model)]
+    last = [ctx.is_last_backward for ctx in roots]
+    kept = [p.grad for p in params]
+    try:
+        for g in groups:
+            g.reduce_grads, g.all_reduce_grads = True, True
+        for ctx in roots:
+            ctx.is_last_backward = True
+        for p in params:
+            p.grad = None
+        torch.autograd.backward(outputs, grad_outputs, retain_graph=retain_graph, inputs=None)
+        return [None if p.grad is None else local(p.grad) for p in params]
+    finally:
+        for p, g in zip(params, kept, strict=True):
+            p.grad = g
+        for g, (a, b) in zip(groups, flags, strict=True):
+            g.reduce_grads, g.all_reduce_grads = a, b
+        for ctx, flag in zip(roots, last, strict=True):
+            ctx.is_last_backward = flag

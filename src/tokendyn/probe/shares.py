@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from torch import nn
 
 from tokendyn.config import SHARE_METHODS
 from tokendyn.probe.bins import DEFAULT_EDGES, bin_bounds
+from tokendyn.probe.parallel import fsdp_modules, gradients, reshard, sum_over_ranks
 from tokendyn.probe.tokenloss import (
     Objective,
     ProbeBatch,
@@ -55,6 +57,12 @@ from tokendyn.vocab import (
 )
 
 ALL = ALL_PARAMETERS
+# the per-token JVP goes through `torch.func.functional_call`, whose substituted parameters FSDP2's hooks replace
+FSDP_NO_TOKEN_SHARES = (
+    "shares: per-token shares (the token_shares record, the shares' jvp_share) are not computed on FSDP2-sharded "
+    "parameters: their forward-mode JVP substitutes the parameters, which FSDP2's gathering replaces; the per-bin "
+    "shares, norms and every other analysis are exact"
+)
 METHODS = SHARE_METHODS
 _SUM_CHUNK = 1 << 22  # elements per float64 partial sum (32 MiB of float64 per operand)
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
@@ -174,6 +182,12 @@ class GroupSums:
                 self.sq[b, j] += s
                 self.dot[b, j] += d
 
+    def reduce(self, model: nn.Module) -> GroupSums:
+        """Sums over the ranks' shards when the model is FSDP2-sharded (a collective there), else as they are."""
+        for t in (self.sq, self.dot, self.tot):
+            sum_over_ranks(t, model)
+        return self
+
     def shares(self, split: BinSplit) -> BinShares:
         return BinShares(
             split.edges, split.counts(), self.groups, self.sq.sqrt(), self.dot, self.tot.sqrt(), split.loss
@@ -185,6 +199,7 @@ def _bin_setup(model, batch, edges, objective, token_mask):
     per-bin token masks m_b = [t in b and t in token_mask]."""
     edges_t = as_edges(edges)
     k = edges_t.numel() - 1
+    reshard(model)  # FSDP2: the sharded parameters are the registered ones (`parallel.reshard`)
     params = trainable_parameters(model)
     tl = token_loss(model, batch, objective)
     logp_old = tl.logp.detach() if batch.old_logp is None else batch.old_logp
@@ -227,6 +242,8 @@ def bin_gradients(
     g_b = grad sum_{t in b and mask} l_t and g = sum_b g_b is the stage's gradient."""
     if method not in ("batched", "loop"):
         raise ValueError(f"shares: method must be one of ('batched', 'loop'), got {method!r}")
+    if fsdp_modules(model):
+        raise ValueError("shares: under FSDP2 the per-bin gradients are streamed only (method 'stream')")
     with eval_mode(model):
         params, tl, masks, split = _bin_setup(model, batch, edges, objective, token_mask)
         names, tensors = list(params), list(params.values())
@@ -275,14 +292,14 @@ def streamed_shares(
         params, tl, masks, split = _bin_setup(model, batch, edges, objective, token_mask)
         tensors = list(params.values())
         sums = GroupSums(split.names, split.groups, masks.size(0))
-        g = list(torch.autograd.grad(tl.terms, tensors, masks.sum(0), retain_graph=True, allow_unused=True))
+        g = gradients(model, tl.terms, tensors, masks.sum(0), retain_graph=True)  # FSDP2: this rank's shards
         sums.add_total(g)
         for b in range(masks.size(0)):
             last = b == masks.size(0) - 1
             if not bool(masks[b].any()):  # no token of the bin in the loss: g_b = 0
                 continue
-            gb = torch.autograd.grad(tl.terms, tensors, masks[b], retain_graph=not last, allow_unused=True)
-            sums.add_bin(b, list(gb), g)
+            gb = gradients(model, tl.terms, tensors, masks[b], retain_graph=not last)
+            sums.add_bin(b, gb, g)
             del gb
         del tl  # the graph, if the last bins had no tokens
     total = None
@@ -290,7 +307,7 @@ def streamed_shares(
         total = {
             n: torch.zeros_like(p) if t is None else t for (n, p), t in zip(params.items(), g, strict=True)
         }
-    return split, sums.shares(split), total
+    return split, sums.reduce(model).shares(split), total
 
 
 @dataclass
@@ -463,9 +480,14 @@ def gradient_shares(
     and the JVP's tangents. ``token_mask``: the loss restricted to these tokens (a Lopti stage); counts, shares
     and s_t are then over those tokens only (s_t = 0 outside). A batch whose gradient is zero (every advantage 0
     and no KL gradient, e.g. a sample of zero-variance groups at the first step) has no shares: the `shares` rows
-    carry null, and no per-token shares are computed."""
+    carry null, and no per-token shares are computed. On an FSDP2-sharded model (every rank calling this on the
+    same batch) the per-bin shares are summed over the ranks' shards and the per-token shares are skipped with a
+    warning (`FSDP_NO_TOKEN_SHARES`)."""
     if method not in METHODS:
         raise ValueError(f"shares: method must be one of {METHODS}, got {method!r}")
+    if per_token and fsdp_modules(model):
+        warnings.warn(FSDP_NO_TOKEN_SHARES, stacklevel=2)
+        per_token = False
     if method == "stream":
         grads, shares, total = streamed_shares(
             model, batch, edges, objective=objective, token_mask=token_mask, keep_total=per_token

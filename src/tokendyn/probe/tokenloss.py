@@ -383,9 +383,13 @@ def _features(model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tenso
     """One forward of the model (through ``torch.func.functional_call`` with ``params`` when given), stopping
     before the LM head where it can (`_split_checked`; not for a model with hooks on its own forward outside
     `analysis_forward`, nor one dispatched by accelerate's hooks)."""
+    from tokendyn.probe.parallel import fsdp_modules, reshard
+
     c = batch.n_completion
     hooked = bool(model._forward_hooks or model._forward_pre_hooks) and not _ANALYSIS.get()
-    parts = None if hooked or hasattr(model, "_hf_hook") else _split_checked(model, batch)
+    # FSDP2: the root's hooks gather the embeddings, final norm and head: the model is called whole
+    sharded = bool(fsdp_modules(model))
+    parts = None if hooked or sharded or hasattr(model, "_hf_hook") else _split_checked(model, batch)
     if parts is not None:
         call = _Parts(model, *parts)
         args = (batch.input_ids, batch.attention_mask)
@@ -398,7 +402,11 @@ def _features(model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tenso
     kwargs: dict = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
     if _accepts_logits_to_keep(model):
         kwargs["logits_to_keep"] = c + 1
+    if sharded and params is not None:
+        raise ValueError("probe: a model sharded with FSDP2 cannot be called with substituted parameters")
     out = model(**kwargs) if params is None else torch.func.functional_call(model, params, (), kwargs)
+    if sharded and not torch.is_grad_enabled():
+        reshard(model)  # no backward follows: drop the gathered copy FSDP2 keeps (`parallel.reshard`)
     logits = out.logits if hasattr(out, "logits") else out[0]
     logits = logits[:, -(c + 1) : -1, :]
     return _Features(logits.reshape(-1, logits.size(-1)), None, None)
