@@ -133,6 +133,7 @@ class Size:
     kv: int = 2
     inter: int | None = None  # default 3 x hidden
     dtype: str = "float32"
+    tied: bool = False  # LM head tied to the embeddings (the embedded policies; Qwen2.5-7B is untied)
 
     @property
     def intermediate(self) -> int:
@@ -159,7 +160,7 @@ def n_params(s: Size) -> int:
     attn = s.hidden * s.hidden * 2 + 2 * s.hidden * s.kv * hd + s.hidden + 2 * s.kv * hd
     mlp = 3 * s.hidden * s.intermediate
     layer = attn + mlp + 2 * s.hidden
-    return s.layers * layer + 2 * s.vocab * s.hidden + s.hidden
+    return s.layers * layer + (1 if s.tied else 2) * s.vocab * s.hidden + s.hidden
 
 
 def build_model(s: Size):
