@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check of issue 11 (item 5), one script for a lent machine; DEVICE=cpu runs the whole flow here, tiny.
 #
-#   bash bench/gpu_check.sh                 # on the GPU machine (the device tool carries bench/wheels/big, then
-#                                           # bench/wheels/rest: see bench/fetch_wheels.sh)
+#   bash bench/gpu_check.sh                 # on the GPU machine; three device calls carry bench/wheels/big,
+#                                           # bench/wheels/polars and bench/wheels/rest (each < 64 MiB, see
+#                                           # bench/fetch_wheels.sh); the last one runs this script
 #   DEVICE=cpu bash bench/gpu_check.sh      # the same steps on CPU with tiny settings (a few minutes)
 #
 # 1. installs the carried wheels (no registry there) and uses src/ from the working tree;
