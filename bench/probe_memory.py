@@ -60,8 +60,11 @@ def _walk(nodes):
 class AllocPeak:
     """Peak bytes allocated inside a ``with`` block, from the CPU allocator's reports under the profiler.
 
-    ``peak``: the largest running total the allocator reported (its own statistic); ``peak_events``: the same from
-    the allocation / free events summed in time order (a cross-check); ``end``: bytes still allocated at the end."""
+    The allocator reports, with every allocation and free, its running total of allocated bytes; that total is
+    process-wide (it carries what earlier profiled blocks left allocated, and misses frees made while no profiler
+    ran), so the peak is taken relative to the total just before the block's first event. ``peak``: that relative
+    maximum (the allocator's own statistic); ``peak_events``: the same from the block's allocation / free sizes
+    summed in time order (a cross-check); ``end``: bytes still allocated at the end, relative."""
 
     def __enter__(self) -> AllocPeak:
         gc.collect()
@@ -71,16 +74,17 @@ class AllocPeak:
 
     def __exit__(self, *exc) -> None:
         self._prof.__exit__(*exc)
-        totals, events = [], []
+        events = []
         for node in _walk(self._prof.profiler.kineto_results.experimental_event_tree()):
             ef = node.extra_fields
             if type(ef).__name__.endswith("Allocation") and str(ef.device) == "cpu":
-                totals.append(int(ef.total_allocated))
-                events.append((node.start_time_ns, int(ef.alloc_size)))
-        self.peak = max([0, *totals])
-        self.end = totals[-1] if totals else 0
+                events.append((node.start_time_ns, int(ef.alloc_size), int(ef.total_allocated)))
+        events.sort(key=lambda e: e[0])
+        base = events[0][2] - events[0][1] if events else 0
+        self.peak = max([0, *(total - base for _, _, total in events)])
+        self.end = events[-1][2] - base if events else 0
         running, best = 0, 0
-        for _, n in sorted(events, key=lambda e: e[0]):
+        for _, n, _ in events:
             running += n
             best = max(best, running)
         self.peak_events = best
@@ -90,7 +94,8 @@ class AllocPeak:
 
 def self_check() -> dict:
     """Allocate known tensors and compare: A (1e6 float32) + B (5e5 float64) live together -> 8,000,000 B, then A
-    freed and C (2.5e5 float32) -> 5,000,000 B; a matmul (64x128 @ 128x32 float32) adds its 8,192-byte output."""
+    freed and C (2.5e5 float32) -> 5,000,000 B; a matmul (64x128 @ 128x32 float32) adds its 8,192-byte output; and a
+    block after one that left 4,000,000 B allocated (kept) counts only its own 1,000,000 B."""
 
     def body():
         a = torch.empty(1_000_000, dtype=torch.float32)
@@ -105,9 +110,16 @@ def self_check() -> dict:
     with AllocPeak() as p2:
         z = x @ y
         del z
-    expected = (8_000_000, 64 * 32 * 4)
-    got = (p1.peak, p2.peak)
-    got_events = (p1.peak_events, p2.peak_events)
+    kept = []
+    with AllocPeak() as p3:
+        kept.append(torch.empty(1_000_000, dtype=torch.float32))
+    with AllocPeak() as p4:
+        d = torch.empty(250_000, dtype=torch.float32)
+        del d
+    kept.clear()
+    expected = (8_000_000, 64 * 32 * 4, 4_000_000, 1_000_000)
+    got = (p1.peak, p2.peak, p3.peak, p4.peak)
+    got_events = (p1.peak_events, p2.peak_events, p3.peak_events, p4.peak_events)
     return {
         "expected": expected,
         "allocator": got,
@@ -511,12 +523,15 @@ TRAIN_SIZES = [
     dataclasses.replace(BASE, rows=8, sample=8),
     dataclasses.replace(BASE, sample=8),
     dataclasses.replace(BASE, layers=4, hidden=128, vocab=8192, completion=256),
+    # the transformer body larger than the vocabulary (as at 7B): activations and parameters dominate
+    Size(layers=6, hidden=256, vocab=512, completion=128, heads=8, kv=2),
+    Size(layers=4, hidden=192, vocab=1024, completion=256, heads=6, kv=2, inter=1024),
     dataclasses.replace(BASE, dtype="bfloat16"),
-    dataclasses.replace(BASE, hidden=128, vocab=8192, dtype="bfloat16"),
-    dataclasses.replace(BASE, completion=256, layers=4, dtype="bfloat16"),
+    Size(layers=4, hidden=128, vocab=512, completion=256, dtype="bfloat16"),
 ]
 HELD_OUT = [
     Size(layers=5, hidden=160, vocab=12288, completion=320, rows=4, sample=6, heads=5, kv=1),
+    Size(layers=5, hidden=224, vocab=768, completion=192, rows=4, sample=6, heads=7, kv=1, inter=640),
 ]
 QUICK_TRAIN = [
     Size(layers=2, hidden=32, vocab=1024, completion=64),
