@@ -159,7 +159,8 @@ def predict(args) -> None:
             inter=c["intermediate_size"],
             tied=r["tied"],
         )
-        # fp32 parameters, gradients and AdamW's two moments, the reference model (beta > 0), then the step
+        # fp32 parameters, AdamW's two moments and the reference model (beta > 0) live throughout; the step's fit has
+        # the gradients. Generation (KV cache) is not modelled: the measured peak is over whole rollouts
         persistent = r["n_params"] * 4 * 4
         pred = persistent + fits["step"].predict(pm.features("step", s))
         if r["variant"] != "off":

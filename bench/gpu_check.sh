@@ -56,9 +56,13 @@ if [ ! -f "$MODEL_JSON" ]; then
 fi
 
 echo "== 2. warm start (gpu preset, $WS_STEPS steps) on $DEVICE"
-rm -rf "$OUT/policy"
-"$PY" bench/_gpu_run.py warmstart --device "$DEVICE" --out "$OUT/policy" --steps "$WS_STEPS" \
-  --copy_steps "$WS_COPY" --batch "$WS_BATCH" --puzzles "$WS_PUZZLES" --eval_n "$WS_EVAL" 2>&1 | grep -v Warning
+if [ "${REUSE_POLICY:-0}" = 1 ] && [ -f "$OUT/policy/config.json" ]; then
+  echo "  reusing $OUT/policy (REUSE_POLICY=1)"
+else
+  rm -rf "$OUT/policy"
+  "$PY" bench/_gpu_run.py warmstart --device "$DEVICE" --out "$OUT/policy" --steps "$WS_STEPS" \
+    --copy_steps "$WS_COPY" --batch "$WS_BATCH" --puzzles "$WS_PUZZLES" --eval_n "$WS_EVAL" 2>&1 | grep -v Warning
+fi
 
 echo "== 3. probed runs ($METHODS; off / probe / probe + analyses)"
 : > "$OUT/runs.jsonl"
