@@ -3,6 +3,8 @@
 
     python bench/_gpu_run.py warmstart --device cuda --out DIR [--steps 200 --batch 64]
     python bench/_gpu_run.py train --device cuda --policy DIR --method grpo --variant probe --out RUN   # one JSON line
+    python bench/_gpu_run.py predict --runs RUNS.jsonl --model bench/memory_model.json
+    python bench/_gpu_run.py analyze RUN [--out DIR]     # tokendyn analyze, without importing the figures
 """
 
 from __future__ import annotations
@@ -175,6 +177,16 @@ def predict(args) -> None:
         )
 
 
+def analyze(args) -> None:
+    """`tokendyn analyze RUN` without the CLI's other commands (the figures need seaborn, not carried)."""
+    from tokendyn.analysis import cli
+
+    ap = argparse.ArgumentParser(prog="tokendyn")
+    cli.register(ap.add_subparsers(dest="cmd"))
+    ns = ap.parse_args(["analyze", *args.rest])
+    raise SystemExit(cli.run(ns))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -203,8 +215,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--completion", type=int, default=256)
     p.add_argument("--sample", type=int, default=8)
+    a = sub.add_parser("analyze")
+    a.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args()
-    {"warmstart": warmstart, "train": train, "predict": predict}[args.cmd](args)
+    {"warmstart": warmstart, "train": train, "predict": predict, "analyze": analyze}[args.cmd](args)
 
 
 if __name__ == "__main__":
