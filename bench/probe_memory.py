@@ -9,8 +9,11 @@ parameters, is not in it). A self-check allocates tensors of known sizes and req
 Per size (a random Qwen2 of that shape, float32 or bfloat16, unpadded rows of prompt + completion):
   step          the training step's own peak: TRL's fused-LM-head forward + the GRPO (dapo, clipped) loss + backward,
                 gradients allocated (no probe); step_ckpt the same with non-reentrant gradient checkpointing
-  probe         peak of the same step with a `GradientProbe` attached, minus the step's peak; probe_nodirect with
-                direct_tokens=0 (so the direct gradients are a term of their own)
+  probe         in the same step with a `GradientProbe` attached: the peak of the bytes the probe's own code allocated
+                and had not freed (allocations under a Python frame of tokendyn/probe/, frees matched by address),
+                an upper bound on what it adds to the step's peak, whichever phase it allocates in; the bench also
+                prints what it did add at each size (probe_at_peak: the probed step's peak minus the step's, not
+                fitted: a difference of maxima does not extrapolate); probe_nodirect with direct_tokens=0
   analyses      peak of `analyze_batch` on the sample sequences, one `RebalanceOptions` switch at a time
                 (shares, token_shares, change, sweep, influence), the Lopti stages (influence and shares per stage),
                 and `all` (the trainer's options with Lopti, the stage-1 shares and the real change's pi_before)
@@ -66,11 +69,26 @@ class AllocPeak:
     maximum (the allocator's own statistic); ``peak_events``: the same from the block's allocation / free sizes
     summed in time order (a cross-check); ``end``: bytes still allocated at the end, relative."""
 
+    def __init__(self, owner: str | None = None) -> None:
+        # owner: a path fragment (e.g. "tokendyn/probe/"); ``peak_owned`` is then the peak of the bytes allocated
+        # under a Python frame from such a file and not yet freed (Python stacks recorded: slower)
+        self.owner = owner
+
     def __enter__(self) -> AllocPeak:
         gc.collect()
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof = profile(
+            activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=self.owner is not None
+        )
         self._prof.__enter__()
         return self
+
+    def _owned(self, node) -> bool:
+        q = node.parent
+        while q is not None:
+            if self.owner in q.name:
+                return True
+            q = q.parent
+        return False
 
     def __exit__(self, *exc) -> None:
         self._prof.__exit__(*exc)
@@ -78,13 +96,26 @@ class AllocPeak:
         for node in _walk(self._prof.profiler.kineto_results.experimental_event_tree()):
             ef = node.extra_fields
             if type(ef).__name__.endswith("Allocation") and str(ef.device) == "cpu":
-                events.append((node.start_time_ns, int(ef.alloc_size), int(ef.total_allocated)))
+                owned = self.owner is not None and ef.alloc_size > 0 and self._owned(node)
+                events.append(
+                    (node.start_time_ns, int(ef.alloc_size), int(ef.total_allocated), ef.ptr, owned)
+                )
         events.sort(key=lambda e: e[0])
+        live: dict[int, int] = {}
+        running, best = 0, 0
+        for _, n, _, ptr, owned in events:
+            if owned:
+                live[ptr] = n
+                running += n
+            elif n < 0 and ptr in live:
+                running -= live.pop(ptr)
+            best = max(best, running)
+        self.peak_owned = best
         base = events[0][2] - events[0][1] if events else 0
-        self.peak = max([0, *(total - base for _, _, total in events)])
+        self.peak = max([0, *(e[2] - base for e in events)])
         self.end = events[-1][2] - base if events else 0
         running, best = 0, 0
-        for _, n, _ in events:
+        for _, n, *_ in events:
             running += n
             best = max(best, running)
         self.peak_events = best
@@ -257,15 +288,16 @@ def measure_step(model, b: dict, c_len: int) -> int:
 PROBE_SETTINGS = {"sample_tokens": 128, "direct_tokens": 16, "direct_chunk": 8, "check_tokens": 256}
 
 
-def measure_probe(model, b: dict, c_len: int, **overrides) -> int:
-    """Peak of one probed training step (a fresh probe: its first step computes sigma_max too)."""
+def measure_probe(model, b: dict, c_len: int, **overrides) -> tuple[int, int]:
+    """(peak of one probed training step, peak of the probe's own live allocations in it); a fresh probe, so its
+    first step computes sigma_max too."""
     from tokendyn.probe.probe import GradientProbe
 
     kw = _accepted(GradientProbe.__init__, {**PROBE_SETTINGS, **overrides})
     probe = GradientProbe(model, **kw).attach()
     _zero(model)
     try:
-        with AllocPeak() as p:
+        with AllocPeak(owner=f"tokendyn{os.sep}probe{os.sep}") as p:
             probe.begin_step(
                 0,
                 completion_mask=b["completion_mask"],
@@ -277,7 +309,7 @@ def measure_probe(model, b: dict, c_len: int, **overrides) -> int:
     finally:
         probe.detach()
         _zero(model)
-    return p.peak
+    return p.peak, p.peak_owned
 
 
 # the trainer's options (hooks/trainer.py: token_shares=32) and the README's GPU recipe (Lopti on)
@@ -348,12 +380,14 @@ def measure_size(s: Size, components=None, extra_probe: dict | None = None, extr
     grpo_step(model, b, s.completion)  # warm-up (lazy buffers, first-call allocations)
     step = measure_step(model, b, s.completion)
     out["step"] = step
+    # the probe's own live bytes at their peak (an upper bound on what it adds to the step's peak, whenever it
+    # allocates), and what it did add to the step's peak at this size ("_at_peak", not fitted: a difference of maxima)
     if "probe" in want:
-        out["probe"] = measure_probe(model, b, s.completion, **(extra_probe or {})) - step
+        peak, owned = measure_probe(model, b, s.completion, **(extra_probe or {}))
+        out["probe"], out["probe_at_peak"] = owned, peak - step
     if "probe_nodirect" in want:
-        out["probe_nodirect"] = (
-            measure_probe(model, b, s.completion, **{**(extra_probe or {}), "direct_tokens": 0}) - step
-        )
+        peak, owned = measure_probe(model, b, s.completion, **{**(extra_probe or {}), "direct_tokens": 0})
+        out["probe_nodirect"], out["probe_nodirect_at_peak"] = owned, peak - step
     for name in ANALYSES:
         if name in want:
             out[name] = measure_analysis(model, s, name, extra_options)
@@ -403,6 +437,7 @@ def step_features(s: Size, rows: int, shard: int = 1) -> dict[str, float]:
         # trl.kernels.chunked_logprob: a [min(N, 4096), 32768] tile (and its float32 temporaries off-GPU), the
         # float32 gradient of the head and of its input
         "head_tile": min(n_head, TRL_TOKENS) * TRL_VOCAB * 4,
+        "head_tmp": min(n_head, TRL_TOKENS) * min(s.vocab, TRL_VOCAB) * 4,
         "head_grad_VH4": s.vocab * s.hidden * 4,
         "head_in_TH4": n_head * s.hidden * 4,
     }
@@ -614,7 +649,7 @@ def run(train, held, components=None, log=print) -> dict:
             m = measure_size(s, components)
             store.append(m)
             log(f"  [{group}] {s.label():<42} step {mb(m['step']):>12}  ({time.time() - t:.1f} s)")
-    comps = [c for c in meas_train[0] if all(c in m for m in meas_train)]
+    comps = [c for c in meas_train[0] if all(c in m for m in meas_train) and not c.endswith("_at_peak")]
     fits = {c: fit_component(c, train, meas_train) for c in comps}
     held_err = {}
     for c in comps:
