@@ -640,13 +640,13 @@ def predict_7b(fits: dict[str, Fit], analyses_sharded: bool) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def run(train, held, components=None, log=print) -> dict:
+def run(train, held, components=None, log=print, extra_probe=None, extra_options=None) -> dict:
     t0 = time.time()
     meas_train, meas_held = [], []
     for group, sizes, store in (("train", train, meas_train), ("held-out", held, meas_held)):
         for s in sizes:
             t = time.time()
-            m = measure_size(s, components)
+            m = measure_size(s, components, extra_probe, extra_options)
             store.append(m)
             log(f"  [{group}] {s.label():<42} step {mb(m['step']):>12}  ({time.time() - t:.1f} s)")
     comps = [c for c in meas_train[0] if all(c in m for m in meas_train) and not c.endswith("_at_peak")]
@@ -811,18 +811,42 @@ def readme_block(res, today, base, base_name, probe_ratio, total) -> str:
     )
 
 
+def _kv(items: list[str]) -> dict:
+    import ast
+
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes (~1 min)")
     ap.add_argument("--json", help="write the measurements and fits to this file")
+    ap.add_argument(
+        "--probe-kw",
+        nargs="*",
+        default=[],
+        metavar="K=V",
+        help="extra GradientProbe keywords (e.g. direct_memory_mb=256); ignored where this version lacks them",
+    )
+    ap.add_argument(
+        "--options-kw", nargs="*", default=[], metavar="K=V", help="extra RebalanceOptions fields, likewise"
+    )
     args = ap.parse_args(argv)
+    extra_probe, extra_options = _kv(args.probe_kw), _kv(args.options_kw)
     torch.set_num_threads(1)
     check = self_check()
     if not check["ok"]:
         print(f"allocator self-check FAILED: {check}", file=sys.stderr)
     train, held = (QUICK_TRAIN, QUICK_HELD) if args.quick else (TRAIN_SIZES, HELD_OUT)
     print(f"measuring {len(train)} training sizes and {len(held)} held-out size(s) ...")
-    res = run(train, held)
+    res = run(train, held, extra_probe=extra_probe, extra_options=extra_options)
     summary = report(res, check)
     print(f"\nwall time {res['seconds']:.0f} s")
     if args.json:
