@@ -1,0 +1,43 @@
+"""Smoke test of bench/probe_memory.py: the allocator self-check is exact, and the quick path's measurement and fit
+machinery runs on three tiny sizes (two to fit, one held out) (no memory thresholds: the numbers are the bench's to report)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "probe_memory.py"
+
+
+@pytest.fixture(scope="module")
+def pm():
+    spec = importlib.util.spec_from_file_location("probe_memory", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["probe_memory"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_allocator_self_check_is_exact(pm):
+    check = pm.self_check()
+    assert check["allocator"] == check["expected"], check
+    assert check["events"] == check["expected"], check
+
+
+def test_quick_measure_and_fit(pm):
+    tiny = pm.Size(layers=1, hidden=16, vocab=256, completion=16, rows=2, sample=2, heads=2, kv=1)
+    train = [tiny, pm.dataclasses.replace(tiny, hidden=32, completion=32)]
+    held = [pm.dataclasses.replace(tiny, layers=2)]
+    res = pm.run(train, held, components=["probe", "change"], log=lambda *_: None)
+    assert set(res["fits"]) == {"step", "probe", "change"}
+    for m in res["meas_train"] + res["meas_held"]:
+        assert m["step"] > 0 and m["change"] > 0
+    for comp, fit in res["fits"].items():
+        assert all(c >= 0 for c in fit.coef.values()), comp
+        pred = fit.predict(pm.features(comp, held[0]))
+        assert math.isfinite(pred)
+    assert math.isfinite(pm.predict_7b(res["fits"], analyses_sharded=False)["step"])
