@@ -103,6 +103,35 @@ def test_the_trainer_builds_the_probe_config_and_names_its_fields(tmp_path):
         config(probe_direct_memory_mb=-1.0)
 
 
+def test_the_trainer_cli_reads_none_for_the_optional_numbers(tmp_path):
+    """`--probe_check_tokens none` / `--probe_direct_memory_mb none` mean every token / no cap, as their help says."""
+    from transformers import HfArgumentParser
+
+    from tokendyn import TokendynGRPOConfig
+
+    parser = HfArgumentParser(TokendynGRPOConfig)
+    base = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false", "--report_to", "none"]
+    (cfg,) = parser.parse_args_into_dataclasses(
+        [*base, "--probe_check_tokens", "none", "--probe_direct_memory_mb", "None"]
+    )
+    assert cfg.probe_config().check_tokens is None and cfg.probe_config().direct_memory_mb is None
+    (cfg,) = parser.parse_args_into_dataclasses(
+        [*base, "--probe_check_tokens", "64", "--probe_direct_memory_mb", "128.5"]
+    )
+    assert (cfg.probe_config().check_tokens, cfg.probe_config().direct_memory_mb) == (64, 128.5)
+
+
+def test_bin_edges_are_kept_exactly():
+    """The canonical bins text reads back as the very edges given (no rounding to 6 digits: 0.9999999 is a bin edge
+    a study of near-certain tokens uses)."""
+    from tokendyn.config import parse_bins
+
+    for edges in ([0, 1 / 3, 2 / 3, 1], [0, 0.5, 0.9999999, 1], [0, 0.25, 0.5, 0.75, 1]):
+        text = ProbeConfig(bins=edges).bins
+        assert parse_bins(text)[2] == tuple(float(e) for e in edges), text
+    assert ProbeConfig().bins == "0,0.25,0.5,0.75,1"
+
+
 def test_the_offline_cli_has_one_flag_per_field():
     from tokendyn.hooks import offline_cli
 

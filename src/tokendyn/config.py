@@ -89,7 +89,13 @@ def parse_bins(spec: str | int | Sequence[float] | None) -> tuple[str, int, tupl
 
 def describe_bins(kind: str, n: int, edges: tuple[float, ...] | None) -> str:
     """The canonical spec text of parsed bins: "quantiles:K", else the comma-separated edges."""
-    return f"quantiles:{n}" if kind == "quantiles" else ",".join(f"{e:g}" for e in edges or ())
+    return f"quantiles:{n}" if kind == "quantiles" else ",".join(_edge_text(e) for e in edges or ())
+
+
+def _edge_text(e: float) -> str:
+    """The shortest text that reads back as exactly ``e`` (0.9999999 stays 0.9999999; 1.0 is written 1)."""
+    text = repr(float(e))
+    return text.removesuffix(".0")
 
 
 # ---- the configuration -------------------------------------------------------------------------------------------
@@ -130,10 +136,14 @@ class ProbeConfig:
         "Backward passes of the direct gradients batched at once (memory: chunk x the probed activations); >= 1.",
     )
     direct_memory_mb: float | None = _opt(
-        512, "Memory cap of the direct-gradient backward, in MB; None = no cap; > 0."
+        512,
+        "Memory cap of the gradients one direct-gradient backward holds, in MiB (2**20 bytes); a micro-batch over "
+        "it gets no direct gradients (a note says so); None = no cap; > 0.",
     )
     check_tokens: int | None = _opt(
-        256, "Tokens per probed micro-batch checked exactly at the LM head; None = every token; >= 0."
+        256,
+        "Tokens per probed micro-batch checked exactly at the LM head; None = every token (then three float64 "
+        "[tokens, hidden] buffers grow with the micro-batch); >= 0.",
     )
     sigma_every: int = _opt(
         16, "Probed micro-batches between power-iteration refreshes of the LM head's sigma_max; >= 1."

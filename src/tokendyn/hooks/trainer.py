@@ -217,6 +217,7 @@ class TrainerProbe(TrainerCallback):
             step=t.state.global_step,
             stage=stage_name(stage, self.order),
             edges=self.edges,
+            method=self.options.share_method,
             objective=self.objective,
         )
 

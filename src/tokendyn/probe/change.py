@@ -132,6 +132,8 @@ class InPlaceUpdate:
     measures pi at the current parameters, `save()` / `load(saved)` go back to an earlier point (parameters and
     optimizer state; Lopti's stage 2 starts from one, the influence sources restart from it). Memory on the device:
     no parameter copy, one gradient during a step, and the analysis optimizer's state (none for plain SGD).
+    The in-place steps bump the parameters' version counters: run it before a training forward or after its
+    backward, never while a training graph that saved the weights is alive (its backward would then refuse them).
 
     FSDP2: every rank makes the same steps on the same batch (each step's forward and backward are collectives);
     each rank saves and restores its own shards, the gradient is FSDP2's reduce-scattered one

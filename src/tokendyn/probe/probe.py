@@ -512,7 +512,7 @@ class GradientProbe:
                         self.direct_chunk, cap,
                     )  # fmt: skip
                     return full
-                except DirectMemoryError:
+                except (DirectMemoryError, torch.OutOfMemoryError):
                     raise
                 except RuntimeError:  # reentrant checkpointing refuses autograd.grad: replay from now on
                     self._replay = True
@@ -524,19 +524,21 @@ class GradientProbe:
             d = replay_direct_norms(
                 calls, self.point_names, rows, spos, direction, self.direct_chunk, cap, agree
             )
-        except DirectMemoryError as exc:
-            warnings.warn(
-                f"probe: step {p.inputs.step}: no direct gradients for this micro-batch: {exc} "
-                f"(direct_memory_mb={self.direct_memory_mb}; raise it, or None for no cap)",
-                stacklevel=3,
+        except (DirectMemoryError, torch.OutOfMemoryError) as exc:
+            self.note(
+                "direct_memory",
+                f"no direct gradients on micro-batches over the memory they may use (first at step "
+                f"{p.inputs.step}): {exc} (direct_memory_mb={self.direct_memory_mb}; raise it, or None for no cap)",
+                step=p.inputs.step,
             )
             return None
         except RuntimeError as exc:
-            warnings.warn(
-                f"probe: direct gradients disabled for {type(self.model).__name__} "
+            self.note(
+                "direct_disabled",
+                f"direct gradients disabled for {type(self.model).__name__} "
                 f"({'FSDP2 fully_shard, ' if parallel.is_fully_sharded(self.model) else ''}"
                 f"{'layer replay' if self._replay else 'live graph'}): {exc}",
-                stacklevel=3,
+                step=p.inputs.step,
             )
             self.direct_tokens = 0
             return None

@@ -28,13 +28,28 @@ def _is_number(value) -> bool:
 PROBE_PREFIX = "probe_"
 
 
+def _none_or(kind: type):
+    """An argparse type reading ``none`` (any case) as None, anything else as ``kind``: `--probe_check_tokens none`."""
+
+    def parse(text: str):
+        return None if str(text).strip().lower() == "none" else kind(text)
+
+    parse.__name__ = f"{kind.__name__}_or_none"
+    return parse
+
+
 def _cli_type(annotation):
-    """The HfArgumentParser-friendly type of a ProbeConfig field: tuples become lists (``nargs="+"``)."""
+    """The HfArgumentParser-friendly type of a ProbeConfig field: tuples become lists (``nargs="+"``); an optional
+    number takes ``none`` on the command line."""
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) is tuple:
         return list[args[0]]
     if isinstance(annotation, types.UnionType) and any(typing.get_origin(a) is tuple for a in args):
         return list[next(typing.get_args(a)[0] for a in args if typing.get_origin(a) is tuple)] | None
+    if isinstance(annotation, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1 and rest[0] in (int, float):
+            return _none_or(rest[0])
     return annotation
 
 
