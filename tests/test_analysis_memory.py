@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from _rebalance import VOCAB, tiny_batch, tiny_model
@@ -334,3 +335,57 @@ def test_a_tied_head_follows_the_swapped_embedding(small_chunks):
         got = completion_logp(m, b, params, float64=True)
         assert float((got - _ref_logp64(moved, b)).abs().max()) < 1e-6
         assert float((got - completion_logp(m, b, float64=True)).abs().max()) > 1e-2
+
+
+# ---- gradient checkpointing in the analyses ----------------------------------------------------------------------
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_analyses_under_gradient_checkpointing_equal_the_unchecked_ones_and_recompute(reentrant):
+    """With the model's gradient checkpointing on (as a memory-bound training run has it), the analyses' gradient
+    passes checkpoint the decoder layers (non-reentrant even when training's is reentrant, which autograd.grad
+    refuses): every number equals the unchecked analyses', the layers really run again in the backward, and the
+    model's flags and checkpoint function are left as they were."""
+    from _rebalance import tiny_batch, tiny_model
+
+    from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch
+
+    def run(model):
+        batch = tiny_batch(model, old_logp=True)
+        frames = analyze_batch(
+            model, batch, step=0, options=RebalanceOptions(lr_sweep=(1e-3, 1.0)), objective=OBJ
+        )
+        return {k: v for k, v in frames.items()}
+
+    plain = run(tiny_model())
+    model = tiny_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    assert layers
+    before = [(m.training, m._gradient_checkpointing_func) for m in layers]
+    checked = run(model)
+    assert [(m.training, m._gradient_checkpointing_func) for m in layers] == before
+    recomputed = []  # the layers' calls through the checkpoint function
+    import torch.utils.checkpoint as ckpt
+
+    real = ckpt.checkpoint
+
+    def spy(*a, **kw):
+        recomputed.append(kw.get("use_reentrant"))
+        return real(*a, **kw)
+
+    ckpt.checkpoint = spy
+    try:
+        run(model)
+    finally:
+        ckpt.checkpoint = real
+    assert recomputed and set(recomputed) == {False}, recomputed
+    for kind in plain:
+        a, b = plain[kind], checked[kind]
+        assert a.columns == b.columns and a.height == b.height, kind
+        for c in a.columns:
+            if a[c].dtype.is_float():
+                x, y = a[c].fill_null(float("nan")).to_numpy(), b[c].fill_null(float("nan")).to_numpy()
+                assert (np.isnan(x) == np.isnan(y)).all(), (kind, c)
+                x, y = np.nan_to_num(x), np.nan_to_num(y)
+                assert abs(x - y).max() <= 1e-6 * max(1.0, abs(x).max()), (kind, c)
+            else:
+                assert a[c].to_list() == b[c].to_list(), (kind, c)

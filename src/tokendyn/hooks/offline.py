@@ -218,7 +218,7 @@ def probe_rollouts(
         with _progress(progress) as bar:
             task = bar.add_task("probing micro-batches", total=len(chunks)) if bar is not None else None
             with (
-                eval_mode(model),
+                eval_mode(model, checkpoint=False),
                 _activation_grads_only(model),
                 positions_from_masks(model, positions),
                 probe,

@@ -429,7 +429,8 @@ def token_shares(
     def terms(*ps: torch.Tensor) -> torch.Tensor:
         return token_loss(model, batch, objective, dict(zip(names, ps, strict=True))).terms
 
-    with eval_mode(model), jvp_attention(model), _no_input_require_grads(model):
+    # forward-mode AD keeps no activations for a backward: nothing to checkpoint (and checkpointing refuses jvp)
+    with eval_mode(model, checkpoint=False), jvp_attention(model), _no_input_require_grads(model):
         _, dterms = torch.func.jvp(terms, primals, tangents)
     return dterms.detach().to(torch.float64) / norm2
 

@@ -263,16 +263,41 @@ class ProbeBatch:
         )
 
 
+def checkpointed_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers Hugging Face's gradient checkpointing is switched on for (``gradient_checkpointing_enable``): the
+    modules whose ``gradient_checkpointing`` flag is set, each checkpointing its own forward."""
+    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+
+
 @contextmanager
-def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """Every submodule in eval mode (no dropout, no gradient checkpointing), each one's flag restored on exit."""
+def eval_mode(model: nn.Module, checkpoint: bool = True) -> Iterator[nn.Module]:
+    """Every submodule in eval mode (no dropout), each one's flag restored on exit.
+
+    Memory: where training checkpoints its layers (``model.gradient_checkpointing_enable()``) and ``checkpoint``,
+    those layers keep checkpointing in the analyses' gradient passes, non-reentrant whatever training uses (the
+    analyses differentiate with ``torch.autograd.grad``, which reentrant checkpointing refuses): an analysis then holds
+    each layer's input and one layer's recomputation, as the checkpointed training step does, instead of every
+    layer's activations. The layer itself is flagged training (Hugging Face checkpoints only in training mode); its
+    submodules stay in eval mode, so dropout stays off and the numbers are those of an unchecked forward."""
     flags = [(m, m.training) for m in model.modules()]
+    layers = checkpointed_layers(model) if checkpoint else []
+    funcs = [(m, m.__dict__.get("_gradient_checkpointing_func")) for m in layers]
     model.eval()
+    for m in layers:
+        m.training = True
+        m._gradient_checkpointing_func = functools.partial(
+            torch.utils.checkpoint.checkpoint, use_reentrant=False
+        )
     try:
         yield model
     finally:
         for m, flag in flags:
             m.training = flag
+        for m, func in funcs:
+            if func is None:
+                m.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                m._gradient_checkpointing_func = func
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
