@@ -78,6 +78,11 @@ CLOSERS = (
 )
 
 
+# the first version's phrasings are the first entries of each list (it regenerates the shipped default exactly)
+V1_OPENERS, V1_CONCLUSIONS, V1_CLOSERS = OPENERS[:6], CONCLUSIONS[:7], CLOSERS[:5]
+STYLES = ("v1", "v2")
+
+
 def search_order(p: Puzzle) -> list[int]:
     """The order of the official trace: person 0 first, then the people each placed person names."""
     order: list[int] = []
@@ -93,8 +98,33 @@ def search_order(p: Puzzle) -> list[int]:
     return order
 
 
+def reasoning_v1(p: Puzzle, rng: random.Random) -> str:
+    """Faithful, varied, short reasoning for ``p`` (first version): the roll call, then conclusions about 1-3 people
+    (each stated role is the solution's), some with the claim they rest on."""
+    kind = rng.random()
+    if kind < 0.4:
+        order = list(range(p.people))
+    elif kind < 0.7:
+        order = search_order(p)
+    else:
+        order = rng.sample(range(p.people), p.people)
+    order = order[: rng.randint(1, min(3, p.people))]
+    sentences = [
+        rng.choice(ROLL_CALLS).format(n=p.people, names=oxford_join(list(p.names))),
+        rng.choice(V1_OPENERS),
+    ]
+    for q in order:
+        name, claim = p.names[q], content(p.statements[q], p.names)
+        truth = "true" if evaluate(p.statements[q], p.solution) else "false"
+        if rng.random() < 0.25:
+            sentences.append(rng.choice(CLAIMS).format(P=name, c=claim))
+        sentences.append(rng.choice(V1_CONCLUSIONS).format(P=name, r=role(p.solution[q]), t=truth))
+    sentences.append(rng.choice(V1_CLOSERS))
+    return " ".join(s for s in sentences if s)
+
+
 def reasoning(p: Puzzle, rng: random.Random) -> str:
-    """Faithful, varied, short reasoning for ``p``: the roll call, then conclusions about most people (each stated
+    """Faithful, varied, short reasoning for ``p`` (second version): the roll call, then conclusions about most people (each stated
     role is the solution's), each brought up with a varied opener, some with the claim they rest on.
 
     Where an LLM is genuinely free the targets vary: which person to examine next (index order, the official
@@ -132,6 +162,10 @@ def answer(p: Puzzle) -> str:
     return p.solution_text_format
 
 
-def completion(p: Puzzle, rng: random.Random) -> str:
-    """Everything after the prompt's pre-filled ``<think>`` (the EOS token is appended by the caller)."""
-    return f" {reasoning(p, rng)} </think>\n<answer> {answer(p)} </answer>"
+def completion(p: Puzzle, rng: random.Random, style: str = "v1") -> str:
+    """Everything after the prompt's pre-filled ``<think>`` (the EOS token is appended by the caller); ``style``
+    picks the reasoning: v1 (1-3 people) or v2 (2..N people, varied openers)."""
+    if style not in STYLES:
+        raise ValueError(f"style: must be one of {list(STYLES)}, got {style!r}")
+    think = reasoning_v1(p, rng) if style == "v1" else reasoning(p, rng)
+    return f" {think} </think>\n<answer> {answer(p)} </answer>"

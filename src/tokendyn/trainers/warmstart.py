@@ -38,6 +38,7 @@ class WarmstartPreset:
     copy_steps: int = 0
     weight_decay: float = 0.01
     tokenizer_corpus: int = 300  # puzzles per size used to train the BPE
+    reasoning: str = "v1"  # reference reasoning style (trainers.completions.STYLES)
 
 
 PRESETS: dict[str, WarmstartPreset] = {
@@ -70,6 +71,25 @@ PRESETS: dict[str, WarmstartPreset] = {
             intermediate_size=512,
         ),
         people=(3, 4, 5, 6, 7),
+        people_weights=(0.4, 0.25, 0.15, 0.1, 0.1),
+        steps=1200,
+        batch_size=32,
+        lr=2e-3,
+        puzzles_per_size=5000,
+        eval_n=100,
+        copy_steps=600,
+    ),
+    # second version (docs/warmstart_v2/): reasoning about 2..N people in varied orders with varied openers, a
+    # 3-person-heavier mix, 700 steps; closer to an LLM's probability histogram but less accurate (not shipped)
+    "cpu_v2": WarmstartPreset(
+        model=ModelPreset(
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=512,
+        ),
+        people=(3, 4, 5, 6, 7),
         people_weights=(0.5, 0.2, 0.1, 0.1, 0.1),
         steps=700,
         batch_size=32,
@@ -77,6 +97,7 @@ PRESETS: dict[str, WarmstartPreset] = {
         puzzles_per_size=10000,
         eval_n=100,
         copy_steps=500,
+        reasoning="v2",
     ),
     # one modern GPU: a wider, deeper model trained longer
     "gpu": WarmstartPreset(
@@ -166,7 +187,7 @@ def train_policy(
     rng = random.Random(seed)
     pool = _training_pool(preset, seed)
     corpus = [
-        render_prompt(p.quiz) + completion(p, rng) + EOS
+        render_prompt(p.quiz) + completion(p, rng, preset.reasoning) + EOS
         for n in preset.people
         for p in pool.by_size[n][: preset.tokenizer_corpus]
     ]
@@ -195,7 +216,9 @@ def train_policy(
         if step < pool_steps:
             batch = [_with_pool_names(p, name_pool, np_rng) for p in batch]
         ids, attn, labels = _sft_batch(
-            tokenizer, [render_prompt(p.quiz) for p in batch], [completion(p, rng) + EOS for p in batch]
+            tokenizer,
+            [render_prompt(p.quiz) for p in batch],
+            [completion(p, rng, preset.reasoning) + EOS for p in batch],
         )
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, preset.steps, preset.lr, preset.warmup_frac)
