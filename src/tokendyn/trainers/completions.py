@@ -98,17 +98,23 @@ def search_order(p: Puzzle) -> list[int]:
     return order
 
 
-def reasoning_v1(p: Puzzle, rng: random.Random) -> str:
-    """Faithful, varied, short reasoning for ``p`` (first version): the roll call, then conclusions about 1-3 people
-    (each stated role is the solution's), some with the claim they rest on."""
+def people_order(p: Puzzle, rng: random.Random, index_below: float, search_below: float, lo: int, hi: int):
+    """The people discussed, in order: index order (probability index_below), the official search order (up to
+    search_below) or a random order, cut to a random count in lo..hi."""
     kind = rng.random()
-    if kind < 0.4:
+    if kind < index_below:
         order = list(range(p.people))
-    elif kind < 0.7:
+    elif kind < search_below:
         order = search_order(p)
     else:
         order = rng.sample(range(p.people), p.people)
-    order = order[: rng.randint(1, min(3, p.people))]
+    return order[: rng.randint(lo, hi)]
+
+
+def reasoning_v1(p: Puzzle, rng: random.Random) -> str:
+    """Faithful, varied, short reasoning for ``p`` (first version): the roll call, then conclusions about 1-3 people
+    (each stated role is the solution's), some with the claim they rest on."""
+    order = people_order(p, rng, 0.4, 0.7, 1, min(3, p.people))
     sentences = [
         rng.choice(ROLL_CALLS).format(n=p.people, names=oxford_join(list(p.names))),
         rng.choice(V1_OPENERS),
@@ -130,14 +136,7 @@ def reasoning(p: Puzzle, rng: random.Random) -> str:
     Where an LLM is genuinely free the targets vary: which person to examine next (index order, the official
     search order, or a random order), how many people are discussed (2..N), the opener and the phrasing of each
     sentence. Those choice points are the policy's low-probability tokens."""
-    kind = rng.random()
-    if kind < 0.3:
-        order = list(range(p.people))
-    elif kind < 0.5:
-        order = search_order(p)
-    else:
-        order = rng.sample(range(p.people), p.people)
-    order = order[: rng.randint(min(2, p.people), p.people)]
+    order = people_order(p, rng, 0.3, 0.5, min(2, p.people), p.people)
     sentences = [
         rng.choice(ROLL_CALLS).format(n=p.people, names=oxford_join(list(p.names))),
         rng.choice(OPENERS),
