@@ -93,11 +93,13 @@ def test_cli_rejects_bad_input_in_one_line(argv, message, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_quick_study_end_to_end_and_resume(tiny_model_dir, tmp_path):
+def test_quick_study_end_to_end_and_resume(tmp_path, capsys):
+    """`tokendyn study --quick` on the embedded default (2 seeds x 3 methods x 1 rollout, ~50 s on one thread), then
+    the same command again: every finished run is read back, none recomputed."""
     out = tmp_path / "study"
-    size = with_size(QUICK, eval_n=2)
-    toy = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, disable_tqdm=True)
-    report = study(out, size, model=str(tiny_model_dir), overrides=toy, say=lambda m: None)
+    assert main(["study", "--quick", "--out", str(out)]) == 0
+    report = out / "study.md"
+    assert str(report) in capsys.readouterr().out
     text = report.read_text()
     for section in ("## Accuracy", "## Per bin", "## What reproduces", "fig3_correct_ratio.png"):
         assert section in text
@@ -111,15 +113,14 @@ def test_quick_study_end_to_end_and_resume(tiny_model_dir, tmp_path):
         shares = bins.filter(pl.col("method") == method)["token_share"]
         assert shares.sum() == pytest.approx(1.0)
     assert (out / "figures" / "accuracy.png").is_file()
-    # resumed: every finished run is read back, none recomputed (their done markers are untouched)
     markers = sorted(out.rglob(DONE))
     assert len(markers) == 2 + 3 * 2
     stamps = [m.stat().st_mtime_ns for m in markers]
     said = []
-    study(out, size, model=str(tiny_model_dir), overrides=toy, say=said.append)
+    study(out, QUICK, say=said.append)
     assert [m.stat().st_mtime_ns for m in markers] == stamps
     assert sum("done earlier" in s for s in said) == len(markers)
-    # a finished run of a different study is refused, naming the field that differs
+    # a finished run of a different study is refused before any work, naming the field that differs
     with pytest.raises(ValueError, match="rollouts 1 vs 2"):
-        study(out, with_size(size, rollouts=2), model=str(tiny_model_dir), overrides=toy, say=lambda m: None)
+        study(out, with_size(QUICK, rollouts=2), say=lambda m: None)
     assert json.loads(markers[0].read_text())["study"]["rollouts"] == 1
