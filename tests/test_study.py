@@ -31,6 +31,9 @@ def test_degenerate_sample_gives_the_exact_interval():
     groups = [np.arange(0, 4), np.arange(4, 9)]
     values = np.full(9, 0.25)
     assert bootstrap_units(groups, lambda idx: values[idx].mean(), n_boot=200) == (0.25, 0.25, 0.25)
+    # one unit resamples to a point: no interval when at least two are required
+    est, lo, hi = bootstrap_units([np.array([0])], lambda idx: values[idx].mean(), min_units=2)
+    assert est == 0.25 and np.isnan(lo) and np.isnan(hi) and verdict(lo, hi) == NO_DATA
 
 
 def test_two_way_interval_covers_a_known_bernoulli_mean():

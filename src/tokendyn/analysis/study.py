@@ -61,15 +61,19 @@ def bootstrap_units(
     n_boot: int = N_BOOT,
     level: float = LEVEL,
     seed: int = 0,
+    min_units: int = 1,
 ) -> tuple[float, float, float]:
     """(estimate, lo, hi) of ``statistic(unit indices)`` where ``groups[s]`` holds the unit indices (probed steps)
     of seed s: each resample draws seeds with replacement, then each drawn seed's units with replacement, and
     evaluates the statistic on the concatenated indices; percentile interval as in ``bootstrap_two_way``. A
-    statistic that is NaN on a resample (no decided token drawn) is left out of the quantiles."""
+    statistic that is NaN on a resample (no decided token drawn) is left out of the quantiles. Fewer than
+    ``min_units`` units in all: no interval (NaN bounds)."""
     groups = [np.asarray(g, dtype=np.int64) for g in groups if len(g)]
     if not groups:
         return (float("nan"), float("nan"), float("nan"))
     est = float(statistic(np.concatenate(groups)))
+    if sum(len(g) for g in groups) < min_units:  # one unit: resampling it gives a point, not an interval
+        return (est, float("nan"), float("nan"))
     rng = np.random.default_rng(seed)
     theta = np.empty(n_boot)
     for b in range(n_boot):
@@ -357,7 +361,8 @@ REPRODUCED, NOT_REPRODUCED, NOT_RESOLVED, NO_DATA = (
 VERDICT_RULE = (
     "Each claim is a statistic that is > 0 when the paper's claim holds. With its 95 % bootstrap interval [lo, hi]: "
     "reproduced if lo > 0; not reproduced if hi < 0 (the interval excludes the claim, on the other side); not "
-    "resolved at this size if the interval contains 0; no data if the records lack it."
+    "resolved at this size if the interval contains 0; no data if the records lack it or hold fewer than two probed "
+    "steps with data (one step resamples to a point, not an interval)."
 )
 
 
@@ -415,6 +420,22 @@ CLAIMS = (
 )  # fmt: skip
 
 
+MIN_UNITS = 2  # a verdict needs at least two probed steps with data (one step resamples to a point)
+
+
+def _with_data(u: Unit) -> list[np.ndarray]:
+    """Each seed's units that hold data: decided A > 0 tokens for correct-ratio units, tokens for share units,
+    a finite value otherwise."""
+    v = u.values
+    if "d_pos" in v or "a_d_pos" in v:
+        ok = sum(np.nansum(v[k], 1) for k in ("d_pos", "a_d_pos", "b_d_pos") if k in v) > 0
+    elif "count" in v:
+        ok = np.nansum(v["count"], 1) > 0
+    else:
+        ok = np.all([np.isfinite(x).any(1) for x in v.values()], axis=0)
+    return [g[ok[g]] for g in u.groups()]
+
+
 def _two_method_units(a: Unit, b: Unit) -> Unit:
     """Units of two runs side by side (method b's seeds offset so that the bootstrap draws each run's steps)."""
     off = int(a.seeds.max()) + 1 if a.seeds.size else 0
@@ -432,6 +453,8 @@ def _top_correct_difference(a: Unit, b: Unit, n_boot: int) -> tuple[float, float
     """correct[top] of b minus a, resampling each method's seeds and steps."""
     both = _two_method_units(a, b)
     k = len(a.bins) - 1
+    if min(sum(len(g) for g in _with_data(u)) for u in (a, b)) < MIN_UNITS:  # each side needs an interval
+        return (float("nan"), float("nan"), float("nan"))
 
     def stat(idx: np.ndarray) -> float:
         v = {c: x[idx] for c, x in both.values.items()}
@@ -439,7 +462,7 @@ def _top_correct_difference(a: Unit, b: Unit, n_boot: int) -> tuple[float, float
         cb = correct_stat({"up_pos": v["b_up_pos"], "d_pos": v["b_d_pos"]})[k]
         return cb - ca
 
-    return bootstrap_units(both.groups(), stat, n_boot)
+    return bootstrap_units(_with_data(both), stat, n_boot, min_units=MIN_UNITS)
 
 
 def reproduces_table(
@@ -456,7 +479,12 @@ def reproduces_table(
     ) -> tuple[float, float, float]:
         if u is None:
             return nan3
-        return bootstrap_units(u.groups(), lambda idx: stat({c: x[idx] for c, x in u.values.items()}), n_boot)
+        return bootstrap_units(
+            _with_data(u),
+            lambda idx: stat({c: x[idx] for c, x in u.values.items()}),
+            n_boot,
+            min_units=MIN_UNITS,
+        )
 
     sh, cr = grpo.get("shares"), grpo.get("correct")
 
@@ -517,7 +545,9 @@ def markdown(df: pl.DataFrame, digits: int = 3) -> str:
         if v is None:
             return "–"
         if isinstance(v, float):
-            return "nan" if v != v else f"{v:.{digits}f}"
+            if v != v:
+                return "nan"
+            return f"{v:.{digits}g}" if 0 < abs(v) < 10**-digits else f"{v:.{digits}f}"
         return str(v)
 
     head = "| " + " | ".join(df.columns) + " |"
