@@ -127,3 +127,11 @@ def test_quick_study_end_to_end_and_resume(tmp_path, capsys):
     with pytest.raises(ValueError, match="rollouts 1 vs 2"):
         study(out, with_size(QUICK, rollouts=2), say=lambda m: None)
     assert json.loads(markers[0].read_text())["study"]["rollouts"] == 1
+
+
+def test_markdown_keeps_pipes_inside_cells():
+    from tokendyn.analysis.study import markdown
+
+    text = markdown(pl.DataFrame({"claim": ["||g_b|| falls"], "value": [1e-5]}))
+    row = text.splitlines()[2]
+    assert row.count(" | ") == 1 and "\\|\\|g_b\\|\\|" in row and "1e-05" in row

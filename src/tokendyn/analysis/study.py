@@ -550,7 +550,10 @@ def markdown(df: pl.DataFrame, digits: int = 3) -> str:
             return f"{v:.{digits}g}" if 0 < abs(v) < 10**-digits else f"{v:.{digits}f}"
         return str(v)
 
-    head = "| " + " | ".join(df.columns) + " |"
+    def cell(v) -> str:
+        return fmt(v).replace("|", "\\|")  # a pipe inside a cell (||g_b||) would split the column
+
+    head = "| " + " | ".join(cell(c) for c in df.columns) + " |"
     sep = "|" + "|".join("---" for _ in df.columns) + "|"
-    body = ["| " + " | ".join(fmt(v) for v in row) + " |" for row in df.iter_rows()]
+    body = ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.iter_rows()]
     return "\n".join([head, sep, *body])
