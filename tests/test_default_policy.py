@@ -36,3 +36,49 @@ def test_shipped_checkpoint_scores_what_warmstart_json_says(shipped):
     mismatches = sum(a != b for a, b in zip(got["rewards"], expected["rewards"], strict=True))
     assert mismatches <= 1, (got, expected)
     assert abs(got["accuracy"] - expected["accuracy"]) <= 1 / len(expected["rewards"]) + 1e-9
+
+
+def test_shipped_targets_are_its_own_measurements():
+    """warmstart.json's target table is recomputed from the numbers it records (accuracy, bins, format, CPU time when
+    recorded) and the shipped folder's size: what it says was reached is what was measured."""
+    from tokendyn.trainers.warmstart import TARGETS, check_targets, target_values
+
+    report = json.loads((EMBEDDED_DIR / "warmstart.json").read_text())
+    assert report["targets"] == check_targets(target_values(report, EMBEDDED_DIR))
+    assert set(report["targets"]) <= set(TARGETS) and report["targets"]["package_mb"]["met"]
+
+
+def test_second_version_records_both_seeds_with_targets_from_their_numbers():
+    """docs/warmstart_v2 (preset cpu_v2, not shipped): both training seeds, every size 3-7 on 100 puzzles, and target
+    verdicts that follow from the recorded values."""
+    from pathlib import Path
+
+    from tokendyn.trainers.warmstart import PRESETS, TARGETS, check_targets, target_values
+
+    folder = Path(__file__).resolve().parents[1] / "docs" / "warmstart_v2"
+    reports = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*.json"))]
+    assert sorted(r["seed"] for r in reports) == [0, 1]
+    for r in reports:
+        assert r["preset"] == "cpu_v2" and r["training"]["steps"] == PRESETS["cpu_v2"].steps
+        assert {e["people"] for e in r["evaluation"]} == {3, 4, 5, 6, 7} and all(
+            e["n"] == 100 for e in r["evaluation"]
+        )
+        values = {k: v["value"] for k, v in r["targets"].items()}
+        assert set(values) == set(TARGETS)
+        assert r["targets"] == check_targets(values)
+        measured = target_values(r)
+        assert all(values[k] == v for k, v in measured.items() if v is not None)
+
+
+def test_shipped_bin_shares_match_a_fresh_sample(shipped):
+    """The recorded 3-person bin shares at T = 0.7 are re-measured on a fresh sample of 30 puzzles (another sampling
+    seed): each share within 0.06 of the recorded one (sampling noise of ~2,000 tokens, correlated within puzzles)."""
+    import numpy as np
+
+    from tokendyn.trainers.evaluate import bin_shares, evaluate
+
+    report, model, tok = shipped
+    res = evaluate(model, tok, [3], n=30, modes=("sampled",), seed=123)
+    got = bin_shares([p for r in res for p in r.token_probs])
+    want = report["bin_shares_T0.7"]["people_3"]
+    assert np.allclose(got, want, atol=0.06), (got, want)

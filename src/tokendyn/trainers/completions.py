@@ -30,6 +30,8 @@ OPENERS = (
     "I will go through the inhabitants one by one.",
     "Knights tell the truth and knaves lie, so each claim must match its speaker.",
     "Let's consider each person in turn.",
+    "Let me work out each role.",
+    "Each claim tells us something.",
 )
 CLAIMS = (
     "{P} says {c}.",
@@ -46,6 +48,24 @@ CONCLUSIONS = (
     "{P} is {r}, so the claim is {t}.",
     "The claim is {t}, so {P} is {r}.",
     "Hence {P} is {r}.",
+    "{P} is {r}.",
+    "{P} has to be {r}.",
+    "{P} can only be {r}.",
+    "{P} turns out to be {r}.",
+    "{P}'s claim is {t}, which makes {P} {r}.",
+)
+# how the next person is brought up: a choice an LLM makes freely (the sentence opener)
+LEADS = (
+    "",
+    "",
+    "Next,",
+    "Now",
+    "Then",
+    "Also,",
+    "Looking at {P},",
+    "As for {P},",
+    "Consider {P}:",
+    "What about {P}?",
 )
 CLOSERS = (
     "",
@@ -53,7 +73,14 @@ CLOSERS = (
     "Everything is consistent.",
     "All claims check out.",
     "No contradiction remains.",
+    "That settles it.",
+    "So the roles are clear.",
 )
+
+
+# the first version's phrasings are the first entries of each list (it regenerates the shipped default exactly)
+V1_OPENERS, V1_CONCLUSIONS, V1_CLOSERS = OPENERS[:6], CONCLUSIONS[:7], CLOSERS[:5]
+STYLES = ("v1", "v2")
 
 
 def search_order(p: Puzzle) -> list[int]:
@@ -71,17 +98,45 @@ def search_order(p: Puzzle) -> list[int]:
     return order
 
 
-def reasoning(p: Puzzle, rng: random.Random) -> str:
-    """Faithful, varied, short reasoning for ``p``: the roll call, then conclusions about a few people
-    (each stated role is the solution's), some with the claim they rest on."""
+def people_order(p: Puzzle, rng: random.Random, index_below: float, search_below: float, lo: int, hi: int):
+    """The people discussed, in order: index order (probability index_below), the official search order (up to
+    search_below) or a random order, cut to a random count in lo..hi."""
     kind = rng.random()
-    if kind < 0.4:
+    if kind < index_below:
         order = list(range(p.people))
-    elif kind < 0.7:
+    elif kind < search_below:
         order = search_order(p)
     else:
         order = rng.sample(range(p.people), p.people)
-    order = order[: rng.randint(1, min(3, p.people))]
+    return order[: rng.randint(lo, hi)]
+
+
+def reasoning_v1(p: Puzzle, rng: random.Random) -> str:
+    """Faithful, varied, short reasoning for ``p`` (first version): the roll call, then conclusions about 1-3 people
+    (each stated role is the solution's), some with the claim they rest on."""
+    order = people_order(p, rng, 0.4, 0.7, 1, min(3, p.people))
+    sentences = [
+        rng.choice(ROLL_CALLS).format(n=p.people, names=oxford_join(list(p.names))),
+        rng.choice(V1_OPENERS),
+    ]
+    for q in order:
+        name, claim = p.names[q], content(p.statements[q], p.names)
+        truth = "true" if evaluate(p.statements[q], p.solution) else "false"
+        if rng.random() < 0.25:
+            sentences.append(rng.choice(CLAIMS).format(P=name, c=claim))
+        sentences.append(rng.choice(V1_CONCLUSIONS).format(P=name, r=role(p.solution[q]), t=truth))
+    sentences.append(rng.choice(V1_CLOSERS))
+    return " ".join(s for s in sentences if s)
+
+
+def reasoning(p: Puzzle, rng: random.Random) -> str:
+    """Faithful, varied, short reasoning for ``p`` (second version): the roll call, then conclusions about most people (each stated
+    role is the solution's), each brought up with a varied opener, some with the claim they rest on.
+
+    Where an LLM is genuinely free the targets vary: which person to examine next (index order, the official
+    search order, or a random order), how many people are discussed (2..N), the opener and the phrasing of each
+    sentence. Those choice points are the policy's low-probability tokens."""
+    order = people_order(p, rng, 0.3, 0.5, min(2, p.people), p.people)
     sentences = [
         rng.choice(ROLL_CALLS).format(n=p.people, names=oxford_join(list(p.names))),
         rng.choice(OPENERS),
@@ -89,9 +144,14 @@ def reasoning(p: Puzzle, rng: random.Random) -> str:
     for q in order:
         name, claim = p.names[q], content(p.statements[q], p.names)
         truth = "true" if evaluate(p.statements[q], p.solution) else "false"
-        if rng.random() < 0.25:
-            sentences.append(rng.choice(CLAIMS).format(P=name, c=claim))
-        sentences.append(rng.choice(CONCLUSIONS).format(P=name, r=role(p.solution[q]), t=truth))
+        lead = rng.choice(LEADS).format(P=name)
+        if rng.random() < 0.2:
+            sentences.append(" ".join(x for x in (lead, rng.choice(CLAIMS).format(P=name, c=claim)) if x))
+            lead = ""
+        conclusion = rng.choice(CONCLUSIONS).format(P=name, r=role(p.solution[q]), t=truth)
+        if lead.endswith((",", ":")) and not conclusion.startswith(name):
+            conclusion = conclusion[0].lower() + conclusion[1:]
+        sentences.append(" ".join(x for x in (lead, conclusion) if x))
     sentences.append(rng.choice(CLOSERS))
     return " ".join(s for s in sentences if s)
 
@@ -101,6 +161,10 @@ def answer(p: Puzzle) -> str:
     return p.solution_text_format
 
 
-def completion(p: Puzzle, rng: random.Random) -> str:
-    """Everything after the prompt's pre-filled ``<think>`` (the EOS token is appended by the caller)."""
-    return f" {reasoning(p, rng)} </think>\n<answer> {answer(p)} </answer>"
+def completion(p: Puzzle, rng: random.Random, style: str = "v1") -> str:
+    """Everything after the prompt's pre-filled ``<think>`` (the EOS token is appended by the caller); ``style``
+    picks the reasoning: v1 (1-3 people) or v2 (2..N people, varied openers)."""
+    if style not in STYLES:
+        raise ValueError(f"style: must be one of {list(STYLES)}, got {style!r}")
+    think = reasoning_v1(p, rng) if style == "v1" else reasoning(p, rng)
+    return f" {think} </think>\n<answer> {answer(p)} </answer>"

@@ -142,3 +142,41 @@ def evaluate(
             if on_result is not None:
                 on_result(results[-1])
     return results
+
+
+def puzzle_outcomes(
+    model,
+    tokenizer,
+    people: list[int],
+    n: int,
+    temperature: float = 0.7,
+    seed: int = 0,
+    modes=("greedy", "sampled"),
+) -> list[dict]:
+    """One row per (size, mode, held-out puzzle): the first ``n`` official test puzzles of each size, greedy and/or
+    sampled at ``temperature``: {"people", "mode", "puzzle", "correct", "format_ok", "reward"} (for intervals over
+    puzzles; `evaluate` gives the aggregates)."""
+    from ..tasks.kk.datasets import heldout
+    from ..tasks.kk.prompts import render_prompt
+    from ..tasks.kk.reward import compute_score
+
+    rows = []
+    for k in people:
+        items = list(heldout(k))[:n]
+        prompts = [render_prompt(p.quiz) for p in items]
+        for mode in modes:
+            temp = None if mode == "greedy" else temperature
+            texts, _ = generate(model, tokenizer, prompts, max_new_tokens_for(k), temp, seed=seed)
+            for j, (pr, t, p) in enumerate(zip(prompts, texts, items, strict=True)):
+                s = compute_score(pr + t, p.solution_text_format)
+                rows.append(
+                    {
+                        "people": k,
+                        "mode": "greedy" if temp is None else f"T={temperature:g}",
+                        "puzzle": j,
+                        "correct": int(s.correct),
+                        "format_ok": int(s.format_ok),
+                        "reward": float(s.total),
+                    }
+                )
+    return rows

@@ -11,7 +11,7 @@ import math
 import platform
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..policy import EOS, ModelPreset
@@ -38,6 +38,7 @@ class WarmstartPreset:
     copy_steps: int = 0
     weight_decay: float = 0.01
     tokenizer_corpus: int = 300  # puzzles per size used to train the BPE
+    reasoning: str = "v1"  # reference reasoning style (trainers.completions.STYLES)
 
 
 PRESETS: dict[str, WarmstartPreset] = {
@@ -99,6 +100,18 @@ PRESETS: dict[str, WarmstartPreset] = {
 }
 
 
+# second version (docs/warmstart_v2/): reasoning about 2..N people in varied orders with varied openers, a
+# 3-person-heavier mix, 700 steps; closer to an LLM's probability histogram but less accurate (not shipped)
+PRESETS["cpu_v2"] = replace(
+    PRESETS["cpu"],
+    people_weights=(0.5, 0.2, 0.1, 0.1, 0.1),
+    steps=700,
+    puzzles_per_size=10000,
+    copy_steps=500,
+    reasoning="v2",
+)
+
+
 def check_preset(name: str) -> WarmstartPreset:
     if name not in PRESETS:
         raise ValueError(f"preset: must be one of {sorted(PRESETS)}, got {name!r}")
@@ -141,8 +154,17 @@ def _training_pool(preset: WarmstartPreset, seed: int) -> _Pool:
     )
 
 
-def train_policy(preset_name: str, seed: int = 0, threads: int | None = None, progress: bool = True):
-    """Train a fresh tokenizer and model on generated K&K data; returns (model, tokenizer, stats)."""
+def train_policy(
+    preset_name: str,
+    seed: int = 0,
+    threads: int | None = None,
+    progress: bool = True,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 100,
+):
+    """Train a fresh tokenizer and model on generated K&K data; returns (model, tokenizer, stats). With
+    ``checkpoint_dir``, the policy is also saved there every ``checkpoint_every`` steps (a long run on a shared
+    machine leaves a usable policy if it is stopped)."""
     import numpy as np
     import torch
 
@@ -153,10 +175,11 @@ def train_policy(preset_name: str, seed: int = 0, threads: int | None = None, pr
     preset = check_preset(preset_name)
     if threads:
         torch.set_num_threads(threads)
+    cpu0 = time.process_time()  # CPU seconds of this process: the honest cost on a shared machine
     rng = random.Random(seed)
     pool = _training_pool(preset, seed)
     corpus = [
-        render_prompt(p.quiz) + completion(p, rng) + EOS
+        render_prompt(p.quiz) + completion(p, rng, preset.reasoning) + EOS
         for n in preset.people
         for p in pool.by_size[n][: preset.tokenizer_corpus]
     ]
@@ -185,7 +208,9 @@ def train_policy(preset_name: str, seed: int = 0, threads: int | None = None, pr
         if step < pool_steps:
             batch = [_with_pool_names(p, name_pool, np_rng) for p in batch]
         ids, attn, labels = _sft_batch(
-            tokenizer, [render_prompt(p.quiz) for p in batch], [completion(p, rng) + EOS for p in batch]
+            tokenizer,
+            [render_prompt(p.quiz) for p in batch],
+            [completion(p, rng, preset.reasoning) + EOS for p in batch],
         )
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, preset.steps, preset.lr, preset.warmup_frac)
@@ -197,6 +222,8 @@ def train_policy(preset_name: str, seed: int = 0, threads: int | None = None, pr
         tokens_trained += int(attn.sum())
         losses.append(loss.item())
         bar.update(loss=losses[-1])
+        if checkpoint_dir is not None and (step + 1) % checkpoint_every == 0:
+            _checkpoint(model, tokenizer, checkpoint_dir, preset_name, seed, step + 1, losses)
         if not progress and (step + 1) % 50 == 0:
             print(
                 f"step {step + 1}/{preset.steps} loss {np.mean(losses[-50:]):.4f} "
@@ -206,6 +233,7 @@ def train_policy(preset_name: str, seed: int = 0, threads: int | None = None, pr
     bar.close()
     model.eval()
     stats = {
+        "train_cpu_s": round(time.process_time() - cpu0, 1),
         "copy_phase": copy_stats,
         "tokens_trained": tokens_trained,
         "final_loss_mean_last_50": float(np.mean(losses[-50:])),
@@ -213,6 +241,24 @@ def train_policy(preset_name: str, seed: int = 0, threads: int | None = None, pr
         "loss_curve": losses[:: max(1, len(losses) // 50)],
     }
     return model, tokenizer, stats
+
+
+def _checkpoint(
+    model, tokenizer, out: str | Path, preset_name: str, seed: int, step: int, losses: list
+) -> None:
+    from ..policy import save_policy
+
+    padding = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    meta = {
+        "preset": preset_name,
+        "seed": seed,
+        "step": step,
+        "loss_last_50": sum(losses[-50:]) / len(losses[-50:]),
+    }
+    save_policy(model, tokenizer, out, meta)
+    tokenizer.padding_side = padding
+    model.train()
 
 
 COPY_WORDS = ("knight", "knave", "is", "a", "not", "and", "or", "If", "then", "claims", "says", "so")
@@ -289,7 +335,17 @@ def warmstart(
     preset = check_preset(preset_name)
     out = Path(out_dir)
     t0 = time.time()
-    model, tokenizer, train_stats = train_policy(preset_name, seed, threads, progress)
+    model, tokenizer, train_stats = train_policy(
+        preset_name,
+        seed,
+        threads,
+        progress,
+        checkpoint_dir=out / "checkpoint" if preset_name != "tiny" else None,
+    )
+    if (out / "checkpoint").is_dir():
+        import shutil
+
+        shutil.rmtree(out / "checkpoint")
     n_params = sum(p.numel() for p in model.parameters())
     tokenizer.padding_side = "left"
     meta = {"preset": preset_name, "seed": seed, "architecture": asdict(preset.model)}
@@ -315,6 +371,7 @@ def warmstart(
             **train_stats,
         },
         "wall_time_s": round(time.time() - t0, 1),
+        "threads": _threads(),
         "evaluation": [r.row() for r in results],
         "bins": list(PAPER_BINS),
         "bin_shares_T0.7": {
@@ -352,6 +409,19 @@ def check_slice(model, tokenizer) -> dict:
         for pr, t, p in zip(prompts, texts, items, strict=True)
     ]
     return {"people": people, "n": n, "rewards": rewards, "accuracy": sum(r == 3 for r in rewards) / n}
+
+
+def _threads() -> dict:
+    """The CPU threads torch trained with, the machine's cores, and its load (the machine may be shared)."""
+    import os
+
+    import torch
+
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg(),
+    }
 
 
 def _versions() -> dict:
@@ -393,3 +463,82 @@ class _progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+# the embedded default's targets (issue "A default policy closer to an LLM"), checked on its own measurements
+TARGETS = {
+    "accuracy_3ppl_T0.7": (0.25, 0.80),  # official 3-person test puzzles, sampled at T = 0.7
+    "tokens_below_0.5_3ppl": (0.20, 1.0),  # share of sampled tokens with pi < 0.5 (3 people, T = 0.7)
+    "tokens_in_top_bin_3ppl": (0.0, 0.75),  # share with pi in [.75, 1]
+    "format_valid_min": (0.95, 1.0),  # lowest format-valid rate over every evaluated size and mode
+    "train_cpu_s": (0.0, 3600.0),  # 30 minutes on 2 cores = 3600 CPU seconds
+    "package_mb": (0.0, 8.0),  # size of the saved policy folder
+}
+
+
+def target_values(report: dict, folder: str | Path | None = None) -> dict:
+    """The measured value of each target from a warmstart.json's own numbers (and the folder's size)."""
+    rows = report["evaluation"]
+    acc3 = [r["accuracy"] for r in rows if r["people"] == 3 and r["mode"] != "greedy"]
+    shares3 = report["bin_shares_T0.7"].get("people_3")
+    values = {
+        "accuracy_3ppl_T0.7": acc3[0] if acc3 else None,
+        "tokens_below_0.5_3ppl": report["tokens_below_0.5_T0.7"].get("people_3"),
+        "tokens_in_top_bin_3ppl": shares3[-1] if shares3 else None,
+        "format_valid_min": min(r["format_valid"] for r in rows) if rows else None,
+        "train_cpu_s": report["training"].get("train_cpu_s"),
+    }
+    if folder is not None:
+        files = [p for p in Path(folder).iterdir() if p.is_file() and p.name != "warmstart.json"]
+        values["package_mb"] = round(sum(p.stat().st_size for p in files) / 1e6, 2)
+    return values
+
+
+def check_targets(values: dict) -> dict:
+    """{target: {"value", "range", "met"}} for every target with a measured value."""
+    return {
+        k: {"value": v, "range": list(TARGETS[k]), "met": TARGETS[k][0] <= v <= TARGETS[k][1]}
+        for k, v in values.items()
+        if v is not None
+    }
+
+
+def summary(report: dict) -> dict:
+    """The numbers of one seed's warmstart.json that the shipped file keeps for every seed trained."""
+    keep = (
+        "seed",
+        "parameters",
+        "wall_time_s",
+        "threads",
+        "evaluation",
+        "bin_shares_T0.7",
+        "tokens_below_0.5_T0.7",
+    )
+    out = {k: report[k] for k in keep if k in report}
+    out["training"] = {k: v for k, v in report["training"].items() if k != "loss_curve"}
+    out["targets"] = report.get("targets")
+    return out
+
+
+def record_seeds(shipped: str | Path, others: list[str | Path]) -> dict:
+    """Rewrite ``shipped``/warmstart.json with its targets checked and a ``seeds`` list: the shipped seed's summary
+    and that of every other seed's warm-start folder (trained with the same preset)."""
+    import json
+
+    from ..common import write_json
+
+    shipped = Path(shipped)
+    report = json.loads((shipped / "warmstart.json").read_text())
+    report["targets"] = check_targets(target_values(report, shipped))
+    seeds = [summary(report)]
+    for folder in others:
+        other = json.loads((Path(folder) / "warmstart.json").read_text())
+        if other["preset"] != report["preset"]:
+            raise ValueError(
+                f"others: {folder} was trained with preset {other['preset']!r}, not {report['preset']!r}"
+            )
+        other["targets"] = check_targets(target_values(other, folder))
+        seeds.append(summary(other))
+    report["seeds"] = seeds
+    write_json(shipped / "warmstart.json", report)
+    return report

@@ -1,0 +1,70 @@
+"""``tokendyn study [--quick] [--out DIR] [--methods grpo,reweight,lopti] [--seeds 0,1,2] [--rollouts R]``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _ints(field: str):
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{field}: comma-separated integers, got {text!r}") from None
+
+    return parse
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def register(sub) -> None:
+    from .study import FULL, METHODS
+
+    p = sub.add_parser(
+        "study",
+        help="methods x seeds x R rollouts from one policy: accuracy with 95 %% intervals, per-bin tables, the "
+        "paper's Fig. 3 analogue and what reproduces (resumable)",
+    )
+    p.add_argument(
+        "--out", default="runs/study", help="output directory (runs/, start-s*/, tables/, figures/, study.md)"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a smoke-test size (seconds to minutes), as the test suite runs"
+    )
+    p.add_argument("--model", default=None, help="policy directory or hub id (default: the embedded default)")
+    p.add_argument("--methods", type=_names, default=None,
+                   help=f"comma-separated from {', '.join(METHODS)} (default {','.join(FULL.methods)})")  # fmt: skip
+    p.add_argument("--seeds", type=_ints("seeds"), default=None, help="comma-separated seeds (default 0,1,2)")
+    p.add_argument(
+        "--rollouts", type=int, default=None, help=f"rollout batches per run (default {FULL.rollouts})"
+    )
+    p.add_argument("--people", type=_ints("people"), default=None, help="training sizes (default 3,4,5)")
+    p.add_argument(
+        "--eval-people", type=_ints("eval-people"), default=None, help="held-out sizes (default 3..7)"
+    )
+    p.add_argument(
+        "--eval-n", type=int, default=None, help=f"held-out puzzles per size, 1..100 (default {FULL.eval_n})"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .study import FULL, QUICK, study, with_size
+
+    size = QUICK if args.quick else FULL
+    changes = {
+        "methods": args.methods,
+        "seeds": args.seeds,
+        "rollouts": args.rollouts,
+        "people": args.people,
+        "eval_people": args.eval_people,
+        "eval_n": args.eval_n,
+    }
+    size = with_size(size, **{k: v for k, v in changes.items() if v is not None})
+    report = study(Path(args.out), size, model=args.model)
+    print(f"study: {report}")
+    return 0
