@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
+from tokendyn.vocab import ALL_PARAMETERS, FULL_UPDATES, TRAIN
+
 LEVEL = 0.95
 N_BOOT = 2000
 
@@ -221,14 +223,16 @@ def correct_stat(v: dict[str, np.ndarray]) -> np.ndarray:
 
 # the stage of the whole loss in `shares` records and the full update in `prob_change` records (a Lopti run also
 # writes per-stage rows; these select the rows that compare across methods)
-WHOLE_LOSS_STAGE = "train"
-FULL_UPDATE_STAGES = ("all", "total")
+WHOLE_LOSS_STAGE = TRAIN
+FULL_UPDATE_STAGES = FULL_UPDATES
 
 
 def shares_frame(lf: pl.LazyFrame) -> pl.DataFrame:
     """Per (step, bin): sampled-token count, update share s_b, ||g_b|| / ||g|| and ||g_b|| (all parameters)."""
     return (
-        lf.filter((pl.col("layer") == "all") & (pl.col("bin") >= 0) & (pl.col("stage") == WHOLE_LOSS_STAGE))
+        lf.filter(
+            (pl.col("group") == ALL_PARAMETERS) & (pl.col("bin") >= 0) & (pl.col("stage") == WHOLE_LOSS_STAGE)
+        )
         .select(
             "step",
             "bin",

@@ -152,10 +152,10 @@ def _diff(found: dict | None, want: dict) -> str:
 
 def _finish(path: Path, identity: dict, evals, extra: dict) -> None:
     from tokendyn.common import write_json
-    from tokendyn.records import write_atomic
+    from tokendyn.records import write_parquet
 
     path.mkdir(parents=True, exist_ok=True)
-    write_atomic(evals, path / "eval.parquet")
+    write_parquet(evals, path / "eval.parquet")
     write_json(path / DONE, {"study": identity, **extra})  # last: the run counts as done only now
 
 
@@ -237,7 +237,7 @@ def write_study(out: Path, size: StudySize) -> Path:
 
     from tokendyn.analysis import study as A
     from tokendyn.figures.study import accuracy_figure, correct_ratio_figure
-    from tokendyn.records import write_atomic
+    from tokendyn.records import write_parquet
 
     evals = pl.concat(
         [pl.read_parquet(p / "eval.parquet") for p in [out / f"start-s{s}" for s in size.seeds]
@@ -250,7 +250,7 @@ def write_study(out: Path, size: StudySize) -> Path:
     (out / "tables").mkdir(parents=True, exist_ok=True)
     for name, df in (("evaluations", evals), ("accuracy", acc), ("bins", bins), ("reproduces", repro)):
         if df.height:
-            write_atomic(df, out / "tables" / f"{name}.parquet")
+            write_parquet(df, out / "tables" / f"{name}.parquet")
     figs = out / "figures"
     figs.mkdir(parents=True, exist_ok=True)
     written = []
