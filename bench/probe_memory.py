@@ -872,16 +872,21 @@ def report(res: dict, check: dict) -> dict:
         f"the GPU), the FSDP2 whole-model logits at 7B ({FSDP_LOGITS_COEF} x B x (C+1) x V x itemsize)"
     )
     worst = 0.0
+    # all_ckpt while the analyses do not checkpoint (it measures like `all`): its fit is not used, nor counted
+    unused = set() if res.get("ckpt_active", True) else {"all_ckpt"}
     for c, fit in fits.items():
         terms = ", ".join(f"{k} {v:.3g}" for k, v in fit.coef.items())
         print(f"  {c:<15} {terms}; intercept {mb(fit.intercept)}; worst training error {fit.train_err:.1%}")
         for (pred, meas, e), s in zip(held_err[c], res["held_sizes"], strict=True):
-            worst = max(worst, e)
+            worst = worst if c in unused else max(worst, e)
             print(
                 f"  {'':<15} held-out {s.label()}: measured {mb(meas)}, predicted {mb(pred)}, error {e:.1%} "
                 f"({'ok' if e <= 0.15 else 'OVER 15%'})"
             )
-    print(f"worst held-out error: {worst:.1%} (target <= 15%): {'PASS' if worst <= 0.15 else 'FAIL'}")
+    print(
+        f"worst held-out error{' (all_ckpt not counted)' if unused else ''}: {worst:.1%} (target <= 15%): "
+        f"{'PASS' if worst <= 0.15 else 'FAIL'}"
+    )
     fits7 = dict(fits)
     if "all_ckpt" in fits and not res.get("ckpt_active", True):
         fits7["all_ckpt"] = ckpt_derived(fits, QWEN7B)
