@@ -33,8 +33,8 @@ Only public entry points are used (`GradientProbe(model, ...)`, `analyze_batch` 
 are passed only where the installed version has them, so the bench measures the code before and after the memory
 work (the fit says which terms remain).
 
-    python bench/probe_memory.py            # ~5 min on 2 cores
-    python bench/probe_memory.py --quick    # ~1 min
+    python bench/probe_memory.py            # ~8 min on 2 cores
+    python bench/probe_memory.py --quick    # ~2 min
     python bench/probe_memory.py --json out.json
 """
 
@@ -1082,7 +1082,7 @@ def load_measurements(payload: dict) -> tuple[list[Size], list[dict], list[Size]
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smaller sizes (~1 min)")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (~2 min)")
     ap.add_argument("--json", help="write the measurements and fits to this file")
     ap.add_argument(
         "--probe-kw",
