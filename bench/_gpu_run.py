@@ -141,7 +141,7 @@ def predict(args) -> None:
 
     runs = [json.loads(line) for line in open(args.runs) if line.startswith("{")]
     model = json.load(open(args.model))
-    fits = {c: pm.Fit(**f) for c, f in model["fits"].items()}
+    fits = pm.load_fits(model)
     print(
         f"{'method':<9} {'variant':<9} {'rollout s':>10} {'x off':>6} {'peak (measured)':>16} {'predicted':>12}"
     )

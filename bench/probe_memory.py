@@ -9,27 +9,32 @@ parameters, is not in it). A self-check allocates tensors of known sizes and req
 Per size (a random Qwen2 of that shape, float32 or bfloat16, unpadded rows of prompt + completion):
   step          the training step's own peak: TRL's fused-LM-head forward + the GRPO (dapo, clipped) loss + backward,
                 gradients allocated (no probe); step_ckpt the same with non-reentrant gradient checkpointing
-  probe         in the same step with a `GradientProbe` attached: the peak of the bytes the probe's own code allocated
-                and had not freed (allocations under a Python frame of tokendyn/probe/, frees matched by address),
-                an upper bound on what it adds to the step's peak, whichever phase it allocates in; the bench also
-                prints what it did add at each size (probe_at_peak: the probed step's peak minus the step's, not
-                fitted: a difference of maxima does not extrapolate); probe_nodirect with direct_tokens=0
+  probe         in the same step with a `GradientProbe` attached (a fresh probe: its first step has direct gradients
+                and a sigma_max refresh): the peak of the bytes the probe's own code allocated and had not freed
+                (allocations under a Python frame of tokendyn/probe/, frees matched by address), an upper bound on
+                what it adds to the step's peak, whichever phase it allocates in; the bench also prints what it did
+                add at each size (probe_at_peak: the probed step's peak minus the step's, not fitted: a difference of
+                maxima does not extrapolate). The 7B prediction is given for a step with direct gradients and for
+                one without (direct_every: most probed steps), the latter with the direct features at 0
   analyses      peak of `analyze_batch` on the sample sequences, one `RebalanceOptions` switch at a time
                 (shares, token_shares, change, sweep, influence), the Lopti stages (influence and shares per stage),
-                and `all` (the trainer's options with Lopti, the stage-1 shares and the real change's pi_before)
+                and `all` (the trainer's options with Lopti, the stage-1 shares and the real change's pi_before);
+                `all_ckpt` is `all` with HF gradient checkpointing on (non-reentrant)
 
 Each component is fitted by least squares as sum_k c_k f_k with features f_k in bytes read from the code (see
 FEATURES), coefficients kept >= 0 (a negative one is dropped and the fit redone): c_k is "how many such buffers".
 The fit is checked on held-out sizes, then evaluated for Qwen2.5-7B (28 layers, hidden 3584, intermediate 18944,
 28 / 4 heads, vocab 152,064, bf16), 8 x 8 rollouts of 4,096 completion tokens + ~300 prompt tokens, 8 GPUs with
-FSDP2, against the training step's own predicted peak per GPU.
+FSDP2, against the training step's own predicted peak per GPU (with gradient checkpointing: without it the step does
+not fit one H200). The probe runs inside the step, so its bytes add to the step's peak; the analyses run between
+steps, so they add max(0, their transient + their persistent device buffers - the step's transient).
 
 Only public entry points are used (`GradientProbe(model, ...)`, `analyze_batch` / `RebalanceOptions`), and keywords
 are passed only where the installed version has them, so the bench measures the code before and after the memory
 work (the fit says which terms remain).
 
-    python bench/probe_memory.py            # ~5 min on 2 cores
-    python bench/probe_memory.py --quick    # ~1 min
+    python bench/probe_memory.py            # ~8 min on 2 cores
+    python bench/probe_memory.py --quick    # ~2 min
     python bench/probe_memory.py --json out.json
 """
 
@@ -285,7 +290,10 @@ def measure_step(model, b: dict, c_len: int) -> int:
     return p.peak
 
 
+# the probe's defaults (ProbeConfig) except direct_every = 1 is implied: a fresh probe's first step has direct
+# gradients (step 0 of every direct_every), which is the step measured
 PROBE_SETTINGS = {"sample_tokens": 128, "direct_tokens": 16, "direct_chunk": 8, "check_tokens": 256}
+DIRECT_MEMORY_MB = 512  # ProbeConfig.direct_memory_mb's default
 
 
 def measure_probe(model, b: dict, c_len: int, **overrides) -> tuple[int, int]:
@@ -293,7 +301,12 @@ def measure_probe(model, b: dict, c_len: int, **overrides) -> tuple[int, int]:
     first step computes sigma_max too."""
     from tokendyn.probe.probe import GradientProbe
 
-    kw = _accepted(GradientProbe.__init__, {**PROBE_SETTINGS, **overrides})
+    try:  # the probe's options are ProbeConfig's fields (GradientProbe takes them as **options)
+        from tokendyn.config import ProbeConfig
+
+        kw = _accepted(ProbeConfig, {**PROBE_SETTINGS, **overrides})
+    except ImportError:
+        kw = _accepted(GradientProbe.__init__, {**PROBE_SETTINGS, **overrides})
     probe = GradientProbe(model, **kw).attach()
     _zero(model)
     try:
@@ -322,7 +335,10 @@ ANALYSES = {
     "lopti": dict(shares=True, token_shares=0, prob_change=True, influence=True),
     "all": dict(shares=True, token_shares=32, prob_change=True, influence=True),
 }
-LOPTI = ("lopti", "all")
+# `all` again with HF gradient checkpointing on (non-reentrant): the analyses' gradient forwards checkpoint the
+# decoder layers when model.is_gradient_checkpointing (measured after the other components, on the same model)
+CKPT_ANALYSES = {"all_ckpt": "all"}
+LOPTI = ("lopti", "all", "all_ckpt")
 
 
 def _probe_batch(s: Size):
@@ -346,7 +362,8 @@ def measure_analysis(model, s: Size, name: str, extra_options: dict | None = Non
     from tokendyn.probe.tokenloss import Objective
 
     batch, masks = _probe_batch(s)
-    opts = RebalanceOptions(**_accepted(RebalanceOptions, {**ANALYSES[name], **(extra_options or {})}))
+    base_name = CKPT_ANALYSES.get(name, name)
+    opts = RebalanceOptions(**_accepted(RebalanceOptions, {**ANALYSES[base_name], **(extra_options or {})}))
     objective = Objective(eps_low=EPS_LOW, eps_high=EPS_HIGH, delta=DELTA, loss_type="dapo")
     lopti = name in LOPTI
     _zero(model)
@@ -360,7 +377,7 @@ def measure_analysis(model, s: Size, name: str, extra_options: dict | None = Non
 
             fixed, _ = fix_pi_old(model, batch)
             stage_shares_frame(model, fixed, masks[0], step=0, stage="low", objective=objective)
-            if name == "all":
+            if base_name == "all":
                 pi_before = completion_probs(model, fixed)
                 del pi_before
     _zero(model)
@@ -375,26 +392,36 @@ def measure_size(s: Size, components=None, extra_probe: dict | None = None, extr
     model = build_model(s)
     add_fused_lm_head(model, temperature=0.7)
     b = make_batch(s, s.rows)
-    want = set(components or ["step", "step_ckpt", "probe", "probe_nodirect", *ANALYSES])
+    want = set(components or ["step", "step_ckpt", "probe", *ANALYSES, *CKPT_ANALYSES])
     out: dict[str, int] = {}
     grpo_step(model, b, s.completion)  # warm-up (lazy buffers, first-call allocations)
     step = measure_step(model, b, s.completion)
     out["step"] = step
     # the probe's own live bytes at their peak (an upper bound on what it adds to the step's peak, whenever it
-    # allocates), and what it did add to the step's peak at this size ("_at_peak", not fitted: a difference of maxima)
+    # allocates), in a step with direct gradients; and what it did add to the step's peak at this size
+    # ("_at_peak", not fitted: a difference of maxima)
     if "probe" in want:
         peak, owned = measure_probe(model, b, s.completion, **(extra_probe or {}))
         out["probe"], out["probe_at_peak"] = owned, peak - step
-    if "probe_nodirect" in want:
-        peak, owned = measure_probe(model, b, s.completion, **{**(extra_probe or {}), "direct_tokens": 0})
-        out["probe_nodirect"], out["probe_nodirect_at_peak"] = owned, peak - step
+        # its two phases apart: the head checks (in the logits' gradient hook) and the direct gradients (after the
+        # forward) never hold memory at the same time, so the probe's peak is the larger of the two
+        out["probe_head"] = measure_probe(
+            model, b, s.completion, **{**(extra_probe or {}), "direct_tokens": 0}
+        )[1]
+        out["probe_direct"] = measure_probe(
+            model, b, s.completion, **{**(extra_probe or {}), "check_tokens": 0}
+        )[1]
     for name in ANALYSES:
         if name in want:
             out[name] = measure_analysis(model, s, name, extra_options)
-    if "step_ckpt" in want:
+    ckpt = [n for n in CKPT_ANALYSES if n in want]
+    if "step_ckpt" in want or ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        grpo_step(model, b, s.completion)
-        out["step_ckpt"] = measure_step(model, b, s.completion)
+        if "step_ckpt" in want:
+            grpo_step(model, b, s.completion)
+            out["step_ckpt"] = measure_step(model, b, s.completion)
+        for name in ckpt:
+            out[name] = measure_analysis(model, s, name, extra_options)
         model.gradient_checkpointing_disable()
     del model
     gc.collect()
@@ -402,44 +429,60 @@ def measure_size(s: Size, components=None, extra_probe: dict | None = None, extr
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the features (bytes), read from the code; `shard` divides parameter-sized state (FSDP2)
+# the features (bytes), read from the code; `shard` divides parameter-sized state (FSDP2). A feature written
+# min(..., cap) is capped where the code caps it (the cap is read from the code, not fitted); the fit gives each
+# feature a coefficient ("how many such buffers") at the CPU sizes, where most caps do not bind.
 
-K_BINS = 4
 TRL_TOKENS, TRL_VOCAB = 4096, 32768  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, trl's vocabulary chunk
-CHECK_CHUNK = 64  # tokendyn.probe.direct.head_check_quantities: rows of float64 logits at once
 
 
-def _direct_slots(s: Size) -> float:
-    """Backward passes batched at once by `direct_norms`: min(direct_chunk, most sampled tokens in one row); the 16
-    sampled tokens spread over the rows (expected maximum by a quick simulation of a uniform sample)."""
-    kd, chunk = PROBE_SETTINGS["direct_tokens"], PROBE_SETTINGS["direct_chunk"]
-    g = torch.Generator().manual_seed(0)
-    total = s.rows * s.completion
-    k = min(kd, total)
+def _max_per_row(s: Size, rows: int, k: int) -> float:
+    """Expected most sampled tokens in one row when k of the rows x C completion tokens are sampled uniformly
+    (`direct.row_slots`: the number of backward slots), by a quick simulation."""
+    total = rows * s.completion
+    k = min(k, total)
     if k == 0:
         return 0.0
+    g = torch.Generator().manual_seed(0)
     maxes = []
     for _ in range(64):
         idx = torch.randperm(total, generator=g)[:k]
-        maxes.append(int(torch.bincount(idx // s.completion, minlength=s.rows).max()))
-    return min(chunk, sum(maxes) / len(maxes))
+        maxes.append(int(torch.bincount(idx // s.completion, minlength=rows).max()))
+    return sum(maxes) / len(maxes)
+
+
+def direct_plan(s: Size, rows: int, settings: dict | None = None) -> tuple[float, float]:
+    """(gradient bytes one batched direct backward holds, slots in it), from `direct.plan_direct` itself: points =
+    the layers + the final norm, one slot of one point = rows x S x H x itemsize, slots per backward =
+    min(plan's c, most sampled tokens in one row); the held bytes = max over the plan's groups of slots x group."""
+    from tokendyn.probe.direct import plan_direct
+
+    st = {**PROBE_SETTINGS, **(settings or {})}
+    slot = rows * s.seq * s.hidden * s.itemsize
+    cap = st.get("direct_memory_mb", DIRECT_MEMORY_MB)
+    cap = None if cap is None else cap * 2**20
+    n_slots = _max_per_row(s, rows, st["direct_tokens"])
+    if n_slots == 0:
+        return 0.0, 0.0
+    plan = plan_direct([slot] * (s.layers + 1), st["direct_chunk"], cap)
+    held, slots = 0.0, 0.0
+    for points, c in plan:
+        c_eff = min(c, n_slots)
+        if c_eff * slot * len(points) > held:
+            held, slots = c_eff * slot * len(points), c_eff
+    return held, slots
 
 
 def step_features(s: Size, rows: int, shard: int = 1) -> dict[str, float]:
     t, isz = rows * s.seq, s.itemsize
-    n_head = rows * (
-        s.seq - 1
-    )  # positions the fused head projects (all of them off-GPU, the scored ones on GPU)
+    n_head = rows * (s.seq - 1)  # positions the fused head projects
     return {
         "act_LTH": s.layers * t * s.hidden * isz,  # per-layer hidden-sized saved tensors
         "act_LTI": s.layers * t * s.intermediate * isz,  # MLP intermediates saved for backward
         "grads_P": n_params(s) * isz / shard,  # .grad
-        # trl.kernels.chunked_logprob: a [min(N, 4096), 32768] tile (and its float32 temporaries off-GPU), the
-        # float32 gradient of the head and of its input
+        # trl.kernels.chunked_logprob: a [min(N, 4096), 32768] tile (and its float32 temporaries off-GPU)
         "head_tile": min(n_head, TRL_TOKENS) * TRL_VOCAB * 4,
         "head_tmp": min(n_head, TRL_TOKENS) * min(s.vocab, TRL_VOCAB) * 4,
-        "head_grad_VH4": s.vocab * s.hidden * 4,
-        "head_in_TH4": n_head * s.hidden * 4,
     }
 
 
@@ -454,46 +497,93 @@ def step_ckpt_features(s: Size, rows: int, shard: int = 1) -> dict[str, float]:
 
 
 def probe_features(s: Size, rows: int, shard: int = 1, direct: bool = True) -> dict[str, float]:
+    """The probe inside the training step (a step with direct gradients when ``direct``)."""
+    from tokendyn.probe.head import HEAD_CHUNK_BYTES
+
     t, isz = rows * s.seq, s.itemsize
     kc = min(PROBE_SETTINGS["check_tokens"], rows * s.completion)
     f = {
         "norms_PT4": (s.layers + 1) * t * 4,  # float32 norm of every position at every point
-        "head64_VH8": s.vocab * s.hidden * 8,  # float64 copies of the LM head (checks, sigma_max)
-        "check_V8": min(CHECK_CHUNK, kc) * s.vocab * 8,  # float64 logits / softmax rows of the checks
-        "check_KH8": kc * s.hidden * 8,  # float64 head directions of the checked tokens
+        "check_KH8": kc * s.hidden * 8,  # float64 [K, H] buffers of the head checks (three)
+        # one vocabulary chunk of the head checks / power iteration: rows x (H + 6K) float64 within the budget
+        "head_chunk": min(s.vocab / shard * (s.hidden + 6 * kc) * 8, HEAD_CHUNK_BYTES),
+        "direct_grads": 0.0,
+        "direct_layer_TI": 0.0,
     }
     if direct:
-        slots = _direct_slots(s)
-        f["direct_sPTH"] = slots * (s.layers + 1) * t * s.hidden * isz  # batched grads of every probed tensor
-        f["direct_sTI"] = slots * t * s.intermediate * isz  # one layer's batched backward intermediates
+        held, slots = direct_plan(s, rows)
+        f["direct_grads"] = held  # gradients one batched backward returns, min(slots x points x T x H, cap)
+        f["direct_layer_TI"] = slots * t * s.intermediate * isz  # one layer's batched backward temporaries
     return f
 
 
-def analysis_features(s: Size, sample: int, shard: int = 1) -> dict[str, float]:
+PROBE_HEAD = ("norms_PT4", "check_KH8", "head_chunk")  # the head checks' phase (direct_tokens=0)
+PROBE_DIRECT = (
+    "norms_PT4",
+    "direct_grads",
+    "direct_layer_TI",
+)  # the direct gradients' phase (check_tokens=0)
+
+
+# components whose updates are undone from a host snapshot of the trainable parameters (P x itemsize): on CPU the
+# allocator sees it, on a GPU it is host memory. Its coefficient is derived (1), not fitted: it is subtracted from
+# these measurements before the fit and left out of the GPU prediction.
+SNAPSHOT = ("change", "sweep", "influence", "lopti", "all", "all_ckpt")
+
+
+def snapshot_bytes(component: str, s: Size) -> float:
+    return float(n_params(s) * s.itemsize) if component in SNAPSHOT else 0.0
+
+
+def analysis_features(
+    s: Size, sample: int, shard: int = 1, ckpt: bool = False, fsdp: bool = False
+) -> dict[str, float]:
+    """The analyses' own transient (between steps). ``fsdp``: the 7B case, where the per-token shares' JVP is
+    skipped (no eager-attention term) and the analysis forward calls the whole model (`fsdp_logits`, derived)."""
+    from tokendyn.probe.tokenloss import chunk_tokens
+
     t, isz, tc = sample * s.seq, s.itemsize, sample * s.completion
-    return {
-        "params_P": n_params(s) * isz / shard,  # parameter-sized buffers (grads, copies, per-bin grads)
-        "bins64_KVH8": K_BINS * s.vocab * s.hidden * 8 / shard,  # per-bin float64 stack of the largest tensor
-        "logits_TcV4": tc * s.vocab * 4,  # float32 logits / log-softmax of the completion positions
-        "logits_TcV8": tc * s.vocab * 8,  # float64 logits (probability measurements)
-        "act_LTH": s.layers * t * s.hidden * isz,
-        "act_LTI": s.layers * t * s.intermediate * isz,
-        "attn_nhS2": sample * s.heads * s.seq**2 * isz,  # math-SDPA attention of one layer (the JVP)
+    f = {
+        "params_P": n_params(s) * isz / shard,  # streamed gradients: g and one g_b (parameter-sized)
+        # one token chunk of the completion's logits: float32 + float64, recomputed in the backward
+        "logits_chunk": min(tc, chunk_tokens(s.vocab)) * s.vocab * (4 + 8),
+        "attn_nhS2": 0.0 if fsdp else sample * s.heads * s.seq**2 * isz,  # eager attention of the shares' JVP
     }
+    if (
+        ckpt
+    ):  # decoder layers checkpointed (HF gradient checkpointing on): layer inputs + one layer recomputed
+        f["in_LTH"] = s.layers * t * s.hidden * isz
+        f["layer_TI"] = t * s.intermediate * isz
+    else:
+        f["act_LTH"] = s.layers * t * s.hidden * isz
+        f["act_LTI"] = s.layers * t * s.intermediate * isz
+    return f
 
 
-def features(component: str, s: Size, *, rows=None, sample=None, shard: int = 1) -> dict[str, float]:
+FSDP_LOGITS_COEF = 2  # derived: the whole model's [B, C + 1, V] logits (model dtype) and their gradient
+
+
+def fsdp_logits(s: Size, sample: int) -> float:
+    return FSDP_LOGITS_COEF * sample * (s.completion + 1) * s.vocab * s.itemsize
+
+
+def features(component: str, s: Size, *, rows=None, sample=None, shard: int = 1, **kw) -> dict[str, float]:
     rows = s.rows if rows is None else rows
     sample = s.sample if sample is None else sample
     if component == "step":
         return step_features(s, rows, shard)
     if component == "step_ckpt":
         return step_ckpt_features(s, rows, shard)
-    if component == "probe":
-        return probe_features(s, rows, shard)
-    if component == "probe_nodirect":
-        return probe_features(s, rows, shard, direct=False)
-    return analysis_features(s, sample, shard)
+    if component.startswith("probe"):
+        f = probe_features(s, rows, shard, direct=kw.get("direct", True))
+        keep = {"probe_head": PROBE_HEAD, "probe_direct": PROBE_DIRECT}.get(component, tuple(f))
+        return {k: f[k] for k in keep}
+    return analysis_features(s, sample, shard, ckpt=component.endswith("_ckpt"), fsdp=kw.get("fsdp", False))
+
+
+def fitted_value(component: str, s: Size, m: dict) -> float:
+    """What the fit is asked to explain: the measurement less the derived host snapshot."""
+    return float(m[component]) - snapshot_bytes(component, s)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -514,18 +604,77 @@ class Fit:
         return {k: c * feats[k] for k, c in self.coef.items() if c > 0}
 
 
+@dataclass
+class ProbeFit:
+    """The probe in a step: the larger of its two phases, each fitted on its own measurement (probe_head,
+    probe_direct); checked against the probe measured with both on."""
+
+    head: Fit
+    direct: Fit
+    component: str = "probe"
+    train_err: float = float("nan")
+
+    @property
+    def coef(self) -> dict[str, float]:
+        return {
+            **{f"head.{k}": v for k, v in self.head.coef.items()},
+            **{f"direct.{k}": v for k, v in self.direct.coef.items()},
+        }
+
+    @property
+    def intercept(self) -> float:
+        return max(self.head.intercept, self.direct.intercept)
+
+    def _parts(self, feats: dict[str, float]) -> tuple[float, float]:
+        h = self.head.predict({k: feats[k] for k in PROBE_HEAD})
+        d = self.direct.predict({k: feats[k] for k in PROBE_DIRECT})
+        return h, d
+
+    def predict(self, feats: dict[str, float]) -> float:
+        return max(self._parts(feats))
+
+    def terms(self, feats: dict[str, float]) -> dict[str, float]:
+        h, d = self._parts(feats)
+        fit, keys = (self.head, PROBE_HEAD) if h >= d else (self.direct, PROBE_DIRECT)
+        return fit.terms({k: feats[k] for k in keys})
+
+
+def fit_probe(sizes: list[Size], measured: list[dict]) -> ProbeFit:
+    pf = ProbeFit(
+        fit_component("probe_head", sizes, measured), fit_component("probe_direct", sizes, measured)
+    )
+    errs = [
+        abs(pf.predict(features("probe", s)) - m["probe"]) / max(m["probe"], 1.0)
+        for s, m in zip(sizes, measured, strict=True)
+    ]
+    pf.train_err = max(errs)
+    return pf
+
+
+# coefficients derived from the code, not fitted (subtracted before the fit): non-reentrant checkpointing keeps one
+# hidden-sized input per decoder layer
+FIXED = {"step_ckpt": {"in_LTH": 1.0}, "all_ckpt": {"in_LTH": 1.0}}
+
+
 def fit_component(component: str, sizes: list[Size], measured: list[dict]) -> Fit:
-    """Least squares in the features (columns scaled to unit norm) plus an intercept, with every coefficient >= 0: the
-    most negative is dropped and the fit redone until none is (a term the code no longer has goes to 0)."""
+    """Least squares of the relative error in the features (columns scaled to unit norm) plus an intercept, with
+    every coefficient >= 0: the most negative is dropped and the fit redone until none is (a term the code no longer
+    has goes to 0). Coefficients in FIXED are derived from the code and not fitted."""
     rows = [features(component, s) for s in sizes]
     names = list(rows[0])
-    y = torch.tensor([float(m[component]) for m in measured], dtype=torch.float64)
+    y = torch.tensor(
+        [fitted_value(component, s, m) for s, m in zip(sizes, measured, strict=True)], dtype=torch.float64
+    )
     x_all = torch.tensor([[r[k] for k in names] for r in rows], dtype=torch.float64)
-    active = [i for i in range(len(names)) if float(x_all[:, i].abs().max()) > 0]
+    fixed = FIXED.get(component, {})
+    y_free = y - sum((c * x_all[:, names.index(k)] for k, c in fixed.items()), torch.zeros_like(y))
+    active = [i for i in range(len(names)) if float(x_all[:, i].abs().max()) > 0 and names[i] not in fixed]
+    w = 1.0 / y.abs().clamp(min=1.0)  # relative errors: each size weighs the same
     while True:
-        x = torch.cat([x_all[:, active], torch.ones(len(sizes), 1, dtype=torch.float64)], 1)
+        x = torch.cat([x_all[:, active], torch.ones(len(sizes), 1, dtype=torch.float64)], 1) * w.unsqueeze(1)
         scale = x.norm(dim=0).clamp(min=1e-30)
-        sol = torch.linalg.lstsq(x / scale, y.unsqueeze(1), driver="gelsd").solution.squeeze(1) / scale
+        sol = torch.linalg.lstsq(x / scale, (y_free * w).unsqueeze(1), driver="gelsd").solution.squeeze(1)
+        sol = sol / scale
         coefs = sol[:-1]
         if len(active) == 0 or float(coefs.min()) >= 0:
             break
@@ -533,6 +682,7 @@ def fit_component(component: str, sizes: list[Size], measured: list[dict]) -> Fi
     coef = {k: 0.0 for k in names}
     for i, c in zip(active, coefs.tolist(), strict=True):
         coef[names[i]] = c
+    coef.update(fixed)
     intercept = float(sol[-1])
     pred = x_all @ torch.tensor([coef[k] for k in names], dtype=torch.float64) + intercept
     err = float(((pred - y).abs() / y.abs().clamp(min=1.0)).max()) if len(y) else float("nan")
@@ -622,19 +772,38 @@ def mb(x: float) -> str:
     return f"{x / 1e6:,.2f} MB"
 
 
-def predict_7b(fits: dict[str, Fit], analyses_sharded: bool) -> dict:
+ANALYSIS_PERSISTENT = 0.0  # device bytes the analyses keep between steps (the update snapshot is on the host)
+
+
+def predict_analysis(fit: Fit, comp: str, sample: int) -> float:
+    """The analyses' own transient per GPU at 7B under FSDP2: the fit with sharded parameter-sized buffers, no
+    eager-attention JVP (skipped there), plus the whole model's logits (derived); the host snapshot is not in it."""
+    s = QWEN7B
+    return fit.predict(features(comp, s, sample=sample, shard=GPUS, fsdp=True)) + fsdp_logits(s, sample)
+
+
+def predict_7b(fits: dict[str, Fit]) -> dict:
     s = QWEN7B
     pers = persistent_per_gpu(s, GPUS, ref_model=True)
-    out = {"persistent": pers}
+    out: dict = {"persistent": pers}
     for comp in ("step", "step_ckpt"):
         if comp in fits:
-            out[comp] = sum(pers.values()) + fits[comp].predict(features(comp, s, shard=GPUS))
+            out[comp + "_transient"] = fits[comp].predict(features(comp, s, shard=GPUS))
+            out[comp] = sum(pers.values()) + out[comp + "_transient"]
+    if "probe" in fits:
+        out["probe"] = fits["probe"].predict(features("probe", s, shard=GPUS))
+        out["probe_nodirect"] = fits["probe"].predict(features("probe", s, shard=GPUS, direct=False))
     for comp, fit in fits.items():
-        if comp.startswith("step"):
+        if comp.startswith(("step", "probe")):
             continue
-        shard = GPUS if (analyses_sharded or comp.startswith("probe")) else 1
-        out[comp] = fit.predict(features(comp, s, shard=shard))
+        out[comp] = predict_analysis(fit, comp, s.sample)
     return out
+
+
+def analyses_increase(transient: float, step_transient: float) -> float:
+    """What the analyses (between steps) add to the process's peak: max(0, their transient + their persistent
+    buffers - the training step's transient)."""
+    return max(0.0, transient + ANALYSIS_PERSISTENT - step_transient)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -649,21 +818,42 @@ def run(train, held, components=None, log=print, extra_probe=None, extra_options
             m = measure_size(s, components, extra_probe, extra_options)
             store.append(m)
             log(f"  [{group}] {s.label():<42} step {mb(m['step']):>12}  ({time.time() - t:.1f} s)")
+    return fit_all(train, held, meas_train, meas_held) | {"seconds": time.time() - t0}
+
+
+def ckpt_derived(fits: dict, s: Size) -> Fit:
+    """`all_ckpt` derived from `all` where the analyses do not (yet) checkpoint their layers: the layer inputs kept
+    (in_LTH, 1 buffer) and one layer's recomputation (layer_TI with `all`'s per-layer act_LTI coefficient plus its
+    act_LTH one in I-sized units), the rest as `all`."""
+    a = fits["all"]
+    coef = {k: v for k, v in a.coef.items() if not k.startswith("act_")}
+    coef["in_LTH"] = 1.0
+    coef["layer_TI"] = a.coef.get("act_LTI", 0.0) + a.coef.get("act_LTH", 0.0) * s.hidden / s.intermediate
+    return Fit("all_ckpt", coef, a.intercept, float("nan"))
+
+
+def fit_all(train, held, meas_train, meas_held) -> dict:
     comps = [c for c in meas_train[0] if all(c in m for m in meas_train) and not c.endswith("_at_peak")]
-    fits = {c: fit_component(c, train, meas_train) for c in comps}
+    fits = {
+        c: fit_probe(train, meas_train) if c == "probe" else fit_component(c, train, meas_train)
+        for c in comps
+    }
     held_err = {}
     for c in comps:
         errs = []
         for s, m in zip(held, meas_held, strict=True):
-            pred = fits[c].predict(features(c, s))
+            pred = fits[c].predict(features(c, s)) + snapshot_bytes(c, s)
             errs.append((pred, m[c], abs(pred - m[c]) / max(abs(m[c]), 1.0)))
         held_err[c] = errs
+    # do the analyses checkpoint their layers when gradient checkpointing is on? (all_ckpt below all everywhere)
+    ckpt_active = "all_ckpt" in comps and all(m["all_ckpt"] < 0.98 * m["all"] for m in meas_train)
     return {
         "fits": fits,
         "held_err": held_err,
         "meas_train": meas_train,
         "meas_held": meas_held,
-        "seconds": time.time() - t0,
+        "held_sizes": list(held),
+        "ckpt_active": ckpt_active,
     }
 
 
@@ -675,20 +865,40 @@ def report(res: dict, check: dict) -> dict:
         f"summed events {check['events']} -> {'exact' if check['ok'] else 'MISMATCH'}"
     )
     print()
-    print("fit per component (coefficient = buffers of that feature; 0 = term not present; intercept in MB)")
+    print(
+        "fit per component (coefficient = buffers of that feature; 0 = term not present; intercept in MB); derived,"
+        " not fitted: the caps in min(...) (HEAD_CHUNK_BYTES, direct_memory_mb via plan_direct, chunk_tokens(V)), "
+        "the host snapshot of change/sweep/influence/lopti/all (1 x P x itemsize, subtracted before the fit, not on "
+        f"the GPU), the FSDP2 whole-model logits at 7B ({FSDP_LOGITS_COEF} x B x (C+1) x V x itemsize)"
+    )
     worst = 0.0
+    # all_ckpt while the analyses do not checkpoint (it measures like `all`): its fit is not used, nor counted
+    unused = set() if res.get("ckpt_active", True) else {"all_ckpt"}
     for c, fit in fits.items():
         terms = ", ".join(f"{k} {v:.3g}" for k, v in fit.coef.items())
-        he = max((e for _, _, e in held_err[c]), default=float("nan"))
-        worst = max(worst, he)
-        flag = "ok" if he <= 0.15 else "OVER 15%"
-        print(f"  {c:<15} {terms}; intercept {mb(fit.intercept)}")
-        for pred, meas, e in held_err[c]:
+        print(f"  {c:<15} {terms}; intercept {mb(fit.intercept)}; worst training error {fit.train_err:.1%}")
+        for (pred, meas, e), s in zip(held_err[c], res["held_sizes"], strict=True):
+            worst = worst if c in unused else max(worst, e)
             print(
-                f"  {'':<15} held-out: measured {mb(meas)}, predicted {mb(pred)}, error {e:.1%} ({flag}); "
-                f"worst training error {fit.train_err:.1%}"
+                f"  {'':<15} held-out {s.label()}: measured {mb(meas)}, predicted {mb(pred)}, error {e:.1%} "
+                f"({'ok' if e <= 0.15 else 'OVER 15%'})"
             )
-    print(f"worst held-out error: {worst:.1%} (target <= 15%)")
+    print(
+        f"worst held-out error{' (all_ckpt not counted)' if unused else ''}: {worst:.1%} (target <= 15%): "
+        f"{'PASS' if worst <= 0.15 else 'FAIL'}"
+    )
+    fits7 = dict(fits)
+    if "all_ckpt" in fits and not res.get("ckpt_active", True):
+        fits7["all_ckpt"] = ckpt_derived(fits, QWEN7B)
+        print(
+            "  all_ckpt measured like `all` at every size: this code does not checkpoint the analyses' layers yet, so "
+            "the 7B prediction for gradient checkpointing uses all_ckpt DERIVED from `all` (in_LTH 1, layer_TI "
+            f"{fits7['all_ckpt'].coef['layer_TI']:.3g}), not the fit above"
+        )
+    elif "all_ckpt" in fits:
+        print(
+            "  all_ckpt below `all` at every size: the analyses checkpoint their layers; the fit above is used"
+        )
 
     s = QWEN7B
     print()
@@ -696,116 +906,140 @@ def report(res: dict, check: dict) -> dict:
         f"Qwen2.5-7B ({n_params(s) / 1e9:.2f} B parameters, bf16), micro-batch {s.rows} x ({s.prompt} + {s.completion})"
         f" tokens, {GPUS} GPUs with FSDP2; analyses on {s.sample} sample sequences"
     )
-    today = predict_7b(fits, analyses_sharded=False)
-    item3 = predict_7b(fits, analyses_sharded=True)
-    pers = today["persistent"]
+    pred = predict_7b(fits7)
+    pers = pred["persistent"]
     print("  persistent per GPU: " + ", ".join(f"{k} {gb(v)}" for k, v in pers.items()))
-    step, step_ck = today.get("step", float("nan")), today.get("step_ckpt", float("nan"))
+    step, step_ck = pred.get("step", float("nan")), pred.get("step_ckpt", float("nan"))
     print(
-        f"  training step's own peak per GPU: {gb(step)} as the README's recipe runs it (no gradient checkpointing;"
-        f" {'fits' if step <= H200 else 'does NOT fit'} one H200's 141 GB), {gb(step_ck)} with gradient checkpointing"
+        f"  training step's own peak per GPU: {gb(step)} without gradient checkpointing "
+        f"({'fits' if step <= H200 else 'does NOT fit'} one H200's 141 GB), {gb(step_ck)} with gradient "
+        f"checkpointing (transient {gb(pred.get('step_ckpt_transient', float('nan')))})"
     )
-    base = step_ck if step > H200 else step
-    base_name = "with checkpointing" if step > H200 else "as configured"
     for name in ("step", "step_ckpt"):
         if name in fits:
-            feats = features(name, s, shard=GPUS)
-            terms = ", ".join(f"{k} {gb(v)}" for k, v in fits[name].terms(feats).items())
+            terms = ", ".join(
+                f"{k} {gb(v)}" for k, v in fits[name].terms(features(name, s, shard=GPUS)).items()
+            )
             print(f"    {name} terms: {terms}")
-    print(f"  extra per GPU (against the step {base_name}, {gb(base)}):")
-    print(
-        f"    {'component':<15} {'today (rank 0 unsharded)':>26} {'sharded /8 (item 3)':>22}  largest terms"
-    )
-    for c in fits:
-        if c.startswith("step"):
-            continue
-        shard = GPUS if c.startswith("probe") else 1
-        terms = fits[c].terms(features(c, s, shard=shard))
+    base, base_tr = step_ck, pred.get("step_ckpt_transient", float("nan"))
+    print(f"  probe (inside the step; adds to its peak), against the step with checkpointing, {gb(base)}:")
+    for label, key, direct in (
+        ("step with direct gradients", "probe", True),
+        ("step without", "probe_nodirect", False),
+    ):
+        terms = fits["probe"].terms(features("probe", s, shard=GPUS, direct=direct))
         top = sorted(terms.items(), key=lambda kv: -kv[1])[:3]
         print(
-            f"    {c:<15} {gb(today[c]):>15} {today[c] / base:>9.1%} {gb(item3[c]):>12} {item3[c] / base:>8.1%}  "
+            f"    {label:<28} {gb(pred[key]):>10} {pred[key] / base:>7.2%}  "
             + ", ".join(f"{k} {gb(v)}" for k, v in top)
         )
-    probe_ratio = today["probe"] / base
-    total = today["probe"] + today["all"]
-    total3 = item3["probe"] + item3["all"]
+    print(
+        f"  analyses (between steps): own transient per GPU (host snapshot excluded; incl. FSDP2 logits "
+        f"{gb(fsdp_logits(s, s.sample))}) and what it adds to the peak = max(0, transient - step transient "
+        f"{gb(base_tr)}):"
+    )
+    for c in fits7:
+        if c.startswith(("step", "probe")):
+            continue
+        inc = analyses_increase(pred[c], base_tr)
+        terms = fits7[c].terms(features(c, s, shard=GPUS, fsdp=True))
+        top = sorted(terms.items(), key=lambda kv: -kv[1])[:3]
+        print(
+            f"    {c:<15} transient {gb(pred[c]):>10}  peak +{gb(inc):>9} {inc / base:>7.2%}  "
+            + ", ".join(f"{k} {gb(v)}" for k, v in top)
+        )
+    table = settings_table(fits7)
     print()
     print(
-        f"  probe alone: {probe_ratio:.1%} of the step (target <= 2%): {'PASS' if probe_ratio <= 0.02 else 'FAIL'}"
+        "  settings (the README recipe: Lopti, analyses 'all'; targets: probe <= 2% of the step's peak, probe +"
     )
+    print("  analyses <= 10% extra per GPU; the probe counted on a step with direct gradients):")
     print(
-        f"  probe + analyses (README settings, Lopti): {gb(total)} = {total / base:.1%} today, "
-        f"{gb(total3)} = {total3 / base:.1%} with sharded analyses (target <= 10%): "
-        f"{'PASS' if total / base <= 0.10 else 'FAIL'} today"
+        f"    {'sample seqs':>11} {'grad ckpt':>9} {'step peak':>10} {'probe':>8} {'analyses':>10} {'+peak':>8} {'total':>7}  verdict"
     )
-    fitting = settings_that_fit(fits, base)
-    print("  settings that fit the targets (largest first):")
-    for line in fitting or ["    none of the tried settings"]:
-        print(line)
-    block = readme_block(res, today, base, base_name, probe_ratio, total)
+    for r in table:
+        print(
+            f"    {r['sample']:>11} {r['ckpt']:>9} {gb(r['step']):>10} {r['probe_pct']:>7.2%} {r['probe_nd_pct']:>6.2%} "
+            f"{gb(r['analyses']):>10} "
+            f"{r['inc_pct']:>7.2%} {r['total_pct']:>6.2%}  {r['verdict']}"
+        )
+    readme = next((r for r in table if r["sample"] == s.sample and r["ckpt"] == "yes"), table[0])
+    fitting = [
+        f"{r['sample']} sample seqs, ckpt {r['ckpt']}"
+        + ("" if r["verdict"] == "PASS" else " (without direct gradients)")
+        for r in table
+        if r["verdict"].startswith("PASS")
+    ]
+    print(f"  README settings ({s.sample} sample sequences, gradient checkpointing): {readme['verdict']}")
+    print(f"  settings that meet both targets: {'; '.join(fitting) or 'none'}")
+    block = readme_block(res, pred, table, readme, worst)
     print()
     print("README block (paste between the memory-model markers):")
     print(block)
-    return {"today": today, "item3": item3, "probe_ratio": probe_ratio, "total": total, "base": base}
+    return {"pred": pred, "table": table, "worst": worst}
 
 
-def settings_that_fit(fits: dict[str, Fit], base: float) -> list[str]:
-    """Smaller sample sequences / fewer analyses, and the probe without direct gradients, where the targets need it."""
-    s = QWEN7B
-    lines = []
-    probe = fits["probe"].predict(features("probe", s, shard=GPUS))
-    probe_nd = fits.get("probe_nodirect")
-    probe_nd = probe_nd.predict(features("probe_nodirect", s, shard=GPUS)) if probe_nd else float("nan")
-    if probe / base > 0.02 and probe_nd / base <= 0.02:
-        lines.append(f"    probe: direct_tokens 0 -> {gb(probe_nd)} ({probe_nd / base:.1%})")
-    elif probe / base > 0.02:
-        lines.append(
-            f"    probe: no setting tried fits (with direct {probe / base:.1%}, without {probe_nd / base:.1%})"
-        )
-    else:
-        lines.append(f"    probe: README settings ({probe / base:.1%})")
-    p = min(probe, probe_nd) if probe / base > 0.02 else probe
-    for shard, label in ((1, "today"), (GPUS, "sharded analyses")):
-        found = None
+def settings_table(fits: dict[str, Fit]) -> list[dict]:
+    """probe_sample_sequences x gradient checkpointing (the analyses' ckpt variant when on), against the step with
+    checkpointing (the step without does not fit one H200 at 7B: marked)."""
+    pred = predict_7b(fits)
+    rows = []
+    for ckpt in ("yes", "no"):
+        step = pred["step_ckpt"] if ckpt == "yes" else pred["step"]
+        step_tr = pred["step_ckpt_transient"] if ckpt == "yes" else pred["step_transient"]
+        comp = "all_ckpt" if ckpt == "yes" and "all_ckpt" in fits else "all"
         for sample in (8, 4, 2, 1):
-            for comp in ("all", "lopti", "change", "shares"):
-                if comp not in fits:
-                    continue
-                a = fits[comp].predict(features(comp, s, sample=sample, shard=shard))
-                if (p + a) / base <= 0.10:
-                    found = (sample, comp, a)
-                    break
-            if found:
-                break
-        if found:
-            sample, comp, a = found
-            lines.append(
-                f"    analyses ({label}): probe_sample_sequences {sample}, analyses '{comp}' -> probe + analyses "
-                f"{gb(p + a)} ({(p + a) / base:.1%})"
+            a = predict_analysis(fits[comp], comp, sample)
+            inc = analyses_increase(a, step_tr)
+            probe_pct, probe_nd_pct = pred["probe"] / step, pred["probe_nodirect"] / step
+            total_pct = (pred["probe"] + inc) / step
+            if step > H200:
+                verdict = "FAIL (step over 141 GB)"
+            elif probe_pct <= 0.02 and total_pct <= 0.10:
+                verdict = "PASS"
+            elif probe_nd_pct <= 0.02 and (pred["probe_nodirect"] + inc) / step <= 0.10:
+                verdict = "PASS without direct gradients (FAIL on steps with them)"
+            else:
+                verdict = "FAIL"
+            rows.append(
+                dict(
+                    sample=sample,
+                    ckpt=ckpt,
+                    step=step,
+                    probe_pct=probe_pct,
+                    probe_nd_pct=probe_nd_pct,
+                    analyses=a,
+                    inc=inc,
+                    inc_pct=inc / step,
+                    total_pct=total_pct,
+                    verdict=verdict,
+                )  # fmt: skip
             )
-        else:
-            lines.append(
-                f"    analyses ({label}): none fits (1 sample sequence, change only is still over 10%)"
-            )
-    return lines
+    return rows
 
 
-def readme_block(res, today, base, base_name, probe_ratio, total) -> str:
-    fits = res["fits"]
-    worst = max(e for c in res["held_err"] for _, _, e in res["held_err"][c])
+def readme_block(res, pred, table, readme, worst) -> str:
+    s = QWEN7B
+    step = readme["step"]
     return "\n".join(
         [
             "<!-- memory-model -->",
             f"Memory model (`python bench/probe_memory.py`; fitted on {len(res['meas_train'])} CPU sizes, worst "
-            f"held-out error {worst:.0%}): Qwen2.5-7B, 8 x ({QWEN7B.prompt} + {QWEN7B.completion}) tokens per "
-            f"GPU, 8 GPUs with FSDP2: training step {gb(today.get('step', float('nan')))} per GPU as configured, "
-            f"{gb(today.get('step_ckpt', float('nan')))} with gradient checkpointing; the probe adds "
-            f"{gb(today['probe'])} ({probe_ratio:.1%} of the step {base_name}, target 2%), probe + analyses "
-            f"{gb(total)} ({total / base:.1%}, target 10%).",
+            f"held-out error {worst:.0%}): Qwen2.5-7B, {s.rows} x ({s.prompt} + {s.completion}) tokens per GPU, "
+            f"{GPUS} GPUs with FSDP2, gradient checkpointing on: training step {gb(step)} per GPU "
+            f"({gb(pred['step'])} without checkpointing, over one H200). The probe adds {gb(pred['probe'])} "
+            f"({pred['probe'] / step:.1%}, target 2%) on a step with direct gradients, "
+            f"{gb(pred['probe_nodirect'])} ({pred['probe_nodirect'] / step:.1%}) on the others; the analyses run "
+            "between steps and raise the peak by max(0, their transient - the step's transient).",
             "",
-            "| component | extra per GPU | of the step |",
-            "|---|---|---|",
-            *[f"| {c} | {gb(today[c])} | {today[c] / base:.1%} |" for c in fits if not c.startswith("step")],
+            "| `--probe_sample_sequences` | gradient checkpointing | analyses' transient | peak increase | "
+            "probe + analyses | targets |",
+            "|---|---|---|---|---|---|",
+            *[
+                f"| {r['sample']} | {r['ckpt']} | {gb(r['analyses'])} | {gb(r['inc'])} | {r['total_pct']:.1%} | "
+                f"{r['verdict']} |"
+                for r in table
+            ],
             "<!-- /memory-model -->",
         ]
     )
@@ -824,9 +1058,31 @@ def _kv(items: list[str]) -> dict:
     return out
 
 
+def load_fits(payload: dict) -> dict:
+    """The fits of a --json file (a probe fit is its two phases)."""
+    out = {}
+    for c, f in payload["fits"].items():
+        if "head" in f:
+            out[c] = ProbeFit(Fit(**f["head"]), Fit(**f["direct"]), train_err=f["train_err"])
+        else:
+            out[c] = Fit(**f)
+    return out
+
+
+def load_measurements(payload: dict) -> tuple[list[Size], list[dict], list[Size], list[dict]]:
+    """(train sizes, their measurements, held-out sizes, theirs) of a --json file."""
+    names = {f.name for f in dataclasses.fields(Size)}
+    out = []
+    for group in ("train", "held"):
+        rows = payload[group]
+        out.append([Size(**{k: v for k, v in r.items() if k in names}) for r in rows])
+        out.append([{k: v for k, v in r.items() if k not in names} for r in rows])
+    return tuple(out)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smaller sizes (~1 min)")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (~2 min)")
     ap.add_argument("--json", help="write the measurements and fits to this file")
     ap.add_argument(
         "--probe-kw",
@@ -838,25 +1094,42 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--options-kw", nargs="*", default=[], metavar="K=V", help="extra RebalanceOptions fields, likewise"
     )
+    ap.add_argument(
+        "--refit",
+        metavar="JSON",
+        help="no measuring: refit and report the measurements stored in a --json file",
+    )
     args = ap.parse_args(argv)
-    extra_probe, extra_options = _kv(args.probe_kw), _kv(args.options_kw)
-    torch.set_num_threads(1)
-    check = self_check()
-    if not check["ok"]:
-        print(f"allocator self-check FAILED: {check}", file=sys.stderr)
-    train, held = (QUICK_TRAIN, QUICK_HELD) if args.quick else (TRAIN_SIZES, HELD_OUT)
-    print(f"measuring {len(train)} training sizes and {len(held)} held-out size(s) ...")
-    res = run(train, held, extra_probe=extra_probe, extra_options=extra_options)
+    if args.refit:
+        with open(args.refit) as fh:
+            payload = json.load(fh)
+        train, meas_train, held, meas_held = load_measurements(payload)
+        check = payload["self_check"]
+        print(f"refitting {len(train)} training sizes and {len(held)} held-out size(s) from {args.refit}")
+        res = fit_all(train, held, meas_train, meas_held) | {"seconds": payload.get("seconds", float("nan"))}
+    else:
+        extra_probe, extra_options = _kv(args.probe_kw), _kv(args.options_kw)
+        torch.set_num_threads(1)
+        check = self_check()
+        if not check["ok"]:
+            print(f"allocator self-check FAILED: {check}", file=sys.stderr)
+        train, held = (QUICK_TRAIN, QUICK_HELD) if args.quick else (TRAIN_SIZES, HELD_OUT)
+        print(f"measuring {len(train)} training sizes and {len(held)} held-out size(s) ...")
+        res = run(train, held, extra_probe=extra_probe, extra_options=extra_options)
+    payload = {
+        "self_check": check,
+        "seconds": res["seconds"],
+        "train": [dataclasses.asdict(s) | m for s, m in zip(train, res["meas_train"], strict=True)],
+        "held": [dataclasses.asdict(s) | m for s, m in zip(held, res["meas_held"], strict=True)],
+    }
+    if args.json and not args.refit:  # the measurements first: a report that fails can be redone by --refit
+        with open(args.json, "w") as fh:
+            json.dump(payload, fh, indent=1, default=float)
     summary = report(res, check)
-    print(f"\nwall time {res['seconds']:.0f} s")
+    print(f"\nwall time of the measurements {res['seconds']:.0f} s")
     if args.json:
-        payload = {
-            "self_check": check,
-            "train": [dataclasses.asdict(s) | m for s, m in zip(train, res["meas_train"], strict=True)],
-            "held": [dataclasses.asdict(s) | m for s, m in zip(held, res["meas_held"], strict=True)],
-            "fits": {c: dataclasses.asdict(f) for c, f in res["fits"].items()},
-            "qwen7b": {k: v for k, v in summary["today"].items()},
-        }
+        payload["fits"] = {c: dataclasses.asdict(f) for c, f in res["fits"].items()}
+        payload["qwen7b"], payload["settings"] = summary["pred"], summary["table"]
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=1, default=float)
 

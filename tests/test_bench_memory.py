@@ -33,11 +33,15 @@ def test_quick_measure_and_fit(pm):
     train = [tiny, pm.dataclasses.replace(tiny, hidden=32, completion=32)]
     held = [pm.dataclasses.replace(tiny, layers=2)]
     res = pm.run(train, held, components=["probe", "change"], log=lambda *_: None)
-    assert set(res["fits"]) == {"step", "probe", "change"}
+    assert set(res["fits"]) == {"step", "probe", "probe_head", "probe_direct", "change"}
     for m in res["meas_train"] + res["meas_held"]:
         assert m["step"] > 0 and m["change"] > 0
+        assert m["probe_head"] > 0 and m["probe_direct"] > 0
     for comp, fit in res["fits"].items():
         assert all(c >= 0 for c in fit.coef.values()), comp
         pred = fit.predict(pm.features(comp, held[0]))
         assert math.isfinite(pred)
-    assert math.isfinite(pm.predict_7b(res["fits"], analyses_sharded=False)["step"])
+    pred = pm.predict_7b(res["fits"])
+    for key in ("step", "probe", "probe_nodirect", "change"):
+        assert math.isfinite(pred[key]), key
+    assert pred["probe_nodirect"] <= pred["probe"]
