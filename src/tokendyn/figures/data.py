@@ -166,10 +166,6 @@ def _with_in_stage(tokens: pl.DataFrame, run: RunInfo) -> pl.DataFrame:
     return tokens.with_columns(inside.alias("in_stage"))
 
 
-def frame_of(records: Records | None, kind: str) -> pl.DataFrame | None:
-    return None if records is None else records.get(kind)
-
-
 def ensure_run(df: pl.DataFrame, label: str = "run") -> pl.DataFrame:
     """A frame given without a ``run`` column (one run) gets one."""
     if isinstance(df, pl.LazyFrame):

@@ -87,11 +87,6 @@ def parameter_group(name: str) -> str:
     return OTHER
 
 
-def parameter_groups(model: nn.Module) -> dict[str, str]:
-    """name -> group (`parameter_group`) for every trainable parameter, in the model's order."""
-    return {n: parameter_group(n) for n in trainable_parameters(model)}
-
-
 def as_edges(edges: torch.Tensor | tuple[float, ...] | list[float] | None) -> torch.Tensor:
     """Bin edges as a float64 tensor (default the paper's [0, .25, .5, .75, 1]); checked like
     `tokendyn.probe.bins.validate_edges`."""
