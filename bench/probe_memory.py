@@ -15,7 +15,10 @@ Per size (a random Qwen2 of that shape, float32 or bfloat16, unpadded rows of pr
                 what it adds to the step's peak, whichever phase it allocates in; the bench also prints what it did
                 add at each size (probe_at_peak: the probed step's peak minus the step's, not fitted: a difference of
                 maxima does not extrapolate). The 7B prediction is given for a step with direct gradients and for
-                one without (direct_every: most probed steps), the latter with the direct features at 0
+                one without (direct_every: most probed steps), the latter with the direct features at 0; what the
+                probe adds to the 7B step's peak counts its head checks (in the backward) whole and its direct
+                gradients (a layer replay between the forward and the backward) only above the backward's own
+                transient (`probe_increase`)
   analyses      peak of `analyze_batch` on the sample sequences, one `RebalanceOptions` switch at a time
                 (shares, token_shares, change, sweep, influence), the Lopti stages (influence and shares per stage),
                 and `all` (the trainer's options with Lopti, the stage-1 shares and the real change's pi_before);
@@ -294,6 +297,10 @@ def measure_step(model, b: dict, c_len: int) -> int:
 # gradients (step 0 of every direct_every), which is the step measured
 PROBE_SETTINGS = {"sample_tokens": 128, "direct_tokens": 16, "direct_chunk": 8, "check_tokens": 256}
 DIRECT_MEMORY_MB = 512  # ProbeConfig.direct_memory_mb's default
+# the README's 7B recipe: --probe_direct_memory_mb 2048 (one 4,396-token row of a Qwen2.5-7B layer replays in about
+# 1.1 GB, over the default cap; the replay runs between the forward and the backward, far below the backward's own
+# transient, see probe_increase)
+RECIPE_PROBE = {"direct_memory_mb": 2048}
 
 
 def measure_probe(model, b: dict, c_len: int, **overrides) -> tuple[int, int]:
@@ -436,41 +443,32 @@ def measure_size(s: Size, components=None, extra_probe: dict | None = None, extr
 TRL_TOKENS, TRL_VOCAB = 4096, 32768  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, trl's vocabulary chunk
 
 
-def _max_per_row(s: Size, rows: int, k: int) -> float:
-    """Expected most sampled tokens in one row when k of the rows x C completion tokens are sampled uniformly
-    (`direct.row_slots`: the number of backward slots), by a quick simulation."""
-    total = rows * s.completion
-    k = min(k, total)
-    if k == 0:
-        return 0.0
-    g = torch.Generator().manual_seed(0)
-    maxes = []
-    for _ in range(64):
-        idx = torch.randperm(total, generator=g)[:k]
-        maxes.append(int(torch.bincount(idx // s.completion, minlength=rows).max()))
-    return sum(maxes) / len(maxes)
-
-
 def direct_plan(s: Size, rows: int, settings: dict | None = None) -> tuple[float, float]:
-    """(gradient bytes one batched direct backward holds, slots in it), from `direct.plan_direct` itself: points =
-    the layers + the final norm, one slot of one point = rows x S x H x itemsize, slots per backward =
-    min(plan's c, most sampled tokens in one row); the held bytes = max over the plan's groups of slots x group."""
-    from tokendyn.probe.direct import plan_direct
+    """(bytes of the replayed rows, bytes of their seed slots) in the largest group of the layer replay, from
+    `replay.plan_rows` itself with `replay.replay_bytes`: r x S x (8H + 5W) and r x c x S x (2H + W), x itemsize,
+    W = the intermediate size (`replay.layer_width`), averaged over 64 draws of `direct_tokens` sampled completion tokens (uniform, as the
+    probe's bottom-k sample) over rows x C."""
+    from tokendyn.probe.replay import plan_rows, replay_bytes
 
     st = {**PROBE_SETTINGS, **(settings or {})}
-    slot = rows * s.seq * s.hidden * s.itemsize
+    k = min(st["direct_tokens"], rows * s.completion)
+    if k == 0:
+        return 0.0, 0.0
     cap = st.get("direct_memory_mb", DIRECT_MEMORY_MB)
     cap = None if cap is None else cap * 2**20
-    n_slots = _max_per_row(s, rows, st["direct_tokens"])
-    if n_slots == 0:
-        return 0.0, 0.0
-    plan = plan_direct([slot] * (s.layers + 1), st["direct_chunk"], cap)
-    held, slots = 0.0, 0.0
-    for points, c in plan:
-        c_eff = min(c, n_slots)
-        if c_eff * slot * len(points) > held:
-            held, slots = c_eff * slot * len(points), c_eff
-    return held, slots
+    row_b, slot_b = replay_bytes(s.seq, s.hidden, max(s.hidden, s.intermediate), s.itemsize)
+    g = torch.Generator().manual_seed(0)
+    held_rows = held_slots = 0.0
+    for _ in range(64):
+        idx = torch.randperm(rows * s.completion, generator=g)[:k]
+        per_row = torch.bincount(idx // s.completion, minlength=rows).tolist()
+        best = max(
+            plan_rows(per_row, row_b, slot_b, st["direct_chunk"], cap),
+            key=lambda gc: len(gc[0]) * (row_b + gc[1] * slot_b),
+        )
+        held_rows += len(best[0]) * row_b / 64
+        held_slots += len(best[0]) * best[1] * slot_b / 64
+    return held_rows, held_slots
 
 
 def step_features(s: Size, rows: int, shard: int = 1) -> dict[str, float]:
@@ -496,33 +494,29 @@ def step_ckpt_features(s: Size, rows: int, shard: int = 1) -> dict[str, float]:
     return f
 
 
-def probe_features(s: Size, rows: int, shard: int = 1, direct: bool = True) -> dict[str, float]:
+def probe_features(
+    s: Size, rows: int, shard: int = 1, direct: bool = True, settings: dict | None = None
+) -> dict[str, float]:
     """The probe inside the training step (a step with direct gradients when ``direct``)."""
     from tokendyn.probe.head import HEAD_CHUNK_BYTES
 
-    t, isz = rows * s.seq, s.itemsize
+    t = rows * s.seq
     kc = min(PROBE_SETTINGS["check_tokens"], rows * s.completion)
     f = {
         "norms_PT4": (s.layers + 1) * t * 4,  # float32 norm of every position at every point
         "check_KH8": kc * s.hidden * 8,  # float64 [K, H] buffers of the head checks (three)
         # one vocabulary chunk of the head checks / power iteration: rows x (H + 6K) float64 within the budget
         "head_chunk": min(s.vocab / shard * (s.hidden + 6 * kc) * 8, HEAD_CHUNK_BYTES),
-        "direct_grads": 0.0,
-        "direct_layer_TI": 0.0,
+        "replay_rows": 0.0,
+        "replay_slots": 0.0,
     }
-    if direct:
-        held, slots = direct_plan(s, rows)
-        f["direct_grads"] = held  # gradients one batched backward returns, min(slots x points x T x H, cap)
-        f["direct_layer_TI"] = slots * t * s.intermediate * isz  # one layer's batched backward temporaries
+    if direct:  # the layer replay's largest group (`replay.plan_rows`, under direct_memory_mb)
+        f["replay_rows"], f["replay_slots"] = direct_plan(s, rows, settings)
     return f
 
 
 PROBE_HEAD = ("norms_PT4", "check_KH8", "head_chunk")  # the head checks' phase (direct_tokens=0)
-PROBE_DIRECT = (
-    "norms_PT4",
-    "direct_grads",
-    "direct_layer_TI",
-)  # the direct gradients' phase (check_tokens=0)
+PROBE_DIRECT = ("norms_PT4", "replay_rows", "replay_slots")  # the direct gradients' phase (check_tokens=0)
 
 
 # components whose updates are undone from a host snapshot of the trainable parameters (P x itemsize): on CPU the
@@ -575,7 +569,7 @@ def features(component: str, s: Size, *, rows=None, sample=None, shard: int = 1,
     if component == "step_ckpt":
         return step_ckpt_features(s, rows, shard)
     if component.startswith("probe"):
-        f = probe_features(s, rows, shard, direct=kw.get("direct", True))
+        f = probe_features(s, rows, shard, direct=kw.get("direct", True), settings=kw.get("settings"))
         keep = {"probe_head": PROBE_HEAD, "probe_direct": PROBE_DIRECT}.get(component, tuple(f))
         return {k: f[k] for k in keep}
     return analysis_features(s, sample, shard, ckpt=component.endswith("_ckpt"), fsdp=kw.get("fsdp", False))
@@ -791,13 +785,35 @@ def predict_7b(fits: dict[str, Fit]) -> dict:
             out[comp + "_transient"] = fits[comp].predict(features(comp, s, shard=GPUS))
             out[comp] = sum(pers.values()) + out[comp + "_transient"]
     if "probe" in fits:
-        out["probe"] = fits["probe"].predict(features("probe", s, shard=GPUS))
+        f = features("probe", s, shard=GPUS, settings=RECIPE_PROBE)
+        head, direct = fits["probe"]._parts(f)
+        out["probe"] = max(
+            head, direct
+        )  # the probe's own bytes at their peak (an upper bound on its increase)
+        out["probe_head"], out["probe_direct"] = head, direct
         out["probe_nodirect"] = fits["probe"].predict(features("probe", s, shard=GPUS, direct=False))
+        if "step_ckpt" in fits:
+            out["backward_transient"] = backward_transient(fits["step_ckpt"], s)
+            out["probe_increase"] = probe_increase(head, direct, out["backward_transient"])
     for comp, fit in fits.items():
         if comp.startswith(("step", "probe")):
             continue
         out[comp] = predict_analysis(fit, comp, s.sample)
     return out
+
+
+def backward_transient(fit: Fit, s: Size) -> float:
+    """What the checkpointed step's backward allocates above what its forward left (the step's transient less the
+    layer inputs checkpointing keeps, its in_LTH term)."""
+    f = features("step_ckpt", s, shard=GPUS)
+    return fit.predict(f) - fit.terms(f).get("in_LTH", 0.0)
+
+
+def probe_increase(head: float, direct: float, backward: float) -> float:
+    """What the probe adds to a step's peak: its head checks run in the backward (counted whole), its direct
+    gradients between the forward and the backward, where the step's own peak is still ahead: they add only what
+    exceeds the backward's transient, max(0, direct - backward)."""
+    return head + max(0.0, direct - backward)
 
 
 def analyses_increase(transient: float, step_transient: float) -> float:
@@ -846,7 +862,12 @@ def fit_all(train, held, meas_train, meas_held) -> dict:
             errs.append((pred, m[c], abs(pred - m[c]) / max(abs(m[c]), 1.0)))
         held_err[c] = errs
     # do the analyses checkpoint their layers when gradient checkpointing is on? (all_ckpt below all everywhere)
-    ckpt_active = "all_ckpt" in comps and all(m["all_ckpt"] < 0.98 * m["all"] for m in meas_train)
+    # (never above `all`, and well below it where layer activations, not a vocabulary chunk, make the peak)
+    ckpt_active = (
+        "all_ckpt" in comps
+        and all(m["all_ckpt"] <= 1.001 * m["all"] for m in meas_train)
+        and any(m["all_ckpt"] < 0.9 * m["all"] for m in meas_train)
+    )
     return {
         "fits": fits,
         "held_err": held_err,
@@ -867,7 +888,7 @@ def report(res: dict, check: dict) -> dict:
     print()
     print(
         "fit per component (coefficient = buffers of that feature; 0 = term not present; intercept in MB); derived,"
-        " not fitted: the caps in min(...) (HEAD_CHUNK_BYTES, direct_memory_mb via plan_direct, chunk_tokens(V)), "
+        " not fitted: the caps in min(...) (HEAD_CHUNK_BYTES, direct_memory_mb via replay.plan_rows, chunk_tokens(V)), "
         "the host snapshot of change/sweep/influence/lopti/all (1 x P x itemsize, subtracted before the fit, not on "
         f"the GPU), the FSDP2 whole-model logits at 7B ({FSDP_LOGITS_COEF} x B x (C+1) x V x itemsize)"
     )
@@ -887,17 +908,29 @@ def report(res: dict, check: dict) -> dict:
         f"worst held-out error{' (all_ckpt not counted)' if unused else ''}: {worst:.1%} (target <= 15%): "
         f"{'PASS' if worst <= 0.15 else 'FAIL'}"
     )
+    at_peak = [
+        (m["probe_at_peak"], m["probe"]) for m in res["meas_train"] + res["meas_held"] if "probe_at_peak" in m
+    ]
+    if at_peak:
+        worst_inc = max(at_peak, key=lambda a: a[0] / max(a[1], 1.0))
+        print(
+            f"  probe, measured at every size with direct gradients: the probed step's peak minus the step's is at "
+            f"most {max(a / max(b, 1.0) for a, b in at_peak):.1%} of the probe's own bytes (e.g. {mb(worst_inc[0])} "
+            f"of {mb(worst_inc[1])}): its replay runs below the backward's transient"
+        )
     fits7 = dict(fits)
     if "all_ckpt" in fits and not res.get("ckpt_active", True):
         fits7["all_ckpt"] = ckpt_derived(fits, QWEN7B)
         print(
-            "  all_ckpt measured like `all` at every size: this code does not checkpoint the analyses' layers yet, so "
-            "the 7B prediction for gradient checkpointing uses all_ckpt DERIVED from `all` (in_LTH 1, layer_TI "
-            f"{fits7['all_ckpt'].coef['layer_TI']:.3g}), not the fit above"
+            "  all_ckpt not below `all` where layer activations make the peak: the analyses do not checkpoint their "
+            "layers in this code, so the 7B prediction for gradient checkpointing uses all_ckpt DERIVED from `all` "
+            f"(in_LTH 1, layer_TI {fits7['all_ckpt'].coef['layer_TI']:.3g}), not the fit above"
         )
     elif "all_ckpt" in fits:
+        ratios = [m["all_ckpt"] / m["all"] for m in res["meas_train"]]
         print(
-            "  all_ckpt below `all` at every size: the analyses checkpoint their layers; the fit above is used"
+            f"  all_ckpt / all measured {min(ratios):.2f}-{max(ratios):.2f} (1.00 where a vocabulary chunk, not the "
+            "layers, makes the peak): the analyses checkpoint their layers; the all_ckpt fit above is used at 7B"
         )
 
     s = QWEN7B
@@ -922,17 +955,23 @@ def report(res: dict, check: dict) -> dict:
             )
             print(f"    {name} terms: {terms}")
     base, base_tr = step_ck, pred.get("step_ckpt_transient", float("nan"))
-    print(f"  probe (inside the step; adds to its peak), against the step with checkpointing, {gb(base)}:")
+    print(f"  probe (inside the step), against the step with checkpointing, {gb(base)}:")
     for label, key, direct in (
         ("step with direct gradients", "probe", True),
         ("step without", "probe_nodirect", False),
     ):
-        terms = fits["probe"].terms(features("probe", s, shard=GPUS, direct=direct))
+        terms = fits["probe"].terms(features("probe", s, shard=GPUS, direct=direct, settings=RECIPE_PROBE))
         top = sorted(terms.items(), key=lambda kv: -kv[1])[:3]
         print(
-            f"    {label:<28} {gb(pred[key]):>10} {pred[key] / base:>7.2%}  "
+            f"    {label:<28} own bytes {gb(pred[key]):>10} {pred[key] / base:>7.2%}  "
             + ", ".join(f"{k} {gb(v)}" for k, v in top)
         )
+    print(
+        f"    direct gradients (--probe_direct_memory_mb {RECIPE_PROBE['direct_memory_mb']}): replay {gb(pred['probe_direct'])}"
+        f" between forward and backward, against the backward's transient {gb(pred['backward_transient'])}; head checks "
+        f"{gb(pred['probe_head'])} in the backward -> adds {gb(pred['probe_increase'])} "
+        f"({pred['probe_increase'] / base:.2%}) to the step's peak (target 2%)"
+    )
     print(
         f"  analyses (between steps): own transient per GPU (host snapshot excluded; incl. FSDP2 logits "
         f"{gb(fsdp_logits(s, s.sample))}) and what it adds to the peak = max(0, transient - step transient "
@@ -991,8 +1030,8 @@ def settings_table(fits: dict[str, Fit]) -> list[dict]:
         for sample in (8, 4, 2, 1):
             a = predict_analysis(fits[comp], comp, sample)
             inc = analyses_increase(a, step_tr)
-            probe_pct, probe_nd_pct = pred["probe"] / step, pred["probe_nodirect"] / step
-            total_pct = (pred["probe"] + inc) / step
+            probe_pct, probe_nd_pct = pred["probe_increase"] / step, pred["probe_nodirect"] / step
+            total_pct = (pred["probe_increase"] + inc) / step
             if step > H200:
                 verdict = "FAIL (step over 141 GB)"
             elif probe_pct <= 0.02 and total_pct <= 0.10:
@@ -1025,12 +1064,15 @@ def readme_block(res, pred, table, readme, worst) -> str:
         [
             "<!-- memory-model -->",
             f"Memory model (`python bench/probe_memory.py`; fitted on {len(res['meas_train'])} CPU sizes, worst "
-            f"held-out error {worst:.0%}): Qwen2.5-7B, {s.rows} x ({s.prompt} + {s.completion}) tokens per GPU, "
+            f"held-out error {worst:.1%}): Qwen2.5-7B, {s.rows} x ({s.prompt} + {s.completion}) tokens per GPU, "
             f"{GPUS} GPUs with FSDP2, gradient checkpointing on: training step {gb(step)} per GPU "
-            f"({gb(pred['step'])} without checkpointing, over one H200). The probe adds {gb(pred['probe'])} "
-            f"({pred['probe'] / step:.1%}, target 2%) on a step with direct gradients, "
-            f"{gb(pred['probe_nodirect'])} ({pred['probe_nodirect'] / step:.1%}) on the others; the analyses run "
-            "between steps and raise the peak by max(0, their transient - the step's transient).",
+            f"({gb(pred['step'])} without checkpointing, over one H200). The probe's own memory: "
+            f"{gb(pred['probe_nodirect'])} ({pred['probe_nodirect'] / step:.1%}) on an ordinary probed step; on a "
+            f"step with direct gradients the head checks take {gb(pred['probe_head'])} in the backward and the layer "
+            f"replay {gb(pred['probe_direct'])} between the forward and the backward, below the backward's own "
+            f"transient ({gb(pred['backward_transient'])}), so the probe adds {gb(pred['probe_increase'])} "
+            f"({pred['probe_increase'] / step:.1%}, target 2%) to the step's peak. The analyses run between steps "
+            "and raise the peak by max(0, their transient - the step's transient).",
             "",
             "| `--probe_sample_sequences` | gradient checkpointing | analyses' transient | peak increase | "
             "probe + analyses | targets |",

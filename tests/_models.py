@@ -163,3 +163,36 @@ def probed_rows(
         )
         loss.backward()
         probe.end_step()
+
+
+def single_token_direct(model, batch: Batch, tokens: dict, temperature: float = 0.7) -> list[float | None]:
+    """The reference for the probe's "direct" gradients, by one plain backward per token (no probe code):
+    |w_t| x ||d log pi_t / d h_point[row, p(t)]|| for every row of a `tokens` record (None where it has none),
+    h_point the output of decoder layer i (`layers.{i}.out`) or of the final norm, p(t) = S - C - 1 + j."""
+    from tokendyn.probe import discover_points
+
+    modules = {p.name: p.module for p in discover_points(model)}
+    hidden = {}
+    hooks = [
+        m.register_forward_hook(
+            lambda mod, i, o, k=k: hidden.__setitem__(k, o if torch.is_tensor(o) else o[0])
+        )
+        for k, m in modules.items()
+    ]
+    try:
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    logps = completion_logps(out.logits, batch, temperature)
+    s = batch.input_ids.shape[1]
+    expected = []
+    for r, j, point, w, got in zip(
+        tokens["row"], tokens["pos"], tokens["point"], tokens["w"], tokens["direct_norm"], strict=True
+    ):
+        if got is None:
+            expected.append(None)
+            continue
+        (g,) = torch.autograd.grad(logps[r, j], hidden[point], retain_graph=True)
+        expected.append(g[r, s - batch.c - 1 + j].double().norm().item() * abs(w))
+    return expected

@@ -304,6 +304,18 @@ CASES = {
     "kk score list line": (lambda c: _score(c, c.file("r.jsonl", "[1]\n")), "expected a JSON object"),
     "kk generate people 9": (lambda c: _generate(c, "--people", "9", "--count", "1"), "people: must be"),
     "kk generate count 0": (lambda c: _generate(c, "--people", "3", "--count", "0"), "count: must be > 0"),
+    # ---- warmstart
+    "warmstart device tpu": (
+        lambda c: (
+            ["warmstart", "--preset", "tiny", "--out", str(c.tmp / "w"), "--device", "tpu"],
+            [c.tmp / "w"],
+        ),
+        "device: must be auto, cpu, cuda or cuda:N, got 'tpu'",
+    ),
+    "warmstart preset big": (
+        lambda c: (["warmstart", "--preset", "big", "--out", str(c.tmp / "w")], [c.tmp / "w"]),
+        "preset: must be one of",
+    ),
 }
 
 

@@ -3,8 +3,8 @@
 Kinds: Hugging Face gradient checkpointing (reentrant and not), torch's `checkpoint_wrapper` (reentrant and not),
 the probe attached after the wrapping and before it (then its hooks sit inside the checkpoint: with reentrant
 checkpointing the forward runs under no_grad and the gradient is read from the recomputation in the backward).
-Reentrant checkpointing refuses a second `autograd.grad`, so there the direct gradients come from the layer replay
-(`tokendyn.probe.replay`); the reference is the live-graph computation of the plain model.
+The direct gradients come from the layer replay (`tokendyn.probe.replay`) with and without checkpointing; the plain
+step's are checked against one plain backward per token (`_models.single_token_direct`), the others against it.
 A point that still receives no gradient is an error in the records and in `tokendyn analyze`, never a zero."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import warnings
 import polars as pl
 import pytest
 import torch
-from _models import completion_logps, grpo_loss, make_batch, tiny_gpt2, tiny_qwen2
+from _models import completion_logps, grpo_loss, make_batch, single_token_direct, tiny_gpt2, tiny_qwen2
 
 from tokendyn.probe import GradientProbe
 
@@ -96,6 +96,19 @@ def _step(kind: str | None, sink=None, autocast: bool = False, make_model=None):
 @pytest.fixture(scope="module")
 def reference():
     return _step(None)[0]
+
+
+def test_the_plain_step_s_direct_gradients_are_single_token_backwards(reference):
+    tok = reference["tokens"].to_dict(as_series=False)
+    _, batch = _step(None)
+    expected = single_token_direct(tiny_qwen2(sharpen=30.0), batch, tok, T)
+    got = tok["direct_norm"]
+    n_tokens = len(set(zip(tok["row"], tok["pos"], strict=True)))  # every completion token (fewer than 32)
+    assert sum(v is not None for v in got) == 3 * n_tokens > 0
+    assert [v is None for v in got] == [v is None for v in expected]
+    assert [v for v in got if v is not None] == pytest.approx(
+        [v for v in expected if v is not None], rel=1e-5
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,6 +1,6 @@
 """The probe's memory bounds (issue 11 item 3) against independent references: the LM-head checks streamed over
 vocabulary chunks against the whole head in float64 (and mpmath near pi = 1), sigma_max by power iteration against
-torch.linalg.matrix_norm, the direct gradients under a memory cap against the uncapped run."""
+torch.linalg.matrix_norm, the direct gradients under a memory cap against the uncapped run and one plain backward per token."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import mpmath
 import pytest
 import torch
-from _models import completion_logps, grpo_loss, make_batch, tiny_qwen2
+from _models import completion_logps, grpo_loss, make_batch, single_token_direct, tiny_qwen2
 
 from tokendyn.probe import GradientProbe
 from tokendyn.probe import direct as D
@@ -253,29 +253,39 @@ def test_sigma_is_refreshed_every_sigma_every_checks_and_recorded_with_its_step(
 
 
 # ---- direct gradients under a memory cap ----------------------------------------------------------------------
-def test_plan_direct_packs_points_and_slots_under_the_cap():
-    sizes = [100, 200, 300]
-    assert D.plan_direct(sizes, 8, None) == [([0, 1, 2], 8)]
-    assert D.plan_direct(sizes, 8, 6000) == [([0, 1, 2], 8)]  # 6000 // 600 = 10 slots, chunk 8
-    assert D.plan_direct(sizes, 8, 1900) == [([0, 1, 2], 3)]  # 3 x 600 = 1800 <= 1900
-    assert D.plan_direct(sizes, 8, 350) == [([0, 1], 1), ([2], 1)]  # 100 + 200 <= 350; 300 alone
-    assert D.plan_direct(sizes, 8, 650) == [([0, 1, 2], 1)]  # 600 <= 650: all points, one slot per backward
+def test_plan_rows_packs_rows_and_slots_under_the_cap():
+    per_row = [3, 0, 1, 2]  # tokens per row; row 1 has none
+    assert R.plan_rows(per_row, 10, 5, 8, None) == [([0, 2, 3], 3)]
+    assert R.plan_rows([0, 0], 10, 5, 8, None) == []
+    assert R.plan_rows(per_row, 10, 5, 8, 1e9) == [([0, 2, 3], 3)]
+    assert R.plan_rows(per_row, 10, 5, 2, 60) == [([0, 2, 3], 2)]  # 3 rows x (10 + 2 x 5) = 60
+    assert R.plan_rows(per_row, 10, 5, 8, 50) == [
+        ([0, 2], 3),
+        ([3], 2),
+    ]  # 2 x (10 + 15) = 50; then row 3 alone
+    assert R.plan_rows(per_row, 10, 5, 8, 22) == [([0], 2), ([2], 1), ([3], 2)]  # row 0 alone: (22-10)//5 = 2
     with pytest.raises(D.DirectMemoryError, match="above the cap"):
-        D.plan_direct(sizes, 8, 250)
+        R.plan_rows(per_row, 10, 5, 8, 14)
+
+
+def test_replay_sizes_read_from_the_layer():
+    model = tiny_qwen2(hidden=32)
+    layer = model.model.layers[0]
+    assert R.layer_width(layer, 32) == 64  # intermediate_size = 2 x hidden
+    assert R.replay_bytes(12, 32, 64, 4) == (12 * (8 * 32 + 5 * 64) * 4, 12 * (2 * 32 + 64) * 4)
 
 
 def _direct_run(monkeypatch, cap, reentrant=False):
-    """One probed micro-batch; returns (tokens records, the bytes of gradients each batched backward returned)."""
-    held = []
-    for mod in (D, R):
-        real = mod._grads
+    """One probed micro-batch; returns (tokens records, the [slots, rows] shape of every batched gradient)."""
+    shapes = []
+    real = R.batched_grads
 
-        def spy(outputs, inputs, seeds, real=real):
-            out = real(outputs, inputs, seeds)
-            held.append(sum(g.numel() * g.element_size() for g in out if g is not None))
-            return out
+    def spy(outputs, inputs, seeds):
+        out = real(outputs, inputs, seeds)
+        shapes.append(tuple(out[-1].shape[:2]))
+        return out
 
-        monkeypatch.setattr(mod, "_grads", spy)
+    monkeypatch.setattr(R, "batched_grads", spy)
     model = tiny_qwen2(sharpen=8.0, layers=3)
     if reentrant:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
@@ -287,34 +297,34 @@ def _direct_run(monkeypatch, cap, reentrant=False):
         _on_policy_step(model, batch, probe, 0)
         res = probe.end_step()
     monkeypatch.undo()
-    return res.records, held, batch
+    return res.records, shapes, batch
 
 
-@pytest.mark.parametrize("reentrant", [False, True], ids=["live", "replay"])
-def test_a_tiny_direct_memory_cap_gives_the_uncapped_direct_norms(monkeypatch, reentrant):
-    ref, held_ref, batch = _direct_run(monkeypatch, None, reentrant)
+@pytest.mark.parametrize("reentrant", [False, True], ids=["plain", "reentrant"])
+def test_a_tiny_direct_memory_cap_replays_row_groups_with_the_uncapped_norms(monkeypatch, reentrant):
+    ref, shapes_ref, batch = _direct_run(monkeypatch, None, reentrant)
     b, s = batch.input_ids.shape
-    slot = b * s * 32 * 4  # one point's gradient for one slot: b x S x H x float32
-    n_points = 4  # 3 layers and the final norm
     tok = ref["tokens"]
     rows = [r for r, p in zip(tok["row"], tok["point"], strict=True) if p == "final_norm.out"]
-    n_slots = max(rows.count(r) for r in set(rows))  # backward slots: the most sampled tokens in one row
-    assert 2 < n_slots <= 8
-    cap_bytes = 2.5 * slot
-    capped, held, _ = _direct_run(monkeypatch, cap_bytes / 2**20, reentrant)
-    if (
-        reentrant
-    ):  # per slot: (d/dy, d/dx) of the final norm, then one cotangent per layer replayed (layers 2, 1)
-        assert held_ref == [2 * n_slots * slot, n_slots * slot, n_slots * slot]
-        assert held == [2 * slot, slot, slot] * n_slots
-    else:  # all points and slots in one backward; capped: points in pairs (2 slots' worth <= 2.5), one slot each
-        assert held_ref == [n_points * n_slots * slot]
-        assert held == [2 * slot] * (2 * n_slots)
-    assert max(held) <= cap_bytes
-    a, c = ref["tokens"]["direct_norm"], capped["tokens"]["direct_norm"]
-    assert sum(v is not None for v in a) == 24 * n_points and [v is None for v in a] == [v is None for v in c]
-    diff = max(abs(x - y) for x, y in zip(a, c, strict=True) if x is not None)
+    per_row = [rows.count(r) for r in range(b)]
+    n_slots = max(per_row)
+    assert 2 < n_slots <= 8 and sum(n > 0 for n in per_row) > 2
+    # uncapped: every row with tokens at once; per replay (d/dy, d/dx) of the final norm, then layers 2 and 1
+    assert shapes_ref == [(n_slots, b)] * 3
+    # capped at one row with two slots: one row at a time, two slots per replay
+    row_b, slot_b = R.replay_bytes(s, 32, 64, 4)
+    capped, shapes, _ = _direct_run(monkeypatch, (row_b + 2.5 * slot_b) / 2**20, reentrant)
+    replays = sum(-(-n // 2) for n in per_row if n)
+    assert len(shapes) == 3 * replays and all(r == 1 and c <= 2 for c, r in shapes)
+    a, c = tok["direct_norm"], capped["tokens"]["direct_norm"]
+    assert sum(v is not None for v in a) == 24 * 4 and [v is None for v in a] == [v is None for v in c]
+    diff = max(abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a, c, strict=True) if x is not None)
     assert diff <= 1e-6, diff
+    if not reentrant:  # both against one plain backward per token
+        expected = single_token_direct(tiny_qwen2(sharpen=8.0, layers=3), batch, tok, T)
+        assert [v for v in c if v is not None] == pytest.approx(
+            [v for v in expected if v is not None], rel=1e-5
+        )
 
 
 def test_a_direct_memory_cap_below_one_slot_skips_with_a_warning_naming_it(monkeypatch):

@@ -122,23 +122,25 @@ class ProbeConfig:
     sample_tokens: int = _opt(128, "Raw token rows kept per probed micro-batch (a bounded sample); >= 0.")
     direct_tokens: int = _opt(
         16,
-        "Tokens per probed micro-batch whose 'direct' gradient (their own loss term only) is computed with one "
-        "batched backward; 0 = off.",
+        "Tokens per probed micro-batch whose 'direct' gradient (their own loss term only) is computed by replaying "
+        "the layers of their rows with batched backwards; 0 = off.",
     )
     direct_every: int = _opt(
         10,
-        "Compute the direct gradients on every n-th probed micro-batch only (1: every one); >= 1. They cost about "
-        "one extra backward per token in a row, so the default samples them to keep the probe cheap enough to leave "
-        "on.",
+        "Compute the direct gradients on every n-th probed micro-batch only (1: every one); >= 1. They cost a "
+        "forward of the rows holding sampled tokens plus a backward per token in a row, so the default samples them "
+        "to keep the probe cheap enough to leave on.",
     )
     direct_chunk: int = _opt(
         8,
-        "Backward passes of the direct gradients batched at once (memory: chunk x the probed activations); >= 1.",
+        "Direct-gradient backward passes batched at once (memory: chunk x one layer's activations of the rows "
+        "replayed); >= 1.",
     )
     direct_memory_mb: float | None = _opt(
         512,
-        "Memory cap of the gradients one direct-gradient backward holds, in MiB (2**20 bytes); a micro-batch over "
-        "it gets no direct gradients (a note says so); None = no cap; > 0.",
+        "Memory cap of the direct gradients' layer replay, in MiB (2**20 bytes): rows and batched slots are replayed "
+        "in groups whose one-layer activations and cotangents fit it; a micro-batch where one row with one token "
+        "does not fit gets no direct gradients (a note says so); None = no cap; > 0.",
     )
     check_tokens: int | None = _opt(
         256,

@@ -39,7 +39,7 @@ from tokendyn.probe.capture import (
     gather_completion,
     in_backward,
 )
-from tokendyn.probe.direct import DirectMemoryError, direct_norms
+from tokendyn.probe.direct import DirectMemoryError
 from tokendyn.probe.head import HeadShard, logits_identity_error, sigma_max_power
 from tokendyn.probe.inputs import StepInputs, validate_inputs
 from tokendyn.probe.points import (
@@ -131,7 +131,6 @@ class GradientProbe:
         self._micro: dict[tuple[int, str], int] = defaultdict(int)
         self._sigma: tuple[float, torch.Tensor, int] | None = None  # (sigma_max, its singular vector, step)
         self._n_checks = 0
-        self._replay = False  # direct gradients by layer replay (FSDP2, reentrant checkpointing)
 
     # ---- notes: conditions that switch a check off -----------------------------------------------------------
     def _note_disabled_checks(self) -> None:
@@ -376,7 +375,7 @@ class GradientProbe:
         if not t.requires_grad:
             p.unhooked.add(name)
             return
-        if self.direct_tokens > 0 or name == FINAL_NORM:
+        if name == FINAL_NORM:
             p.hidden[name] = t
         p.handles.append(t.register_hook(partial(self._on_point_grad, p, name)))
 
@@ -484,39 +483,24 @@ class GradientProbe:
                 head = (h[:kc], q.lse[:kc], targets[:kc], shard, inp.temperature)
                 p.handles.append(p.logits.register_hook(partial(self._on_logits_grad, p, idx[:kc], at, head)))
             if do_direct:
-                p.direct = self._direct(p, h_final, rows[:kd], spos[:kd], q.direction[:kd])
+                p.direct = self._direct(p, rows[:kd], spos[:kd], q.direction[:kd])
         p.hidden, p.logp_seq, p.logits, p.calls = {}, None, None, {}
 
-    def _direct(self, p: Pass, h_final, rows, spos, direction) -> torch.Tensor | None:
+    def _direct(self, p: Pass, rows, spos, direction) -> torch.Tensor | None:
         """[P, Kd] ||d log pi_t / d h_l[p(t)]|| on the first Kd sampled tokens (NaN for points not captured), from
         u = d log pi_t / dh at the LM-head input (`direction` [Kd, H]).
 
-        By a second backward through the live graph (`direct_norms`), or, where that is impossible (FSDP2-sharded
-        weights, reentrant checkpointing, a probed output computed without gradient), by replaying the layers
-        from their recorded inputs (`replay_direct_norms`; the same numbers, see tests/test_checkpointing.py).
-        Both under the `direct_memory_mb` cap; a micro-batch over it gets None (and a warning)."""
-        # FSDP2 by its modules, not its parameters: with reshard_after_forward=False they are plain tensors now,
-        # but FSDP's hooks are still in the graph and must not run a second time
-        self._replay = self._replay or parallel.is_fully_sharded(self.model)
-        live = not self._replay and all(n in p.hidden for n in self.point_names)
+        By replaying the layers from their recorded inputs (`replay_direct_norms`), only the rows that hold sampled
+        tokens, in groups under the `direct_memory_mb` cap: its memory does not grow with the micro-batch's rows, and
+        it works under FSDP2 and every kind of activation checkpointing. A micro-batch over the cap gets None (and a
+        warning); a forward that did not call every layer switches the direct gradients off (and warns)."""
         cap = None if self.direct_memory_mb is None else self.direct_memory_mb * 2**20
         full = torch.full(
             (len(self.point_names), rows.shape[0]), float("nan"), dtype=torch.float32, device=rows.device
         )
+        calls = [p.calls.get(q.name) for q in self._all_points]
         self._guard = True  # the probe's own tensor hooks must ignore these backwards
         try:
-            if live:
-                try:
-                    full[:] = direct_norms(
-                        [p.hidden[n] for n in self.point_names], h_final, rows, spos, direction,
-                        self.direct_chunk, cap,
-                    )  # fmt: skip
-                    return full
-                except (DirectMemoryError, torch.OutOfMemoryError):
-                    raise
-                except RuntimeError:  # reentrant checkpointing refuses autograd.grad: replay from now on
-                    self._replay = True
-            calls = [p.calls.get(q.name) for q in self._all_points]
             if any(c is None for c in calls):
                 missing = [q.name for q, c in zip(self._all_points, calls, strict=True) if c is None]
                 raise RuntimeError(f"the forward never called {', '.join(missing)}")
@@ -524,6 +508,9 @@ class GradientProbe:
             d = replay_direct_norms(
                 calls, self.point_names, rows, spos, direction, self.direct_chunk, cap, agree
             )
+            for i, n in enumerate(self.point_names):
+                full[i] = d[n]
+            return full
         except (DirectMemoryError, torch.OutOfMemoryError) as exc:
             self.note(
                 "direct_memory",
@@ -536,17 +523,13 @@ class GradientProbe:
             self.note(
                 "direct_disabled",
                 f"direct gradients disabled for {type(self.model).__name__} "
-                f"({'FSDP2 fully_shard, ' if parallel.is_fully_sharded(self.model) else ''}"
-                f"{'layer replay' if self._replay else 'live graph'}): {exc}",
+                f"({'FSDP2 fully_shard, ' if parallel.is_fully_sharded(self.model) else ''}layer replay): {exc}",
                 step=p.inputs.step,
             )
             self.direct_tokens = 0
             return None
         finally:
             self._guard = False
-        for i, n in enumerate(self.point_names):
-            full[i] = d[n]
-        return full
 
     def sigma_state(self) -> dict:
         """What the sigma_max schedule carries from step to step, for a checkpoint: the checks counted and, once

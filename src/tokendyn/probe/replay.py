@@ -1,23 +1,24 @@
 """The "direct" per-token gradient by replaying the layers from their recorded inputs, one layer at a time.
 
-direct_l(t) = ||d log pi_t / d h_l[p(t)]|| (see `direct.py`). The live-graph computation there needs a second
-backward through the training graph, which two configurations forbid: FSDP2 (`fully_shard`: the graph's weights
-are freed after the forward and re-gathered only by FSDP's own backward hooks, which a second backward would run
-out of order) and reentrant activation checkpointing (`torch.utils.checkpoint` refuses `autograd.grad`). Here the
-chain rule is run by hand instead, from the top:
+direct_l(t) = ||d log pi_t / d h_l[p(t)]|| (see `direct.py`). The chain rule is run by hand, from the top:
 
-    c_N = d log pi / d h_N             (final norm and LM head recomputed from the final norm's recorded input)
+    c_N = d log pi / d h_N             (final norm recomputed from its recorded input)
     c_{j-1} = c_j . d layer_j / d h_{j-1}   (layer j recomputed from its recorded input h_{j-1}),
 
-with K tokens' seeds batched (`is_grads_batched`; tokens in distinct rows share a seed slot, as in `direct.py`);
-c_N starts from u = d log pi / dh at the LM-head input (`direct.head_seed`), so the LM head is not needed here.
-The slots go through the whole chain a group at a time: a group of c slots holds its cotangents into and out of one
-layer, 2 c x b x S x H x itemsize bytes, which `memory_bytes` caps (`plan_direct`); each group replays the layers
-again. Each module is recomputed with its plain `forward` (no FSDP or checkpoint hooks; HF gradient checkpointing
-off), its FSDP2 shards all-gathered for that module only (memory: one layer's full weights at a time; with an FSDP2
-mixed-precision policy, cast to the dtype FSDP gave the module's inputs), and the random state and autocast state
-it had in the forward (dropout masks repeat). The weights are those of the forward (the replay runs before the
-training backward and the optimizer step).
+c_N starting from u = d log pi / dh at the LM-head input (`direct.head_seed`), so the LM head is not needed here;
+K tokens' seeds are batched (`direct.batched_grads`; tokens in distinct rows share a seed slot).
+
+Why a replay and not a second backward through the training graph: (1) memory: rows of a causal LM never interact,
+so only the rows holding sampled tokens are replayed, in groups under the `direct_memory_mb` cap (`plan_rows`:
+r rows x c slots hold about r x (S (8H + 5W) + c S (2H + W)) x itemsize bytes, `replay_bytes`), where a second
+backward would run every row of the micro-batch through every layer for every slot; (2) it works where a second
+backward cannot: FSDP2 (`fully_shard` frees the graph's weights after the forward and re-gathers them only in
+its own backward hooks) and reentrant activation checkpointing (`torch.utils.checkpoint` refuses `autograd.grad`).
+Each module is recomputed with its plain `forward` (no FSDP or checkpoint hooks; HF gradient checkpointing off; a
+KV cache filled by the forward left out), its FSDP2 shards all-gathered for that module only (memory: one layer's
+full weights at a time; with an FSDP2 mixed-precision policy, cast to the dtype FSDP gave the module's inputs), and
+the random state and autocast state it had in the forward (dropout masks repeat). The weights are those of the
+forward (the replay runs before the training backward and the optimizer step).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokendyn.probe.direct import _grads, head_seed, plan_direct, row_slots
+from tokendyn.probe.direct import DirectMemoryError, batched_grads, head_seed, row_slots
 from tokendyn.probe.parallel import _is_dtensor
 
 
@@ -91,10 +92,10 @@ def _run(call: LayerCall, x: torch.Tensor) -> torch.Tensor:
     """The module's plain forward on x (its recorded first argument replaced), as it ran in the forward."""
     module = _inner(call.module)
     kwargs = dict(call.kwargs)
-    if (
-        kwargs.get("past_key_values") is not None
-    ):  # the cache was filled by this very forward: do not refill it
-        kwargs["past_key_values"] = None
+    # a KV cache (`past_key_values`, `cache`) was filled by this very forward: do not append to it again
+    for key, value in kwargs.items():
+        if hasattr(value, "get_seq_length"):
+            kwargs[key] = None
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     cpu, cuda = call.rng
@@ -115,6 +116,94 @@ def _run(call: LayerCall, x: torch.Tensor) -> torch.Tensor:
     return out if torch.is_tensor(out) else out[0]
 
 
+def layer_width(module: nn.Module, hidden: int) -> int:
+    """W: the widest per-position activation inside a layer, the largest output width of its linear maps
+    (`nn.Linear.out_features`, GPT-2's `Conv1D.nf`; the MLP's intermediate size in a Llama-style block), at least
+    `hidden` (4 x hidden when the layer has no linear map that says)."""
+    widths = [
+        int(getattr(m, "out_features", 0) or getattr(m, "nf", 0) or 0) for m in _inner(module).modules()
+    ]
+    return max([hidden, *widths]) if any(widths) else 4 * hidden
+
+
+def replay_bytes(seq: int, hidden: int, width: int, itemsize: int) -> tuple[int, int]:
+    """(row_bytes, slot_bytes): what replaying one layer costs per row of the micro-batch.
+
+    row_bytes = S x (8H + 5W) x itemsize: what a Llama-style layer recomputed with gradients saves for its
+    backward, per position: its input, both norms' inputs and outputs, q / k / v and the rotated q / k, the
+    attention output (8 hidden-sized; fewer with grouped k / v heads), the MLP's gate, up, activation, product and
+    the down projection's input (5 of width W); slot_bytes = S x (2H + W) x itemsize: for each seed slot, the
+    cotangents into and out of the layer and the widest temporary of its batched backward. An estimate, for the
+    plan; bench/probe_memory.py measures what the replay really holds."""
+    return seq * (8 * hidden + 5 * width) * itemsize, seq * (2 * hidden + width) * itemsize
+
+
+def plan_rows(
+    tokens_per_row: list[int], row_bytes: float, slot_bytes: float, chunk: int, cap: float | None
+) -> list[tuple[list[int], int]]:
+    """How to replay under a memory cap: [(rows of the group, seed slots per replay)], over the rows with tokens.
+
+    A group of r rows replayed with c slots holds r x (row_bytes + c x slot_bytes) bytes (`replay_bytes`). Rows
+    with tokens (tokens_per_row[i] > 0) are packed in order while r x (row_bytes + min(chunk, m) x slot_bytes)
+    <= cap, m = the most tokens of one row in the group; a group gets c = min(chunk, m) slots, or, for a row alone
+    over that, c = floor((cap - row_bytes) / slot_bytes). With no cap: one group, c = min(chunk, m). Raises
+    DirectMemoryError when one row with one slot is over the cap."""
+    rows = [i for i, n in enumerate(tokens_per_row) if n > 0]
+    if not rows:
+        return []
+    if cap is None:
+        return [(rows, min(chunk, max(tokens_per_row)))]
+    need = row_bytes + slot_bytes
+    if need > cap:
+        raise DirectMemoryError(
+            f"replaying one row of one layer for one token needs {need / 2**20:.1f} MiB, above the cap of "
+            f"{cap / 2**20:.1f} MiB"
+        )
+
+    def cost(group: list[int]) -> float:
+        return len(group) * (row_bytes + min(chunk, max(tokens_per_row[i] for i in group)) * slot_bytes)
+
+    groups: list[list[int]] = []
+    for i in rows:
+        if groups and cost(groups[-1] + [i]) <= cap:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    plan = []
+    for g in groups:
+        c = min(chunk, max(tokens_per_row[i] for i in g))
+        if cost(g) > cap:  # a row alone: fewer slots per replay
+            c = max(1, int((cap - row_bytes) // slot_bytes))
+        plan.append((g, c))
+    return plan
+
+
+def _select_rows(obj, batch: int, index: torch.Tensor | None):
+    """obj with every tensor of >= 2 dims whose first dim is the batch (`batch` rows) cut to rows `index`
+    (tuples, lists and dicts walked; None: obj itself). Masks [b, 1, S, S], position ids [b, S] and rotary tables
+    [b, S, d] follow the rows; tensors broadcast over the batch (first dim 1) and 1-D ones (cache positions) stay."""
+    if index is None:
+        return obj
+    if torch.is_tensor(obj):
+        return obj.index_select(0, index) if obj.dim() >= 2 and obj.shape[0] == batch else obj
+    if isinstance(obj, tuple | list):
+        return type(obj)(_select_rows(o, batch, index) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _select_rows(v, batch, index) for k, v in obj.items()}
+    return obj
+
+
+def _rows_of(call: LayerCall, index: torch.Tensor | None) -> LayerCall:
+    """The call restricted to rows `index` of its batch (all rows: None)."""
+    if index is None:
+        return call
+    b = call.args[0].shape[0]
+    return LayerCall(
+        call.name, call.module, _select_rows(call.args, b, index), _select_rows(call.kwargs, b, index),
+        call.rng, call.autocast,
+    )  # fmt: skip
+
+
 def replay_direct_norms(
     calls: list[LayerCall],
     probed: list[str],
@@ -128,51 +217,60 @@ def replay_direct_norms(
     """{point: [K] float32 ||d log pi_k / d h_point[rows_k, positions_k]||} for the probed points.
 
     `calls`: every decoder layer then the final norm, in forward order (the input of calls[i] is the output of
-    calls[i-1]); `direction` [K, H] = d log pi_k / dh at the LM-head input. Every module from the final norm down to
-    the layer after the lowest probed one is recomputed once per group of slots, also with K = 0: under FSDP2 every
-    rank must gather the same weights, so `agree` (a max over the ranks there) makes the one-slot size and the
-    number of groups the same on every rank. Raises DirectMemoryError when one slot alone is over the cap."""
+    calls[i-1]); `direction` [K, H] = d log pi_k / dh at the LM-head input. Only rows that hold tokens are replayed
+    (rows of a causal LM never interact), in groups under the memory cap (`plan_rows`: r rows x c slots at a
+    time), each group from the final norm down to the layer after the lowest probed one. Under FSDP2 every rank
+    must gather the same weights as often, so `agree` (a max over the ranks there) makes the number of replays the
+    same on every rank (a rank with fewer replays a one-row group without seeds). Raises DirectMemoryError when one
+    row with one slot alone is over the cap."""
     device = positions.device
     k_total = rows.shape[0]
     out = {n: torch.full((k_total,), float("nan"), dtype=torch.float32, device=device) for n in probed}
     names = [c.name for c in calls]
     lowest = min(names.index(n) for n in probed)
-    slots = row_slots(rows) if k_total else rows
     top = calls[-1]
     x_top = top.args[0]
-    slot_bytes = agree(2 * x_top.numel() * x_top.element_size())  # the cotangents into and out of one layer
-    ((_, per),) = plan_direct([slot_bytes], chunk, memory_bytes)
-    n_slots = int(slots.max()) + 1 if k_total else 0
-    n_groups = agree(-(-n_slots // per))
+    b, seq, hidden = x_top.shape[0], x_top.shape[1], x_top.shape[-1]
+    row_b, slot_b = replay_bytes(seq, hidden, layer_width(calls[0].module, hidden), x_top.element_size())
+    slots = row_slots(rows) if k_total else rows
+    per_row = torch.bincount(rows, minlength=b).tolist() if k_total else [0] * b
+    work = []  # (rows of the group or None for all, first slot, last slot + 1)
+    for group, c in plan_rows(per_row, row_b, slot_b, chunk, memory_bytes):
+        m = max(per_row[i] for i in group)
+        index = None if group == list(range(b)) else torch.tensor(group, device=device)
+        work += [(index, start, min(start + c, m)) for start in range(0, m, c)]
+    n_work = agree(len(work))
+    work += [(torch.zeros(1, dtype=torch.long, device=device), 0, 0)] * (n_work - len(work))
 
-    def record(name: str, grads: torch.Tensor, start: int) -> None:
-        if name not in out:
-            return
-        sel = torch.nonzero((slots >= start) & (slots < start + grads.shape[0])).squeeze(1)
-        out[name][sel] = torch.linalg.vector_norm(
-            grads[slots[sel] - start, rows[sel], positions[sel]], dim=-1, dtype=torch.float32
-        )
+    def record(name: str, grads: torch.Tensor, sel: torch.Tensor, local: torch.Tensor, start: int) -> None:
+        if name in out:
+            out[name][sel] = torch.linalg.vector_norm(
+                grads[slots[sel] - start, local, positions[sel]], dim=-1, dtype=torch.float32
+            )
 
-    for group in range(n_groups):
-        start = group * per
-        stop = max(start, min(start + per, n_slots))
-        seeds = (slots.unsqueeze(0) == torch.arange(start, stop, device=device).unsqueeze(1)).float()
-        x = top.args[0].detach().requires_grad_()
-        y = _run(top, x)
+    for index, start, stop in work:
+        in_group = torch.ones_like(rows, dtype=torch.bool) if index is None else torch.isin(rows, index)
+        sel = torch.nonzero(in_group & (slots >= start) & (slots < stop)).squeeze(1)
+        local = rows[sel] if index is None else torch.searchsorted(index, rows[sel])
+        seeds = (slots[sel].unsqueeze(0) == torch.arange(start, stop, device=device).unsqueeze(1)).float()
+        call = _rows_of(top, index)
+        x = call.args[0].detach().requires_grad_()
+        y = _run(call, x)
         with torch.enable_grad():
-            lp = head_seed(y[rows, positions], direction)
+            lp = head_seed(y[local, positions[sel]], direction[sel])
         cot = None
         if stop > start:
-            gy, cot = _grads(lp, [y, x], seeds)
-            record(top.name, gy, start)
-            record(names[-2], cot, start)
+            gy, cot = batched_grads(lp, [y, x], seeds)
+            record(top.name, gy, sel, local, start)
+            record(names[-2], cot, sel, local, start)
             del gy
         del y, lp
         for i in range(len(calls) - 2, lowest, -1):  # calls[i] maps h_{i-1} (the output of calls[i-1]) to h_i
-            x = calls[i].args[0].detach().requires_grad_()
-            y = _run(calls[i], x)
+            call = _rows_of(calls[i], index)
+            x = call.args[0].detach().requires_grad_()
+            y = _run(call, x)
             if cot is not None:
-                (cot,) = _grads(y, [x], cot)
-                record(names[i - 1], cot, start)
+                (cot,) = batched_grads(y, [x], cot)
+                record(names[i - 1], cot, sel, local, start)
             del y
     return out

@@ -80,7 +80,7 @@ CLOSERS = (
 
 # the first version's phrasings are the first entries of each list (it regenerates the shipped default exactly)
 V1_OPENERS, V1_CONCLUSIONS, V1_CLOSERS = OPENERS[:6], CONCLUSIONS[:7], CLOSERS[:5]
-STYLES = ("v1", "v2")
+STYLES = ("v1", "v2", "v3")
 
 
 def search_order(p: Puzzle) -> list[int]:
@@ -156,6 +156,29 @@ def reasoning(p: Puzzle, rng: random.Random) -> str:
     return " ".join(s for s in sentences if s)
 
 
+def reasoning_v3(p: Puzzle, rng: random.Random) -> str:
+    """Varied reasoning that restates claims and decides nothing (third version): the roll call, then the claims
+    of 2..N people in a free order, each brought up with a varied lead and phrasing; the roles are decided in the
+    answer alone.
+
+    The free choices (who is next, the lead, the phrasing, how many claims, the closer) are the policy's
+    low-probability tokens, as an LLM's sentence openers and orderings are; the rest is copying from the prompt,
+    which a small model learns, so no sentence can contradict the answer."""
+    order = people_order(p, rng, 0.3, 0.5, min(2, p.people), p.people)
+    sentences = [
+        rng.choice(ROLL_CALLS).format(n=p.people, names=oxford_join(list(p.names))),
+        rng.choice(OPENERS),
+    ]
+    for q in order:
+        lead = rng.choice(LEADS).format(P=p.names[q])
+        claim = rng.choice(CLAIMS).format(P=p.names[q], c=content(p.statements[q], p.names))
+        if lead.endswith((",", ":")) and not claim.startswith(p.names[q]):
+            claim = claim[0].lower() + claim[1:]
+        sentences.append(" ".join(x for x in (lead, claim) if x))
+    sentences.append(rng.choice(CLOSERS))
+    return " ".join(s for s in sentences if s)
+
+
 def answer(p: Puzzle) -> str:
     """The official answer block body: "(1) A is a knight\\n(2) B is a knave"."""
     return p.solution_text_format
@@ -163,8 +186,8 @@ def answer(p: Puzzle) -> str:
 
 def completion(p: Puzzle, rng: random.Random, style: str = "v1") -> str:
     """Everything after the prompt's pre-filled ``<think>`` (the EOS token is appended by the caller); ``style``
-    picks the reasoning: v1 (1-3 people) or v2 (2..N people, varied openers)."""
+    picks the reasoning: v1 (1-3 people), v2 (2..N people, varied openers) or v3 (claims restated, no roles)."""
     if style not in STYLES:
         raise ValueError(f"style: must be one of {list(STYLES)}, got {style!r}")
-    think = reasoning_v1(p, rng) if style == "v1" else reasoning(p, rng)
+    think = {"v1": reasoning_v1, "v2": reasoning, "v3": reasoning_v3}[style](p, rng)
     return f" {think} </think>\n<answer> {answer(p)} </answer>"

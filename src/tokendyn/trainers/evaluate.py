@@ -64,7 +64,7 @@ def generate(
     model.eval()
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
-        enc = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left")
+        enc = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left").to(model.device)
         kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
         if temperature:
             kwargs.update(
@@ -88,8 +88,8 @@ def generate(
             is_eos.int().argmax(1),
             torch.full_like(is_eos[:, 0], comp.shape[1], dtype=torch.long),
         )
-        mask = torch.arange(comp.shape[1])[None, :] <= first[:, None]
-        mask &= torch.arange(comp.shape[1])[None, :] < comp.shape[1]
+        at = torch.arange(comp.shape[1], device=comp.device)[None, :]
+        mask = (at <= first[:, None]) & (at < comp.shape[1])
         if temperature:
             logits = torch.stack(out.logits, 1).float() / temperature
             lp = torch.log_softmax(logits, -1).gather(-1, comp[..., None])[..., 0]

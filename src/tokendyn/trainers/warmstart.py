@@ -112,6 +112,24 @@ PRESETS["cpu_v2"] = replace(
 )
 
 
+# third version: the reasoning restates claims and decides no role before the answer (style v3), 2-person puzzles
+# join the mix (the smallest logic first), 3 people weighted most; evaluated on 3..7 people as the others
+PRESETS["cpu_v3"] = replace(
+    PRESETS["cpu"],
+    people=(2, 3, 4, 5, 6, 7),
+    people_weights=(0.15, 0.4, 0.2, 0.1, 0.075, 0.075),
+    steps=1800,
+    puzzles_per_size=10000,
+    copy_steps=500,
+    reasoning="v3",
+)
+
+
+def eval_sizes(preset: WarmstartPreset) -> list[int]:
+    """The sizes a warm start is evaluated on: its training sizes from 3 people up (the official test sets)."""
+    return [n for n in preset.people if n >= 3] or list(preset.people)
+
+
 def check_preset(name: str) -> WarmstartPreset:
     if name not in PRESETS:
         raise ValueError(f"preset: must be one of {sorted(PRESETS)}, got {name!r}")
@@ -161,10 +179,11 @@ def train_policy(
     progress: bool = True,
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 100,
+    device: str | None = None,
 ):
     """Train a fresh tokenizer and model on generated K&K data; returns (model, tokenizer, stats). With
     ``checkpoint_dir``, the policy is also saved there every ``checkpoint_every`` steps (a long run on a shared
-    machine leaves a usable policy if it is stopped)."""
+    machine leaves a usable policy if it is stopped). ``device``: where to train (`resolve_device`)."""
     import numpy as np
     import torch
 
@@ -184,7 +203,7 @@ def train_policy(
         for p in pool.by_size[n][: preset.tokenizer_corpus]
     ]
     tokenizer = train_tokenizer(corpus, preset.model.vocab_size, SYSTEM_BLOCK)
-    model = build_model(preset.model, tokenizer, seed)
+    model = build_model(preset.model, tokenizer, seed).to(resolve_device(device))
     copy_stats = _copy_phase(model, tokenizer, preset, seed, progress)
     opt = torch.optim.AdamW(
         model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay
@@ -211,6 +230,7 @@ def train_policy(
             tokenizer,
             [render_prompt(p.quiz) for p in batch],
             [completion(p, rng, preset.reasoning) + EOS for p in batch],
+            model.device,
         )
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, preset.steps, preset.lr, preset.warmup_frac)
@@ -286,7 +306,7 @@ def _copy_phase(model, tokenizer, preset: WarmstartPreset, seed: int, progress: 
             " " + " ".join(rng.choice(words) for _ in range(rng.randint(10, 30)))
             for _ in range(preset.batch_size)
         ]
-        ids, attn, labels = _sft_batch(tokenizer, [s + " |" for s in seqs], seqs)
+        ids, attn, labels = _sft_batch(tokenizer, [s + " |" for s in seqs], seqs, model.device)
         for g in opt.param_groups:
             g["lr"] = preset.lr * min(1.0, (step + 1) / 50)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
@@ -304,8 +324,22 @@ def _copy_phase(model, tokenizer, preset: WarmstartPreset, seed: int, progress: 
     }
 
 
-def _sft_batch(tokenizer, prompts: list[str], completions: list[str]):
-    """Right-padded ids, attention mask, and labels that score completion tokens only."""
+def resolve_device(device: str | None) -> str:
+    """ "auto" or None: the first CUDA device when there is one, else the CPU; else ``device`` itself ("cpu",
+    "cuda", "cuda:1"), checked."""
+    import torch
+
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"device: must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device (use auto or cpu)")
+    return device
+
+
+def _sft_batch(tokenizer, prompts: list[str], completions: list[str], device="cpu"):
+    """Right-padded ids, attention mask, and labels that score completion tokens only (on ``device``)."""
     import torch
 
     p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
@@ -319,13 +353,19 @@ def _sft_batch(tokenizer, prompts: list[str], completions: list[str]):
         ids[r, : len(s)] = torch.tensor(s)
         attn[r, : len(s)] = 1
         labels[r, len(a) : len(s)] = torch.tensor(s[len(a) :])
-    return ids, attn, labels
+    return ids.to(device), attn.to(device), labels.to(device)
 
 
 def warmstart(
-    preset_name: str, out_dir: str | Path, seed: int = 0, threads: int | None = None, progress: bool = True
+    preset_name: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    threads: int | None = None,
+    progress: bool = True,
+    device: str | None = None,
 ) -> dict:
-    """Train, save (``save_pretrained``), reload, evaluate; write ``warmstart.json``; return it."""
+    """Train, save (``save_pretrained``), reload, evaluate; write ``warmstart.json``; return it. ``device``:
+    where to train and evaluate (auto: CUDA when there is one)."""
     import numpy as np
 
     from ..common import write_json
@@ -341,6 +381,7 @@ def warmstart(
         threads,
         progress,
         checkpoint_dir=out / "checkpoint" if preset_name != "tiny" else None,
+        device=device,
     )
     if (out / "checkpoint").is_dir():
         import shutil
@@ -351,9 +392,11 @@ def warmstart(
     meta = {"preset": preset_name, "seed": seed, "architecture": asdict(preset.model)}
     save_policy(model, tokenizer, out, meta)
     model, tokenizer = load_policy(out)  # evaluate exactly what was saved
-    results = evaluate(model, tokenizer, list(preset.people), n=preset.eval_n, seed=seed)
+    model = model.to(resolve_device(device))
+    sizes = eval_sizes(preset)
+    results = evaluate(model, tokenizer, sizes, n=preset.eval_n, seed=seed)
     sampled = [r for r in results if r.mode != "greedy"]
-    probs3 = [p for r in sampled if r.people == min(preset.people) for p in r.token_probs]
+    probs3 = [p for r in sampled if r.people == min(sizes) for p in r.token_probs]
     probs_all = [p for r in sampled for p in r.token_probs]
     report = {
         "preset": preset_name,
@@ -375,11 +418,11 @@ def warmstart(
         "evaluation": [r.row() for r in results],
         "bins": list(PAPER_BINS),
         "bin_shares_T0.7": {
-            f"people_{min(preset.people)}": bin_shares(probs3),
+            f"people_{min(sizes)}": bin_shares(probs3),
             "all_people": bin_shares(probs_all),
         },
         "tokens_below_0.5_T0.7": {
-            f"people_{min(preset.people)}": float(np.mean(np.asarray(probs3) < 0.5)) if probs3 else 0.0,
+            f"people_{min(sizes)}": float(np.mean(np.asarray(probs3) < 0.5)) if probs3 else 0.0,
             "all_people": float(np.mean(np.asarray(probs_all) < 0.5)) if probs_all else 0.0,
         },
         "check_slice": check_slice(model, tokenizer),

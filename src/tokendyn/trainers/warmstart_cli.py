@@ -13,6 +13,7 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="output directory (model, tokenizer, warmstart.json)")
     p.add_argument("--seed", type=int, default=0, help="training seed (>= 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--device", default="auto", help="auto (CUDA when there is one) | cpu | cuda | cuda:N")
     p.set_defaults(func=run)
 
 
@@ -22,7 +23,10 @@ def run(args: argparse.Namespace) -> int:
     from ..common import check_writable
     from .warmstart import check_preset
 
+    from .warmstart import resolve_device
+
     check_preset(args.preset)
+    resolve_device(args.device)
     if args.seed < 0:
         raise ValueError(f"seed: must be >= 0, got {args.seed}")
     out = Path(args.out)
@@ -38,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         threads=getattr(args, "threads", None),
         progress=not args.no_progress,
+        device=args.device,
     )
     _print_report(report)
     print(f"policy and warmstart.json written to {out}")
