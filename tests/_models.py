@@ -168,7 +168,8 @@ def probed_rows(
 def single_token_direct(model, batch: Batch, tokens: dict, temperature: float = 0.7) -> list[float | None]:
     """The reference for the probe's "direct" gradients, by one plain backward per token (no probe code):
     |w_t| x ||d log pi_t / d h_point[row, p(t)]|| for every row of a `tokens` record (None where it has none),
-    h_point the output of decoder layer i (`layers.{i}.out`) or of the final norm, p(t) = S - C - 1 + j."""
+    h_point the output of decoder layer i (`layers.{i}.out`) or of the final norm, p(t) = S - C - 1 + j. The LM head
+    runs in float32 on the final norm's output (under autocast too), as the probe's exact head does."""
     from tokendyn.probe import discover_points
 
     modules = {p.name: p.module for p in discover_points(model)}
@@ -180,11 +181,20 @@ def single_token_direct(model, batch: Batch, tokens: dict, temperature: float = 
         for k, m in modules.items()
     ]
     try:
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     finally:
         for h in hooks:
             h.remove()
-    logps = completion_logps(out.logits, batch, temperature)
+    head = model.get_output_embeddings()
+    with torch.autocast(
+        batch.input_ids.device.type, enabled=False
+    ):  # the LM head in float32, as the probe's u
+        logits = torch.nn.functional.linear(
+            hidden["final_norm.out"].float(),
+            head.weight.float(),
+            None if head.bias is None else head.bias.float(),
+        )
+    logps = completion_logps(logits, batch, temperature)
     s = batch.input_ids.shape[1]
     expected = []
     for r, j, point, w, got in zip(

@@ -312,6 +312,13 @@ CASES = {
         ),
         "device: must be auto, cpu, cuda or cuda:N, got 'tpu'",
     ),
+    "warmstart device cudafoo": (
+        lambda c: (
+            ["warmstart", "--preset", "tiny", "--out", str(c.tmp / "w"), "--device", "cudafoo"],
+            [c.tmp / "w"],
+        ),
+        "device: must be auto, cpu, cuda or cuda:N, got 'cudafoo'",
+    ),
     "warmstart preset big": (
         lambda c: (["warmstart", "--preset", "big", "--out", str(c.tmp / "w")], [c.tmp / "w"]),
         "preset: must be one of",

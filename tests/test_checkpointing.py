@@ -59,14 +59,14 @@ def _dropout_gpt2():
     return model
 
 
-def _step(kind: str | None, sink=None, autocast: bool = False, make_model=None):
+def _step(kind: str | None, sink=None, autocast: bool = False, make_model=None, direct_tokens: int = 32):
     """One probed GRPO micro-step of the same model and batch, checkpointed as `kind` (None: not at all), under
-    bfloat16 autocast if asked."""
+    bfloat16 autocast if asked; returns (records, batch, the RNG state the forward started from)."""
     model = make_model() if make_model else tiny_qwen2(sharpen=30.0)
     batch = make_batch(model, n=4)
     probe_first = kind is not None and kind.endswith("probe_first")
     make = functools.partial(
-        GradientProbe, direct_tokens=32, check_tokens=None, temperature=T, auto=True, sink=sink
+        GradientProbe, direct_tokens=direct_tokens, check_tokens=None, temperature=T, auto=True, sink=sink
     )
     probe = make(model) if probe_first else None
     if kind is not None:
@@ -75,6 +75,7 @@ def _step(kind: str | None, sink=None, autocast: bool = False, make_model=None):
     with probe, warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the probe must not warn (nor switch anything off)
         warnings.filterwarnings("ignore", message=".*use_cache.*")
+        rng = torch.get_rng_state()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         logps = completion_logps(out.logits, batch, T)
@@ -90,7 +91,7 @@ def _step(kind: str | None, sink=None, autocast: bool = False, make_model=None):
         )
         grpo_loss(logps, old, batch.advantages, batch.completion_mask).backward()
         result = probe.end_step()
-    return {k: pl.DataFrame(v) for k, v in result.records.items()}, batch
+    return {k: pl.DataFrame(v) for k, v in result.records.items()}, batch, rng
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def reference():
 
 def test_the_plain_step_s_direct_gradients_are_single_token_backwards(reference):
     tok = reference["tokens"].to_dict(as_series=False)
-    _, batch = _step(None)
+    _, batch, _ = _step(None)
     expected = single_token_direct(tiny_qwen2(sharpen=30.0), batch, tok, T)
     got = tok["direct_norm"]
     n_tokens = len(set(zip(tok["row"], tok["pos"], strict=True)))  # every completion token (fewer than 32)
@@ -113,7 +114,7 @@ def test_the_plain_step_s_direct_gradients_are_single_token_backwards(reference)
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_checkpointed_step_records_the_plain_step(reference, kind):
-    got, _ = _step(kind)
+    got = _step(kind)[0]
     ref_bins, bins = (
         r["binstats"].sort("point", "quantity", "bin").select("count", "sum", "min", "max")
         for r in (reference, got)
@@ -145,32 +146,48 @@ def test_checkpointed_step_records_the_plain_step(reference, kind):
     )
 
 
+def _against_single_token_backwards(records, batch, model, rng=None, autocast=False, rel=1e-5) -> float:
+    """Max relative difference of the records' direct norms from one plain backward per token on `model` (its
+    forward from RNG state `rng`, so dropout draws the probed forward's masks; under bfloat16 autocast if asked)."""
+    tok = records["tokens"].to_dict(as_series=False)
+    if rng is not None:
+        torch.set_rng_state(rng)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        expected = single_token_direct(model, batch, tok, T)
+    pairs = [(g, e) for g, e in zip(tok["direct_norm"], expected, strict=True) if g is not None]
+    assert pairs and all(e is not None for _, e in pairs)
+    return max(abs(g - e) / max(abs(e), 1e-30) for g, e in pairs)
+
+
 def test_the_layer_replay_runs_under_the_forward_s_autocast():
-    """bfloat16 autocast: the replayed direct gradients (reentrant checkpointing) equal the live graph's, which they
-    would not if the replay ran in float32 (then they differ by 3e-4 here)."""
-    ref, got = _step(None, autocast=True)[0], _step("wrapper_reentrant", autocast=True)[0]
-    joined = (
-        ref["tokens"]
-        .join(got["tokens"], on=["row", "pos", "point"], suffix="_ckpt")
-        .drop_nulls("direct_norm")
-    )
-    assert joined.height > 0
-    err = ((joined["direct_norm_ckpt"] - joined["direct_norm"]).abs() / joined["direct_norm"]).max()
-    assert err < 1e-6, err
+    """bfloat16 autocast, plain and reentrant-checkpointed: the replayed direct gradients equal one bfloat16 plain
+    backward per token, which they would not if the replay ran in float32."""
+    for kind in (None, "wrapper_reentrant"):
+        rec, batch, _ = _step(kind, autocast=True)
+        err = _against_single_token_backwards(rec, batch, tiny_qwen2(sharpen=30.0), autocast=True)
+        assert err < 1e-2, (kind, err)
+
+
+def test_a_replayed_module_runs_under_the_autocast_it_was_recorded_under():
+    from tokendyn.probe.replay import LayerCall, _run
+
+    layer, x = torch.nn.Linear(4, 4), torch.randn(2, 3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = LayerCall.record("layers.0.out", layer, (x,), {})
+    outside = LayerCall.record("layers.0.out", layer, (x,), {})
+    assert _run(under, x).dtype == torch.bfloat16 and _run(outside, x).dtype == torch.float32
 
 
 def test_the_layer_replay_repeats_the_forward_s_dropout_masks():
-    """GPT-2, dropout 0.1: replayed direct gradients equal the live graph's (5% apart without the RNG state)."""
-    ref = _step(None, make_model=_dropout_gpt2)[0]
-    got = _step("wrapper_reentrant", make_model=_dropout_gpt2)[0]
-    joined = (
-        ref["tokens"]
-        .join(got["tokens"], on=["row", "pos", "point"], suffix="_ckpt")
-        .drop_nulls("direct_norm")
-    )
-    assert joined.height > 0
-    for col in ("direct_norm", "norm"):
-        assert joined[f"{col}_ckpt"].to_list() == pytest.approx(joined[col].to_list(), rel=1e-6), col
+    """GPT-2, dropout 0.1, 3 direct tokens over 4 rows (a row without tokens: the replay must still run every row,
+    or the rows would draw other rows' masks): replayed direct gradients equal one plain backward per token with
+    the forward's masks, plain and reentrant-checkpointed."""
+    for kind in (None, "wrapper_reentrant"):
+        rec, batch, rng = _step(kind, make_model=_dropout_gpt2, direct_tokens=3)
+        rows = set(rec["tokens"].drop_nulls("direct_norm")["row"].to_list())
+        assert 0 < len(rows) < 4
+        err = _against_single_token_backwards(rec, batch, _dropout_gpt2(), rng=rng)
+        assert err < 1e-5, (kind, err)
 
 
 def test_a_point_without_gradient_is_an_error_in_the_records_and_in_analyze(tmp_path, capsys):

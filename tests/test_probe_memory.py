@@ -268,11 +268,63 @@ def test_plan_rows_packs_rows_and_slots_under_the_cap():
         R.plan_rows(per_row, 10, 5, 8, 14)
 
 
-def test_replay_sizes_read_from_the_layer():
-    model = tiny_qwen2(hidden=32)
-    layer = model.model.layers[0]
-    assert R.layer_width(layer, 32) == 64  # intermediate_size = 2 x hidden
-    assert R.replay_bytes(12, 32, 64, 4) == (12 * (8 * 32 + 5 * 64) * 4, 12 * (2 * 32 + 64) * 4)
+def test_plan_rows_replays_every_row_at_once_where_dropout_is_active():
+    per_row = [3, 0, 1, 2]
+    assert R.plan_rows(per_row, 10, 5, 8, None, whole=True) == [([0, 1, 2, 3], 3)]
+    assert R.plan_rows(per_row, 10, 5, 8, 4 * 20, whole=True) == [([0, 1, 2, 3], 2)]  # 4 x (10 + 2 x 5) = 80
+    with pytest.raises(D.DirectMemoryError, match="replaying 4 row"):
+        R.plan_rows(per_row, 10, 5, 8, 59, whole=True)  # 4 x (10 + 5) = 60 > 59
+    assert R.active_dropout(
+        [R.LayerCall("x", torch.nn.Dropout(0.1).train(), (), {}, (None, None), (False, None))]
+    )
+    assert not R.active_dropout(
+        [R.LayerCall("x", torch.nn.Dropout(0.1).eval(), (), {}, (None, None), (False, None))]
+    )
+
+
+def test_layer_width_reads_the_widest_linear_map():
+    assert R.layer_width(tiny_qwen2(hidden=32).model.layers[0], 32) == 64  # intermediate_size = 2 x hidden
+    from _models import tiny_gpt2
+
+    assert R.layer_width(tiny_gpt2().transformer.h[0], 32) == 128  # GPT-2's Conv1D c_fc: nf = 4 x n_embd
+    assert R.layer_width(torch.nn.LayerNorm(32), 32) == 128  # no linear map: 4 x hidden
+
+
+def test_a_replay_of_some_rows_equals_single_token_backwards(monkeypatch):
+    """4 tokens over 6 rows (some rows without tokens): the replay runs the rows holding tokens, all together and
+    then two at a time (groups of rows that are not 0..r-1, their local rows found by searchsorted)."""
+    results = {}
+    model = tiny_qwen2(sharpen=8.0, layers=3)
+    batch = make_batch(model)
+    s = batch.input_ids.shape[1]
+    row_b, slot_b = R.replay_bytes(s, 32, 64, 4)
+    for label, cap in (("uncapped", None), ("two rows", 2 * (row_b + slot_b) / 2**20)):
+        shapes = []
+        real = R.batched_grads
+
+        def spy(outputs, inputs, seeds, real=real, shapes=shapes):
+            out = real(outputs, inputs, seeds)
+            shapes.append(tuple(out[-1].shape[:2]))
+            return out
+
+        monkeypatch.setattr(R, "batched_grads", spy)
+        with GradientProbe(
+            model, check_tokens=None, direct_tokens=4, sample_tokens=4, direct_memory_mb=cap, temperature=T, auto=True
+        ) as probe:  # fmt: skip
+            _on_policy_step(model, batch, probe, 0)
+            results[label] = (probe.end_step().records["tokens"], shapes)
+        monkeypatch.undo()
+    tok, shapes = results["uncapped"]
+    rows = sorted({r for r, v in zip(tok["row"], tok["direct_norm"], strict=True) if v is not None})
+    assert 2 <= len(rows) < 6 and rows != list(range(len(rows)))
+    assert {r for _, r in shapes} == {len(rows)}
+    two = [r for _, r in results["two rows"][1]]  # two rows of one token each per replay, at most
+    assert max(two) <= 2 and len(two) > len(shapes), two
+    expected = single_token_direct(tiny_qwen2(sharpen=8.0, layers=3), batch, tok, T)
+    for label, (got, _) in results.items():
+        pairs = [(g, e) for g, e in zip(got["direct_norm"], expected, strict=True) if g is not None]
+        assert len(pairs) == 4 * 4, label
+        assert [g for g, _ in pairs] == pytest.approx([e for _, e in pairs], rel=1e-5), label
 
 
 def _direct_run(monkeypatch, cap, reentrant=False):

@@ -74,3 +74,14 @@ def test_cli_rejects_bad_input(argv, message, tmp_path, capsys):
     assert main(["warmstart", *argv, "--out", str(out)]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_resolve_device_keeps_the_cpu_presets_on_the_cpu():
+    from tokendyn.trainers.warmstart import resolve_device
+
+    assert resolve_device(None, "cpu") == resolve_device("auto", "cpu_v3") == "cpu"
+    assert resolve_device("auto", "gpu") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu", "gpu") == "cpu"
+    for bad in ("tpu", "cudafoo", "cuda:x"):
+        with pytest.raises(ValueError, match="device: must be auto, cpu, cuda or cuda:N"):
+            resolve_device(bad)

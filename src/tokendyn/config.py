@@ -139,8 +139,9 @@ class ProbeConfig:
     direct_memory_mb: float | None = _opt(
         512,
         "Memory cap of the direct gradients' layer replay, in MiB (2**20 bytes): rows and batched slots are replayed "
-        "in groups whose one-layer activations and cotangents fit it; a micro-batch where one row with one token "
-        "does not fit gets no direct gradients (a note says so); None = no cap; > 0.",
+        "in groups whose estimated one-layer activations and cotangents (replay.replay_bytes) fit it; a micro-batch "
+        "where one row with one token does not fit gets no direct gradients (a note says so; a 4k-token row of a 7B "
+        "layer needs about 1.1 GB); None = no cap; > 0.",
     )
     check_tokens: int | None = _opt(
         256,

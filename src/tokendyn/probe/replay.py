@@ -17,7 +17,8 @@ its own backward hooks) and reentrant activation checkpointing (`torch.utils.che
 Each module is recomputed with its plain `forward` (no FSDP or checkpoint hooks; HF gradient checkpointing off; a
 KV cache filled by the forward left out), its FSDP2 shards all-gathered for that module only (memory: one layer's
 full weights at a time; with an FSDP2 mixed-precision policy, cast to the dtype FSDP gave the module's inputs), and
-the random state and autocast state it had in the forward (dropout masks repeat). The weights are those of the
+the random state and autocast state it had in the forward (dropout masks repeat: with dropout active every row is
+replayed at once, as the forward drew them). The weights are those of the
 forward (the replay runs before the training backward and the optimizer step).
 """
 
@@ -139,32 +140,42 @@ def replay_bytes(seq: int, hidden: int, width: int, itemsize: int) -> tuple[int,
 
 
 def plan_rows(
-    tokens_per_row: list[int], row_bytes: float, slot_bytes: float, chunk: int, cap: float | None
+    tokens_per_row: list[int],
+    row_bytes: float,
+    slot_bytes: float,
+    chunk: int,
+    cap: float | None,
+    whole: bool = False,
 ) -> list[tuple[list[int], int]]:
     """How to replay under a memory cap: [(rows of the group, seed slots per replay)], over the rows with tokens.
 
-    A group of r rows replayed with c slots holds r x (row_bytes + c x slot_bytes) bytes (`replay_bytes`). Rows
-    with tokens (tokens_per_row[i] > 0) are packed in order while r x (row_bytes + min(chunk, m) x slot_bytes)
-    <= cap, m = the most tokens of one row in the group; a group gets c = min(chunk, m) slots, or, for a row alone
-    over that, c = floor((cap - row_bytes) / slot_bytes). With no cap: one group, c = min(chunk, m). Raises
-    DirectMemoryError when one row with one slot is over the cap."""
+    A group of r rows replayed with c slots holds about r x (row_bytes + c x slot_bytes) bytes (`replay_bytes`).
+    Rows with tokens (tokens_per_row[i] > 0) are packed in order while r x (row_bytes + min(chunk, m) x slot_bytes)
+    <= cap, m = the most tokens of one row in the group; a group gets c = min(chunk, m) slots, or, alone over that,
+    c = floor((cap / r - row_bytes) / slot_bytes). ``whole``: one group of every row (with tokens or not: dropout
+    masks repeat only on the whole batch). With no cap: one group, c = min(chunk, m). Raises DirectMemoryError when
+    a group's one slot (one row, or every row when ``whole``) is over the cap."""
     rows = [i for i, n in enumerate(tokens_per_row) if n > 0]
     if not rows:
         return []
+    m_all = min(chunk, max(tokens_per_row))
+    if whole:
+        rows = list(range(len(tokens_per_row)))
     if cap is None:
-        return [(rows, min(chunk, max(tokens_per_row)))]
-    need = row_bytes + slot_bytes
+        return [(rows, m_all)]
+    r_min = len(rows) if whole else 1
+    need = r_min * (row_bytes + slot_bytes)
     if need > cap:
         raise DirectMemoryError(
-            f"replaying one row of one layer for one token needs {need / 2**20:.1f} MiB, above the cap of "
+            f"replaying {r_min} row(s) of one layer for one token needs {need / 2**20:.1f} MiB, above the cap of "
             f"{cap / 2**20:.1f} MiB"
         )
 
     def cost(group: list[int]) -> float:
         return len(group) * (row_bytes + min(chunk, max(tokens_per_row[i] for i in group)) * slot_bytes)
 
-    groups: list[list[int]] = []
-    for i in rows:
+    groups: list[list[int]] = [rows] if whole else []
+    for i in [] if whole else rows:
         if groups and cost(groups[-1] + [i]) <= cap:
             groups[-1].append(i)
         else:
@@ -172,10 +183,24 @@ def plan_rows(
     plan = []
     for g in groups:
         c = min(chunk, max(tokens_per_row[i] for i in g))
-        if cost(g) > cap:  # a row alone: fewer slots per replay
-            c = max(1, int((cap - row_bytes) // slot_bytes))
+        if cost(g) > cap:  # fewer slots per replay
+            c = max(1, int((cap / len(g) - row_bytes) // slot_bytes))
         plan.append((g, c))
     return plan
+
+
+def active_dropout(calls: list[LayerCall]) -> bool:
+    """Does any replayed module drop out at random (an `nn.Dropout` with p > 0, or an attention's own
+    `attention_dropout` / `attn_pdrop` > 0, in training mode)?"""
+    for call in calls:
+        for m in call.module.modules():
+            if not m.training:
+                continue
+            if isinstance(m, nn.Dropout) and m.p > 0:
+                return True
+            if any(float(getattr(m, a, 0.0) or 0.0) > 0 for a in ("attention_dropout", "attn_pdrop")):
+                return True
+    return False
 
 
 def _select_rows(obj, batch: int, index: torch.Tensor | None):
@@ -219,10 +244,11 @@ def replay_direct_norms(
     `calls`: every decoder layer then the final norm, in forward order (the input of calls[i] is the output of
     calls[i-1]); `direction` [K, H] = d log pi_k / dh at the LM-head input. Only rows that hold tokens are replayed
     (rows of a causal LM never interact), in groups under the memory cap (`plan_rows`: r rows x c slots at a
-    time), each group from the final norm down to the layer after the lowest probed one. Under FSDP2 every rank
-    must gather the same weights as often, so `agree` (a max over the ranks there) makes the number of replays the
-    same on every rank (a rank with fewer replays a one-row group without seeds). Raises DirectMemoryError when one
-    row with one slot alone is over the cap."""
+    time; every row at once where a module drops out at random, so that the replay draws the forward's masks),
+    each group from the final norm down to the layer after the lowest probed one. Under FSDP2 every rank must gather
+    the same weights as often, so `agree` (a max over the ranks there) makes the number of replays the same on every
+    rank (a rank with fewer replays a one-row group without seeds). Raises DirectMemoryError, on every rank, when one
+    group's one slot is over the cap."""
     device = positions.device
     k_total = rows.shape[0]
     out = {n: torch.full((k_total,), float("nan"), dtype=torch.float32, device=device) for n in probed}
@@ -231,11 +257,20 @@ def replay_direct_norms(
     top = calls[-1]
     x_top = top.args[0]
     b, seq, hidden = x_top.shape[0], x_top.shape[1], x_top.shape[-1]
-    row_b, slot_b = replay_bytes(seq, hidden, layer_width(calls[0].module, hidden), x_top.element_size())
+    # every rank plans from the longest rank's rows, and a plan over the cap raises on every rank (FSDP2: a rank
+    # leaving the replays alone would leave the others waiting in their all-gathers)
+    width = layer_width(calls[0].module, hidden)
+    row_b, slot_b = replay_bytes(agree(seq), hidden, width, x_top.element_size())
     slots = row_slots(rows) if k_total else rows
     per_row = torch.bincount(rows, minlength=b).tolist() if k_total else [0] * b
+    try:  # dropout masks repeat only when the replay has the forward's shape: then every row at once
+        plan, error = plan_rows(per_row, row_b, slot_b, chunk, memory_bytes, active_dropout(calls)), None
+    except DirectMemoryError as exc:
+        plan, error = [], exc
+    if agree(int(error is not None)):
+        raise error or DirectMemoryError("another rank's direct gradients are over the memory cap")
     work = []  # (rows of the group or None for all, first slot, last slot + 1)
-    for group, c in plan_rows(per_row, row_b, slot_b, chunk, memory_bytes):
+    for group, c in plan:
         m = max(per_row[i] for i in group)
         index = None if group == list(range(b)) else torch.tensor(group, device=device)
         work += [(index, start, min(start + c, m)) for start in range(0, m, c)]

@@ -203,7 +203,7 @@ def train_policy(
         for p in pool.by_size[n][: preset.tokenizer_corpus]
     ]
     tokenizer = train_tokenizer(corpus, preset.model.vocab_size, SYSTEM_BLOCK)
-    model = build_model(preset.model, tokenizer, seed).to(resolve_device(device))
+    model = build_model(preset.model, tokenizer, seed).to(resolve_device(device, preset_name))
     copy_stats = _copy_phase(model, tokenizer, preset, seed, progress)
     opt = torch.optim.AdamW(
         model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=preset.weight_decay
@@ -324,14 +324,17 @@ def _copy_phase(model, tokenizer, preset: WarmstartPreset, seed: int, progress: 
     }
 
 
-def resolve_device(device: str | None) -> str:
-    """ "auto" or None: the first CUDA device when there is one, else the CPU; else ``device`` itself ("cpu",
-    "cuda", "cuda:1"), checked."""
+def resolve_device(device: str | None, preset_name: str = "cpu") -> str:
+    """Where to train: ``device`` itself ("cpu", "cuda", "cuda:N"), checked; None or "auto": CUDA for the gpu preset
+    when there is a CUDA device, else the CPU (the CPU presets stay on the CPU, so they reproduce their
+    warmstart.json wherever they run)."""
+    import re
+
     import torch
 
     if device in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device != "cpu" and not device.startswith("cuda"):
+        return "cuda" if preset_name == "gpu" and torch.cuda.is_available() else "cpu"
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise ValueError(f"device: must be auto, cpu, cuda or cuda:N, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device (use auto or cpu)")
@@ -365,7 +368,7 @@ def warmstart(
     device: str | None = None,
 ) -> dict:
     """Train, save (``save_pretrained``), reload, evaluate; write ``warmstart.json``; return it. ``device``:
-    where to train and evaluate (auto: CUDA when there is one)."""
+    where to train and evaluate (`resolve_device`: auto puts the gpu preset on CUDA when there is one)."""
     import numpy as np
 
     from ..common import write_json
@@ -392,7 +395,7 @@ def warmstart(
     meta = {"preset": preset_name, "seed": seed, "architecture": asdict(preset.model)}
     save_policy(model, tokenizer, out, meta)
     model, tokenizer = load_policy(out)  # evaluate exactly what was saved
-    model = model.to(resolve_device(device))
+    model = model.to(resolve_device(device, preset_name))
     sizes = eval_sizes(preset)
     results = evaluate(model, tokenizer, sizes, n=preset.eval_n, seed=seed)
     sampled = [r for r in results if r.mode != "greedy"]

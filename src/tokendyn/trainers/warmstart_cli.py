@@ -8,12 +8,18 @@ import argparse
 def register(sub) -> None:
     p = sub.add_parser("warmstart", help="train the embedded default policy from scratch on K&K")
     p.add_argument(
-        "--preset", default="cpu", help="tiny (seconds, for tests) | cpu (the embedded default) | gpu"
+        "--preset",
+        default="cpu",
+        help="tiny (seconds, for tests) | cpu (the embedded default) | cpu_v2 | cpu_v3 (candidates, not shipped) | gpu",
     )
     p.add_argument("--out", required=True, help="output directory (model, tokenizer, warmstart.json)")
     p.add_argument("--seed", type=int, default=0, help="training seed (>= 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--device", default="auto", help="auto (CUDA when there is one) | cpu | cuda | cuda:N")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (the gpu preset on CUDA when there is one, the others on the CPU) | cpu | cuda | cuda:N",
+    )
     p.set_defaults(func=run)
 
 
@@ -21,12 +27,10 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..common import check_writable
-    from .warmstart import check_preset
-
-    from .warmstart import resolve_device
+    from .warmstart import check_preset, resolve_device
 
     check_preset(args.preset)
-    resolve_device(args.device)
+    resolve_device(args.device, args.preset)
     if args.seed < 0:
         raise ValueError(f"seed: must be >= 0, got {args.seed}")
     out = Path(args.out)
