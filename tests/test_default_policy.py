@@ -48,18 +48,21 @@ def test_shipped_targets_are_its_own_measurements():
     assert set(report["targets"]) <= set(TARGETS) and report["targets"]["package_mb"]["met"]
 
 
-def test_second_version_records_both_seeds_with_targets_from_their_numbers():
-    """docs/warmstart_v2 (preset cpu_v2, not shipped): both training seeds, every size 3-7 on 100 puzzles, and target
-    verdicts that follow from the recorded values."""
+@pytest.mark.parametrize(("version", "seeds"), [("v2", [0, 1]), ("v3", [0])])
+def test_candidate_versions_record_their_seeds_with_targets_from_their_numbers(version, seeds):
+    """docs/warmstart_v2 and v3 (presets cpu_v2, cpu_v3, not shipped): their training seeds, every size 3-7 on 100
+    puzzles, and target verdicts that follow from the recorded values."""
     from pathlib import Path
 
     from tokendyn.trainers.warmstart import PRESETS, TARGETS, check_targets, target_values
 
-    folder = Path(__file__).resolve().parents[1] / "docs" / "warmstart_v2"
+    folder = Path(__file__).resolve().parents[1] / "docs" / f"warmstart_{version}"
     reports = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*.json"))]
-    assert sorted(r["seed"] for r in reports) == [0, 1]
+    assert sorted(r["seed"] for r in reports) == seeds
     for r in reports:
-        assert r["preset"] == "cpu_v2" and r["training"]["steps"] == PRESETS["cpu_v2"].steps
+        preset = PRESETS[f"cpu_{version}"]
+        assert r["preset"] == f"cpu_{version}" and r["training"]["steps"] == preset.steps
+        assert r["training"]["people"] == list(preset.people) and r["training"]["lr"] == preset.lr
         assert {e["people"] for e in r["evaluation"]} == {3, 4, 5, 6, 7} and all(
             e["n"] == 100 for e in r["evaluation"]
         )

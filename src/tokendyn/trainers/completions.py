@@ -80,7 +80,7 @@ CLOSERS = (
 
 # the first version's phrasings are the first entries of each list (it regenerates the shipped default exactly)
 V1_OPENERS, V1_CONCLUSIONS, V1_CLOSERS = OPENERS[:6], CONCLUSIONS[:7], CLOSERS[:5]
-STYLES = ("v1", "v2", "v3")
+STYLES = ("v1", "v2", "v3", "v4")
 
 
 def search_order(p: Puzzle) -> list[int]:
@@ -179,6 +179,21 @@ def reasoning_v3(p: Puzzle, rng: random.Random) -> str:
     return " ".join(s for s in sentences if s)
 
 
+# v4: a short interjection after a sentence, as an LLM thinking aloud writes one (a free choice, decided by nothing)
+INTERJECTIONS = ("", "", "Hmm.", "Okay.", "Right.", "Noted.", "Good.", "Well.", "Sure.", "Alright.", "Indeed.", "Fine.")
+
+
+def reasoning_v4(p: Puzzle, rng: random.Random) -> str:
+    """v3 with an interjection (or none) after the roll call and after every claim: more free choices per token."""
+    sentences = reasoning_v3(p, rng).split(". ")
+    out = []
+    for i, sentence in enumerate(sentences):
+        out.append(sentence + ("." if i < len(sentences) - 1 else ""))
+        if i < len(sentences) - 1:
+            out.append(rng.choice(INTERJECTIONS))
+    return " ".join(x for x in out if x)
+
+
 def answer(p: Puzzle) -> str:
     """The official answer block body: "(1) A is a knight\\n(2) B is a knave"."""
     return p.solution_text_format
@@ -189,5 +204,5 @@ def completion(p: Puzzle, rng: random.Random, style: str = "v1") -> str:
     picks the reasoning: v1 (1-3 people), v2 (2..N people, varied openers) or v3 (claims restated, no roles)."""
     if style not in STYLES:
         raise ValueError(f"style: must be one of {list(STYLES)}, got {style!r}")
-    think = {"v1": reasoning_v1, "v2": reasoning, "v3": reasoning_v3}[style](p, rng)
+    think = {"v1": reasoning_v1, "v2": reasoning, "v3": reasoning_v3, "v4": reasoning_v4}[style](p, rng)
     return f" {think} </think>\n<answer> {answer(p)} </answer>"

@@ -125,6 +125,10 @@ PRESETS["cpu_v3"] = replace(
 )
 
 
+# fourth version: v3 with interjections (more free choices per token), trained longer
+PRESETS["cpu_v4"] = replace(PRESETS["cpu_v3"], steps=2000, reasoning="v4")
+
+
 def eval_sizes(preset: WarmstartPreset) -> list[int]:
     """The sizes a warm start is evaluated on: its training sizes from 3 people up (the official test sets)."""
     return [n for n in preset.people if n >= 3] or list(preset.people)
