@@ -10,7 +10,7 @@ from tokendyn.tasks.kk.datasets import fresh_puzzles, heldout_structures, puzzle
 from tokendyn.tasks.kk.logic import is_consistent, solutions
 from tokendyn.tasks.kk.prompts import render_prompt
 from tokendyn.tasks.kk.reward import score
-from tokendyn.trainers.completions import completion
+from tokendyn.trainers.completions import STYLES, completion
 
 SEEDS = st.integers(min_value=0, max_value=2**31 - 1).filter(lambda s: s != 1234)
 
@@ -25,7 +25,8 @@ def test_unique_solution_and_reference_scores_3(n, seed, start):
     assert (
         score(prompt, f"ok</think><answer> {p.solution_text_format} </answer>", p.solution_text_format) == 3
     )
-    assert score(prompt, completion(p, random.Random(seed)), p.solution_text_format) == 3
+    for style in STYLES:  # every warm-start reasoning style's reference completion earns the full reward
+        assert score(prompt, completion(p, random.Random(seed), style), p.solution_text_format) == 3, style
 
 
 @settings(max_examples=10, deadline=None)
