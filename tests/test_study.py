@@ -106,6 +106,8 @@ def test_quick_study_end_to_end_and_resume(tmp_path, capsys):
     text = report.read_text()
     for section in ("## Accuracy", "## Per bin", "## What reproduces", "fig3_correct_ratio.png"):
         assert section in text
+    walls = sum(json.loads(m.read_text())["wall_time_s"] for m in out.rglob(DONE))
+    assert f"Wall time of its runs and evaluations: {walls:,.0f} s." in text
     acc = pl.read_parquet(out / "tables" / "accuracy.parquet")
     assert set(acc["method"]) == {"start", "grpo", "reweight", "lopti"}
     assert ((acc["lo"] <= acc["accuracy"]) & (acc["accuracy"] <= acc["hi"])).all()

@@ -258,7 +258,15 @@ def write_study(out: Path, size: StudySize) -> Path:
         written.append(correct_ratio_figure(bins, figs / "fig3_correct_ratio.png"))
     if acc.height:
         written.append(accuracy_figure(acc, figs / "accuracy.png"))
-    text = study_markdown(size, acc, bins, repro, [p.relative_to(out) for p in written])
+    dirs = [out / f"start-s{s}" for s in size.seeds] + [
+        out / "runs" / f"{m}-s{s}" for m in size.methods for s in size.seeds
+    ]
+    walls = [
+        float(json.loads((d / DONE).read_text()).get("wall_time_s", 0.0))
+        for d in dirs
+        if (d / DONE).is_file()
+    ]
+    text = study_markdown(size, acc, bins, repro, [p.relative_to(out) for p in written], sum(walls))
     path = out / "study.md"
     from tokendyn.common import atomic_write
 
@@ -266,7 +274,7 @@ def write_study(out: Path, size: StudySize) -> Path:
     return path
 
 
-def study_markdown(size: StudySize, acc, bins, repro, figures) -> str:
+def study_markdown(size: StudySize, acc, bins, repro, figures, wall_s: float | None = None) -> str:
     import polars as pl
 
     from tokendyn.analysis.study import VERDICT_RULE, markdown
@@ -277,7 +285,8 @@ def study_markdown(size: StudySize, acc, bins, repro, figures) -> str:
         f"methods {', '.join(size.methods)}; seeds {', '.join(map(str, size.seeds))}; {size.rollouts} rollouts per run "
         f"on K&K {list(size.people)}; held-out: first {size.eval_n} official test puzzles per size "
         f"{list(size.eval_people)}; 95 % percentile bootstrap intervals ({size.n_boot} resamples): accuracy over "
-        "seeds and puzzles, record statistics over seeds and probed steps.",
+        "seeds and puzzles, record statistics over seeds and probed steps."
+        + (f" Wall time of its runs and evaluations: {wall_s:,.0f} s." if wall_s else ""),
         "",
         "## Accuracy (reward = 3) per size",
         "",

@@ -180,7 +180,20 @@ def reasoning_v3(p: Puzzle, rng: random.Random) -> str:
 
 
 # v4: a short interjection after a sentence, as an LLM thinking aloud writes one (a free choice, decided by nothing)
-INTERJECTIONS = ("", "", "Hmm.", "Okay.", "Right.", "Noted.", "Good.", "Well.", "Sure.", "Alright.", "Indeed.", "Fine.")
+INTERJECTIONS = (
+    "",
+    "",
+    "Hmm.",
+    "Okay.",
+    "Right.",
+    "Noted.",
+    "Good.",
+    "Well.",
+    "Sure.",
+    "Alright.",
+    "Indeed.",
+    "Fine.",
+)
 
 
 def reasoning_v4(p: Puzzle, rng: random.Random) -> str:
