@@ -214,7 +214,8 @@ def answer(p: Puzzle) -> str:
 
 def completion(p: Puzzle, rng: random.Random, style: str = "v1") -> str:
     """Everything after the prompt's pre-filled ``<think>`` (the EOS token is appended by the caller); ``style``
-    picks the reasoning: v1 (1-3 people), v2 (2..N people, varied openers) or v3 (claims restated, no roles)."""
+    picks the reasoning: v1 (1-3 people), v2 (2..N people, varied openers), v3 (claims restated, no roles) or v4
+    (v3 with interjections)."""
     if style not in STYLES:
         raise ValueError(f"style: must be one of {list(STYLES)}, got {style!r}")
     think = {"v1": reasoning_v1, "v2": reasoning, "v3": reasoning_v3, "v4": reasoning_v4}[style](p, rng)
