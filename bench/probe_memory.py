@@ -446,8 +446,8 @@ TRL_TOKENS, TRL_VOCAB = 4096, 32768  # trl.kernels.chunked_logprob.TOKEN_CHUNK_S
 def direct_plan(s: Size, rows: int, settings: dict | None = None) -> tuple[float, float]:
     """(bytes of the replayed rows, bytes of their seed slots) in the largest group of the layer replay, from
     `replay.plan_rows` itself with `replay.replay_bytes`: r x S x (8H + 5W) and r x c x S x (2H + W), x itemsize,
-    W = the intermediate size (`replay.layer_width`), averaged over 64 draws of `direct_tokens` sampled completion tokens (uniform, as the
-    probe's bottom-k sample) over rows x C."""
+    W = the intermediate size (`replay.layer_width`), averaged over 64 draws of `direct_tokens` sampled completion
+    tokens (uniform, as the probe's bottom-k sample) over rows x C."""
     from tokendyn.probe.replay import plan_rows, replay_bytes
 
     st = {**PROBE_SETTINGS, **(settings or {})}
@@ -787,9 +787,8 @@ def predict_7b(fits: dict[str, Fit]) -> dict:
     if "probe" in fits:
         f = features("probe", s, shard=GPUS, settings=RECIPE_PROBE)
         head, direct = fits["probe"]._parts(f)
-        out["probe"] = max(
-            head, direct
-        )  # the probe's own bytes at their peak (an upper bound on its increase)
+        # the probe's own bytes at their peak (an upper bound on its increase)
+        out["probe"] = max(head, direct)
         out["probe_head"], out["probe_direct"] = head, direct
         out["probe_nodirect"] = fits["probe"].predict(features("probe", s, shard=GPUS, direct=False))
         if "step_ckpt" in fits:
@@ -861,8 +860,8 @@ def fit_all(train, held, meas_train, meas_held) -> dict:
             pred = fits[c].predict(features(c, s)) + snapshot_bytes(c, s)
             errs.append((pred, m[c], abs(pred - m[c]) / max(abs(m[c]), 1.0)))
         held_err[c] = errs
-    # do the analyses checkpoint their layers when gradient checkpointing is on? (all_ckpt below all everywhere)
-    # (never above `all`, and well below it where layer activations, not a vocabulary chunk, make the peak)
+    # do the analyses checkpoint their layers when gradient checkpointing is on? all_ckpt never above `all`, and
+    # well below it where layer activations, not a vocabulary chunk, make the peak
     ckpt_active = (
         "all_ckpt" in comps
         and all(m["all_ckpt"] <= 1.001 * m["all"] for m in meas_train)
