@@ -965,9 +965,10 @@ def report(res: dict, check: dict) -> dict:
             f"    {label:<28} own bytes {gb(pred[key]):>10} {pred[key] / base:>7.2%}  "
             + ", ".join(f"{k} {gb(v)}" for k, v in top)
         )
+    cap = RECIPE_PROBE["direct_memory_mb"]
     print(
-        f"    direct gradients (--probe_direct_memory_mb {RECIPE_PROBE['direct_memory_mb']}): replay {gb(pred['probe_direct'])}"
-        f" between forward and backward, against the backward's transient {gb(pred['backward_transient'])}; head checks "
+        f"    direct gradients (--probe_direct_memory_mb {cap}): replay {gb(pred['probe_direct'])} between forward "
+        f"and backward, against the backward's transient {gb(pred['backward_transient'])}; head checks "
         f"{gb(pred['probe_head'])} in the backward -> adds {gb(pred['probe_increase'])} "
         f"({pred['probe_increase'] / base:.2%}) to the step's peak (target 2%)"
     )
