@@ -70,3 +70,15 @@ def test_relative_links_point_into_the_repository():
             assert not target.startswith("../"), f"{f.name} links outside the repository: {target}"
             assert (f.parent / target).exists(), f"{f.name}: broken link {target}"
     assert "docs/definitions.md" in README and "docs/records.md" in README
+
+
+def test_the_readme_study_table_is_the_generated_one():
+    """The README's *what reproduces* table (between the study markers) is docs/study/study.md's, unedited: the
+    verdicts are the report's, not typed by hand."""
+    block = README[
+        README.index("<!-- study -->") + len("<!-- study -->") : README.index("<!-- /study -->")
+    ].strip()
+    study = (ROOT / "docs" / "study" / "study.md").read_text()
+    assert block.startswith("Each claim is a statistic") and "| phenomenon |" in block
+    assert block in study
+    assert study.index(block) > study.index("## What reproduces")
