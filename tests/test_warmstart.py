@@ -64,7 +64,10 @@ def test_cli_tiny_end_to_end(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--preset", "huge"], "preset: must be one of ['cpu', 'cpu_v2', 'cpu_v3', 'cpu_v4', 'gpu', 'tiny']"),
+        (
+            ["--preset", "huge"],
+            "preset: must be one of ['cpu', 'cpu_v2', 'cpu_v3', 'cpu_v4', 'cpu_v5', 'gpu', 'tiny']",
+        ),
         (["--preset", "tiny", "--seed", "-1"], "seed: must be >= 0"),
         (["--preset", "tiny", "--threads", "0"], "--threads: must be an integer >= 1, got 0"),
     ],

@@ -80,7 +80,7 @@ CLOSERS = (
 
 # the first version's phrasings are the first entries of each list (it regenerates the shipped default exactly)
 V1_OPENERS, V1_CONCLUSIONS, V1_CLOSERS = OPENERS[:6], CONCLUSIONS[:7], CLOSERS[:5]
-STYLES = ("v1", "v2", "v3", "v4")
+STYLES = ("v1", "v2", "v3", "v4", "v5")
 
 
 def search_order(p: Puzzle) -> list[int]:
@@ -207,6 +207,18 @@ def reasoning_v4(p: Puzzle, rng: random.Random) -> str:
     return " ".join(x for x in out if x)
 
 
+def reasoning_v5(p: Puzzle, rng: random.Random) -> str:
+    """v4 with an interjection slot before every sentence of v4's text after the first (v4's own interjections
+    included): up to three interjections between two sentences."""
+    sentences = reasoning_v4(p, rng).split(". ")
+    out = []
+    for i, sentence in enumerate(sentences):
+        if i > 0:
+            out.append(rng.choice(INTERJECTIONS))
+        out.append(sentence + ("." if i < len(sentences) - 1 else ""))
+    return " ".join(x for x in out if x)
+
+
 def answer(p: Puzzle) -> str:
     """The official answer block body: "(1) A is a knight\\n(2) B is a knave"."""
     return p.solution_text_format
@@ -214,9 +226,10 @@ def answer(p: Puzzle) -> str:
 
 def completion(p: Puzzle, rng: random.Random, style: str = "v1") -> str:
     """Everything after the prompt's pre-filled ``<think>`` (the EOS token is appended by the caller); ``style``
-    picks the reasoning: v1 (1-3 people), v2 (2..N people, varied openers), v3 (claims restated, no roles) or v4
-    (v3 with interjections)."""
+    picks the reasoning: v1 (1-3 people), v2 (2..N people, varied openers), v3 (claims restated, no roles), v4
+    (v3 with interjections) or v5 (v4 with twice the interjections)."""
     if style not in STYLES:
         raise ValueError(f"style: must be one of {list(STYLES)}, got {style!r}")
-    think = {"v1": reasoning_v1, "v2": reasoning, "v3": reasoning_v3, "v4": reasoning_v4}[style](p, rng)
+    styles = {"v1": reasoning_v1, "v2": reasoning, "v3": reasoning_v3, "v4": reasoning_v4, "v5": reasoning_v5}
+    think = styles[style](p, rng)
     return f" {think} </think>\n<answer> {answer(p)} </answer>"

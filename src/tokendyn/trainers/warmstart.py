@@ -127,6 +127,8 @@ PRESETS["cpu_v3"] = replace(
 
 # fourth version: v3 with interjections (more free choices per token), trained longer
 PRESETS["cpu_v4"] = replace(PRESETS["cpu_v3"], steps=2000, reasoning="v4")
+# fifth version: twice v4's interjections, trained longer still
+PRESETS["cpu_v5"] = replace(PRESETS["cpu_v3"], steps=2400, reasoning="v5")
 
 
 def eval_sizes(preset: WarmstartPreset) -> list[int]:
