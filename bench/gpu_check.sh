@@ -82,6 +82,6 @@ echo "== 4. overhead and peak memory against the memory model"
   --completion "$COMPLETION" --sample "$SAMPLE"
 for m in $METHODS; do
   echo "-- per-bin table: $m (probe + analyses)"
-  "$PY" bench/_gpu_run.py analyze "$OUT/run-$m-analyses" --out "$OUT/analysis-$m" 2>&1 | grep -v Warning | head -40
+  "$PY" bench/_gpu_run.py analyze "$OUT/run-$m-analyses" --out "$OUT/analysis-$m" 2>&1 | grep -v Warning | sed -n 1,40p
 done
 echo "gpu_check done in $(( $(date +%s) - t0 )) s"
