@@ -48,9 +48,9 @@ def test_shipped_targets_are_its_own_measurements():
     assert set(report["targets"]) <= set(TARGETS) and report["targets"]["package_mb"]["met"]
 
 
-@pytest.mark.parametrize(("version", "seeds"), [("v2", [0, 1]), ("v3", [0]), ("v4", [0])])
+@pytest.mark.parametrize(("version", "seeds"), [("v2", [0, 1]), ("v3", [0]), ("v4", [0]), ("v5", [0])])
 def test_candidate_versions_record_their_seeds_with_targets_from_their_numbers(version, seeds):
-    """docs/warmstart_v2, v3, v4 (presets cpu_v2..cpu_v4, not shipped): their training seeds, every size 3-7 on 100
+    """docs/warmstart_v2 .. v5 (presets cpu_v2 .. cpu_v5, not shipped): their training seeds, every size 3-7 on 100
     puzzles, and target verdicts that follow from the recorded values."""
     from pathlib import Path
 
