@@ -111,14 +111,24 @@ def people_order(p: Puzzle, rng: random.Random, index_below: float, search_below
     return order[: rng.randint(lo, hi)]
 
 
+def _opening(p: Puzzle, rng: random.Random, openers: tuple[str, ...]) -> list[str]:
+    """The first two sentences of every style: the roll call (the prompt's name list, copied), then an opener."""
+    return [rng.choice(ROLL_CALLS).format(n=p.people, names=oxford_join(list(p.names))), rng.choice(openers)]
+
+
+def _led(lead: str, sentence: str, name: str) -> str:
+    """``sentence`` after ``lead`` ("As for X," / "Consider X:" / ""), lower-cased after a comma or colon unless it
+    opens with the name."""
+    if lead.endswith((",", ":")) and not sentence.startswith(name):
+        sentence = sentence[0].lower() + sentence[1:]
+    return " ".join(x for x in (lead, sentence) if x)
+
+
 def reasoning_v1(p: Puzzle, rng: random.Random) -> str:
     """Faithful, varied, short reasoning for ``p`` (first version): the roll call, then conclusions about 1-3 people
     (each stated role is the solution's), some with the claim they rest on."""
     order = people_order(p, rng, 0.4, 0.7, 1, min(3, p.people))
-    sentences = [
-        rng.choice(ROLL_CALLS).format(n=p.people, names=oxford_join(list(p.names))),
-        rng.choice(V1_OPENERS),
-    ]
+    sentences = _opening(p, rng, V1_OPENERS)
     for q in order:
         name, claim = p.names[q], content(p.statements[q], p.names)
         truth = "true" if evaluate(p.statements[q], p.solution) else "false"
@@ -130,17 +140,15 @@ def reasoning_v1(p: Puzzle, rng: random.Random) -> str:
 
 
 def reasoning(p: Puzzle, rng: random.Random) -> str:
-    """Faithful, varied, short reasoning for ``p`` (second version): the roll call, then conclusions about most people (each stated
-    role is the solution's), each brought up with a varied opener, some with the claim they rest on.
+    """Faithful, varied, short reasoning for ``p`` (second version): the roll call, then conclusions about most
+    people (each stated role is the solution's), each brought up with a varied opener, some with the claim they rest
+    on.
 
     Where an LLM is genuinely free the targets vary: which person to examine next (index order, the official
     search order, or a random order), how many people are discussed (2..N), the opener and the phrasing of each
     sentence. Those choice points are the policy's low-probability tokens."""
     order = people_order(p, rng, 0.3, 0.5, min(2, p.people), p.people)
-    sentences = [
-        rng.choice(ROLL_CALLS).format(n=p.people, names=oxford_join(list(p.names))),
-        rng.choice(OPENERS),
-    ]
+    sentences = _opening(p, rng, OPENERS)
     for q in order:
         name, claim = p.names[q], content(p.statements[q], p.names)
         truth = "true" if evaluate(p.statements[q], p.solution) else "false"
@@ -149,9 +157,7 @@ def reasoning(p: Puzzle, rng: random.Random) -> str:
             sentences.append(" ".join(x for x in (lead, rng.choice(CLAIMS).format(P=name, c=claim)) if x))
             lead = ""
         conclusion = rng.choice(CONCLUSIONS).format(P=name, r=role(p.solution[q]), t=truth)
-        if lead.endswith((",", ":")) and not conclusion.startswith(name):
-            conclusion = conclusion[0].lower() + conclusion[1:]
-        sentences.append(" ".join(x for x in (lead, conclusion) if x))
+        sentences.append(_led(lead, conclusion, name))
     sentences.append(rng.choice(CLOSERS))
     return " ".join(s for s in sentences if s)
 
@@ -165,16 +171,11 @@ def reasoning_v3(p: Puzzle, rng: random.Random) -> str:
     low-probability tokens, as an LLM's sentence openers and orderings are; the rest is copying from the prompt,
     which a small model learns, so no sentence can contradict the answer."""
     order = people_order(p, rng, 0.3, 0.5, min(2, p.people), p.people)
-    sentences = [
-        rng.choice(ROLL_CALLS).format(n=p.people, names=oxford_join(list(p.names))),
-        rng.choice(OPENERS),
-    ]
+    sentences = _opening(p, rng, OPENERS)
     for q in order:
         lead = rng.choice(LEADS).format(P=p.names[q])
         claim = rng.choice(CLAIMS).format(P=p.names[q], c=content(p.statements[q], p.names))
-        if lead.endswith((",", ":")) and not claim.startswith(p.names[q]):
-            claim = claim[0].lower() + claim[1:]
-        sentences.append(" ".join(x for x in (lead, claim) if x))
+        sentences.append(_led(lead, claim, p.names[q]))
     sentences.append(rng.choice(CLOSERS))
     return " ".join(s for s in sentences if s)
 
