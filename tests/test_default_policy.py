@@ -48,9 +48,12 @@ def test_shipped_targets_are_its_own_measurements():
     assert set(report["targets"]) <= set(TARGETS) and report["targets"]["package_mb"]["met"]
 
 
-@pytest.mark.parametrize(("version", "seeds"), [("v2", [0, 1]), ("v3", [0]), ("v4", [0]), ("v5", [0])])
+@pytest.mark.parametrize(
+    ("version", "seeds"),
+    [("v2", [0, 1]), ("v3", [0]), ("v4", [0]), ("v5", [0]), ("v6", [0]), ("v7", [0]), ("v8", [0, 1])],
+)
 def test_candidate_versions_record_their_seeds_with_targets_from_their_numbers(version, seeds):
-    """docs/warmstart_v2 .. v5 (presets cpu_v2 .. cpu_v5, not shipped): their training seeds, every size 3-7 on 100
+    """docs/warmstart_v2 .. v8 (presets cpu_v2 .. cpu_v8; v8 is the shipped default): their training seeds, every size 3-7 on 100
     puzzles, and target verdicts that follow from the recorded values."""
     from pathlib import Path
 
@@ -71,6 +74,32 @@ def test_candidate_versions_record_their_seeds_with_targets_from_their_numbers(v
         assert r["targets"] == check_targets(values)
         measured = target_values(r)
         assert all(values[k] == v for k, v in measured.items() if v is not None)
+
+
+def test_shipped_default_meets_its_targets_and_reports_every_seed_trained():
+    """The shipped warmstart.json's seed table lists at least two training seeds, the shipped one first; each row's
+    verdicts are recomputed from that seed's own record (docs/warmstart_<version>/seed<N>.json, the shipped seed's
+    equal to the shipped file's numbers); the shipped seed meets every target."""
+    from pathlib import Path
+
+    from tokendyn.trainers.warmstart import TARGETS, check_targets, target_values
+
+    report = json.loads((EMBEDDED_DIR / "warmstart.json").read_text())
+    version = report["preset"].removeprefix("cpu_")
+    folder = Path(__file__).resolve().parents[1] / "docs" / f"warmstart_{version}"
+    checks = report["seed_checks"]
+    assert len(checks) >= 2 and checks[0]["seed"] == report["seed"]
+    for row in checks:
+        record = json.loads((folder / f"seed{row['seed']}.json").read_text())
+        values = target_values(record)
+        values["package_mb"] = report["targets"]["package_mb"]["value"]
+        assert row["targets"] == check_targets(values)
+        assert set(row["targets"]) == set(TARGETS)
+    assert checks[0]["targets"] == report["targets"]
+    assert all(t["met"] for t in report["targets"].values()), report["targets"]
+    shipped_record = json.loads((folder / f"seed{report['seed']}.json").read_text())
+    assert shipped_record["evaluation"] == report["evaluation"]
+    assert shipped_record["check_slice"] == report["check_slice"]
 
 
 def test_shipped_bin_shares_match_a_fresh_sample(shipped):

@@ -74,8 +74,19 @@ def test_verl_batch_to_rollouts_file_to_probe(tmp_path, monkeypatch):
     assert rollouts.height == 4 and len(rollouts["advantage"][0]) == 6
     run = tokendyn.load_run(out)
     assert PROBE_KINDS | ANALYSIS_KINDS <= set(run.kinds)
-    tokens = run["binstats"].filter(pl.col("point") == "final_norm.out").collect()
+    tokens = (
+        run["binstats"]
+        .filter((pl.col("point") == "final_norm.out") & (pl.col("quantity") == "norm"))
+        .collect()
+    )
     assert int(tokens["count"].sum()) == 4 * 6  # every response token probed once at the final norm
+    # norm/|w| and the bound ratio exist only for tokens with w != 0: a nonzero advantage
+    nonzero = sum(a != 0 for row in rollouts["advantage"].to_list() for a in row)
+    for quantity in ("norm_per_w", "ratio"):
+        with_w = run["binstats"].filter(
+            (pl.col("point") == "final_norm.out") & (pl.col("quantity") == quantity)
+        )
+        assert int(with_w.collect()["count"].sum()) == nonzero
 
 
 @pytest.mark.parametrize("script", ["custom_loop.py", "trl_script.py", "verl_rollouts.py"])

@@ -43,3 +43,41 @@ def test_fresh_data_rejects_the_official_seed():
 
     with pytest.raises(ValueError, match="seed: fresh data must not use the official seed"):
         fresh_puzzles(3, 1234, 10)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 7), seed=SEEDS)
+def test_v6_is_v5_with_free_interjection_endings(n, seed):
+    """Style v6 draws v5's text first, then one ending per interjection: with every ending put back to ".", v6 is v5
+    word for word; every interjection ends in one of INTERJECTION_ENDS, and nothing else changed."""
+    from tokendyn.trainers.completions import INTERJECTION_ENDS, INTERJECTIONS, reasoning_v5, reasoning_v6
+
+    (p,) = puzzles(n, seed, 0, 1)
+    v5 = reasoning_v5(p, random.Random(seed)).split(" ")
+    v6 = reasoning_v6(p, random.Random(seed)).split(" ")
+    words = {w[:-1] for w in INTERJECTIONS if w}
+    assert len(v5) == len(v6)
+    for a, b in zip(v5, v6, strict=True):
+        if a.endswith(".") and a[:-1] in words:
+            assert b[: len(a) - 1] == a[:-1] and b[len(a) - 1 :] in INTERJECTION_ENDS
+        else:
+            assert a == b
+
+
+def test_v6_endings_are_free_choices():
+    """Over 200 puzzles each ending is drawn about a third of the time (binomial 3 s.e. band)."""
+    from tokendyn.trainers.completions import INTERJECTION_ENDS, INTERJECTIONS, reasoning_v6
+
+    words = {w[:-1] for w in INTERJECTIONS if w}
+    rng = random.Random(7)
+    counts = dict.fromkeys(INTERJECTION_ENDS, 0)
+    for p in puzzles(3, 99, 0, 200):
+        for token in reasoning_v6(p, rng).split(" "):
+            for end in sorted(INTERJECTION_ENDS, key=len, reverse=True):
+                if token.endswith(end) and token[: -len(end)] in words:
+                    counts[end] += 1
+                    break
+    total = sum(counts.values())
+    assert total > 500
+    for end, c in counts.items():
+        assert abs(c / total - 1 / 3) < 3 * (2 / 9 / total) ** 0.5, (end, counts)

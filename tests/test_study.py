@@ -125,6 +125,10 @@ def test_quick_study_end_to_end_and_resume(tmp_path, capsys):
     study(out, QUICK, say=said.append)
     assert [m.stat().st_mtime_ns for m in markers] == stamps
     assert sum("done earlier" in s for s in said) == len(markers)
+    # a part of the study (one method, one seed: how a study is split across processes) reuses the finished runs
+    said = []
+    study(out, with_size(QUICK, methods=("lopti",), seeds=(1,)), say=said.append)
+    assert [m.stat().st_mtime_ns for m in markers] == stamps and sum("done earlier" in s for s in said) == 2
     # a finished run of a different study is refused before any work, naming the field that differs
     with pytest.raises(ValueError, match="rollouts 1 vs 2"):
         study(out, with_size(QUICK, rollouts=2), say=lambda m: None)

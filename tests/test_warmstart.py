@@ -59,6 +59,43 @@ def test_cli_tiny_end_to_end(tmp_path, capsys):
     assert sum(report["bin_shares_T0.7"]["all_people"]) == pytest.approx(1.0)
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
     assert str(out) in capsys.readouterr().out
+    # every warmstart.json carries its target table, computed from its own numbers and the folder's size
+    files = [p for p in out.iterdir() if p.is_file() and p.name != "warmstart.json"]
+    assert report["targets"]["package_mb"]["value"] == round(sum(p.stat().st_size for p in files) / 1e6, 2)
+    acc3 = next(r["accuracy"] for r in report["evaluation"] if r["people"] == 3 and r["mode"] == "T=0.7")
+    assert report["targets"]["accuracy_3ppl_T0.7"] == {
+        "value": acc3,
+        "range": [0.25, 0.8],
+        "met": 0.25 <= acc3 <= 0.8,
+    }
+
+
+def test_seed_checks_table_every_seed_from_its_own_numbers():
+    from tokendyn.trainers.warmstart import with_seed_checks
+
+    def record(seed, acc, top):
+        return {
+            "preset": "p",
+            "seed": seed,
+            "evaluation": [{"people": 3, "mode": "T=0.7", "accuracy": acc, "format_valid": 1.0}],
+            "bin_shares_T0.7": {"people_3": [0.2, 0.02, 0.02, top]},
+            "tokens_below_0.5_T0.7": {"people_3": 0.22},
+            "training": {"train_cpu_s": 3000.0},
+            "targets": {"package_mb": {"value": 4.5, "range": [0.0, 8.0], "met": True}},
+        }
+
+    shipped = with_seed_checks(record(0, 0.3, 0.7), [record(2, 0.2, 0.74), record(1, 0.3, 0.8)])
+    checks = shipped["seed_checks"]
+    assert [c["seed"] for c in checks] == [0, 1, 2]
+    assert checks[1]["targets"]["tokens_in_top_bin_3ppl"] == {
+        "value": 0.8,
+        "range": [0.0, 0.75],
+        "met": False,
+    }
+    assert checks[2]["targets"]["accuracy_3ppl_T0.7"]["met"] is False
+    assert checks[2]["targets"]["package_mb"]["value"] == 4.5
+    with pytest.raises(ValueError, match="others: preset 'q' differs"):
+        with_seed_checks(record(0, 0.3, 0.7), [{**record(1, 0.3, 0.7), "preset": "q"}])
 
 
 @pytest.mark.parametrize(
@@ -66,7 +103,8 @@ def test_cli_tiny_end_to_end(tmp_path, capsys):
     [
         (
             ["--preset", "huge"],
-            "preset: must be one of ['cpu', 'cpu_v2', 'cpu_v3', 'cpu_v4', 'cpu_v5', 'gpu', 'tiny']",
+            "preset: must be one of ['cpu', 'cpu_v1', 'cpu_v2', 'cpu_v3', 'cpu_v4', 'cpu_v5', 'cpu_v6', 'cpu_v7', 'cpu_v8', "
+            "'gpu', 'tiny']",
         ),
         (["--preset", "tiny", "--seed", "-1"], "seed: must be >= 0"),
         (["--preset", "tiny", "--threads", "0"], "--threads: must be an integer >= 1, got 0"),

@@ -163,10 +163,10 @@ EMBEDDED_DIR = Path(__file__).parent / "default_policy"
 
 
 def default_policy_dir() -> Path:
-    """The embedded default policy shipped as package data (``tokendyn warmstart --preset cpu``)."""
+    """The embedded default policy shipped as package data (``tokendyn warmstart --preset cpu --seed 1``)."""
     if not (EMBEDDED_DIR / "config.json").is_file():
         raise FileNotFoundError(
             f"the embedded default policy is missing from {EMBEDDED_DIR}; "
-            "rebuild it with `tokendyn warmstart --preset cpu --out DIR` and pass --model DIR"
+            "rebuild it with `tokendyn warmstart --preset cpu --seed 1 --out DIR` and pass --model DIR"
         )
     return EMBEDDED_DIR

@@ -80,7 +80,7 @@ CLOSERS = (
 
 # the first version's phrasings are the first entries of each list (it regenerates the shipped default exactly)
 V1_OPENERS, V1_CONCLUSIONS, V1_CLOSERS = OPENERS[:6], CONCLUSIONS[:7], CLOSERS[:5]
-STYLES = ("v1", "v2", "v3", "v4", "v5")
+STYLES = ("v1", "v2", "v3", "v4", "v5", "v6")
 
 
 def search_order(p: Puzzle) -> list[int]:
@@ -220,6 +220,23 @@ def reasoning_v5(p: Puzzle, rng: random.Random) -> str:
     return " ".join(x for x in out if x)
 
 
+# v6: an interjection ends in one of these (its word a free choice, now its punctuation too: an LLM thinking aloud
+# writes "Hmm." as often as "Hmm..." or "Okay!"), so the token after the word is no longer certain
+INTERJECTION_ENDS = (".", "!", "...")
+
+
+def reasoning_v6(p: Puzzle, rng: random.Random) -> str:
+    """v5 with each interjection's full stop redrawn from ``INTERJECTION_ENDS`` (one draw per interjection, after
+    v5's text is drawn)."""
+    words = {w[:-1] for w in INTERJECTIONS if w}
+    out = []
+    for token in reasoning_v5(p, rng).split(" "):
+        if token.endswith(".") and token[:-1] in words:
+            token = token[:-1] + rng.choice(INTERJECTION_ENDS)
+        out.append(token)
+    return " ".join(out)
+
+
 def answer(p: Puzzle) -> str:
     """The official answer block body: "(1) A is a knight\\n(2) B is a knave"."""
     return p.solution_text_format
@@ -228,9 +245,16 @@ def answer(p: Puzzle) -> str:
 def completion(p: Puzzle, rng: random.Random, style: str = "v1") -> str:
     """Everything after the prompt's pre-filled ``<think>`` (the EOS token is appended by the caller); ``style``
     picks the reasoning: v1 (1-3 people), v2 (2..N people, varied openers), v3 (claims restated, no roles), v4
-    (v3 with interjections) or v5 (v4 with twice the interjections)."""
+    (v3 with interjections), v5 (v4 with twice the interjections) or v6 (v5, interjections ending in . ! or ...)."""
     if style not in STYLES:
         raise ValueError(f"style: must be one of {list(STYLES)}, got {style!r}")
-    styles = {"v1": reasoning_v1, "v2": reasoning, "v3": reasoning_v3, "v4": reasoning_v4, "v5": reasoning_v5}
+    styles = {
+        "v1": reasoning_v1,
+        "v2": reasoning,
+        "v3": reasoning_v3,
+        "v4": reasoning_v4,
+        "v5": reasoning_v5,
+        "v6": reasoning_v6,
+    }
     think = styles[style](p, rng)
     return f" {think} </think>\n<answer> {answer(p)} </answer>"

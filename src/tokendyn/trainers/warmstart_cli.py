@@ -10,7 +10,7 @@ def register(sub) -> None:
     p.add_argument(
         "--preset",
         default="cpu",
-        help="tiny (seconds, for tests) | cpu (the embedded default) | cpu_v2 .. cpu_v5 (candidates, not shipped) | gpu",
+        help="tiny (seconds, for tests) | cpu (the embedded default, = cpu_v8) | cpu_v1 .. cpu_v8 (every version) | gpu",
     )
     p.add_argument("--out", required=True, help="output directory (model, tokenizer, warmstart.json)")
     p.add_argument("--seed", type=int, default=0, help="training seed (>= 0)")
