@@ -53,8 +53,8 @@ def test_shipped_targets_are_its_own_measurements():
     [("v2", [0, 1]), ("v3", [0]), ("v4", [0]), ("v5", [0]), ("v6", [0]), ("v7", [0]), ("v8", [0, 1])],
 )
 def test_candidate_versions_record_their_seeds_with_targets_from_their_numbers(version, seeds):
-    """docs/warmstart_v2 .. v8 (presets cpu_v2 .. cpu_v8; v8 is the shipped default): their training seeds, every size 3-7 on 100
-    puzzles, and target verdicts that follow from the recorded values."""
+    """docs/warmstart_v2 .. v8 (presets cpu_v2 .. cpu_v8; v8 is the shipped default): their training seeds, every
+    size 3-7 on 100 puzzles, and target verdicts that follow from the recorded values."""
     from pathlib import Path
 
     from tokendyn.trainers.warmstart import PRESETS, TARGETS, check_targets, target_values

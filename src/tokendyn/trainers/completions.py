@@ -78,7 +78,7 @@ CLOSERS = (
 )
 
 
-# the first version's phrasings are the first entries of each list (it regenerates the shipped default exactly)
+# the first version's phrasings are the first entries of each list (preset cpu_v1 regenerates the first default)
 V1_OPENERS, V1_CONCLUSIONS, V1_CLOSERS = OPENERS[:6], CONCLUSIONS[:7], CLOSERS[:5]
 STYLES = ("v1", "v2", "v3", "v4", "v5", "v6")
 
