@@ -223,15 +223,15 @@ def reasoning_v5(p: Puzzle, rng: random.Random) -> str:
 # v6: an interjection ends in one of these (its word a free choice, now its punctuation too: an LLM thinking aloud
 # writes "Hmm." as often as "Hmm..." or "Okay!"), so the token after the word is no longer certain
 INTERJECTION_ENDS = (".", "!", "...")
+INTERJECTION_WORDS = frozenset(w[:-1] for w in INTERJECTIONS if w)  # "Hmm", "Okay", ... (the words, no full stop)
 
 
 def reasoning_v6(p: Puzzle, rng: random.Random) -> str:
     """v5 with each interjection's full stop redrawn from ``INTERJECTION_ENDS`` (one draw per interjection, after
     v5's text is drawn)."""
-    words = {w[:-1] for w in INTERJECTIONS if w}
     out = []
     for token in reasoning_v5(p, rng).split(" "):
-        if token.endswith(".") and token[:-1] in words:
+        if token.endswith(".") and token[:-1] in INTERJECTION_WORDS:
             token = token[:-1] + rng.choice(INTERJECTION_ENDS)
         out.append(token)
     return " ".join(out)
