@@ -223,7 +223,9 @@ def reasoning_v5(p: Puzzle, rng: random.Random) -> str:
 # v6: an interjection ends in one of these (its word a free choice, now its punctuation too: an LLM thinking aloud
 # writes "Hmm." as often as "Hmm..." or "Okay!"), so the token after the word is no longer certain
 INTERJECTION_ENDS = (".", "!", "...")
-INTERJECTION_WORDS = frozenset(w[:-1] for w in INTERJECTIONS if w)  # "Hmm", "Okay", ... (the words, no full stop)
+INTERJECTION_WORDS = frozenset(
+    w[:-1] for w in INTERJECTIONS if w
+)  # "Hmm", "Okay", ... (the words, no full stop)
 
 
 def reasoning_v6(p: Puzzle, rng: random.Random) -> str:
