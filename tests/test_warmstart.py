@@ -126,3 +126,17 @@ def test_resolve_device_keeps_the_cpu_presets_on_the_cpu():
     for bad in ("tpu", "cudafoo", "cuda:x"):
         with pytest.raises(ValueError, match="device: must be auto, cpu, cuda or cuda:N"):
             resolve_device(bad)
+
+
+def test_the_cpu_alias_is_recorded_by_its_version():
+    """`--preset cpu` trains the current default's recipe and records its versioned name (the shipped policy's), so a
+    record keeps naming its recipe after the alias moves to a later version; other names are recorded as given."""
+    import json
+
+    from tokendyn.policy import EMBEDDED_DIR
+    from tokendyn.trainers.warmstart import PRESETS, canonical_preset
+
+    version = canonical_preset("cpu")
+    assert version != "cpu" and PRESETS["cpu"] is PRESETS[version]
+    assert json.loads((EMBEDDED_DIR / "warmstart.json").read_text())["preset"] == version
+    assert canonical_preset("tiny") == "tiny" and canonical_preset("cpu_v1") == "cpu_v1"

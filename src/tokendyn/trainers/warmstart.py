@@ -141,7 +141,14 @@ PRESETS["cpu_v7"] = replace(
 PRESETS["cpu_v8"] = replace(PRESETS["cpu_v6"], reasoning="v6")
 # the embedded default (shipped in tokendyn/default_policy/: seed 1 of the two trained; warmstart.json there holds its
 # numbers and the target table of every seed trained)
-PRESETS["cpu"] = PRESETS["cpu_v8"]
+DEFAULT_CPU_PRESET = "cpu_v8"
+PRESETS["cpu"] = PRESETS[DEFAULT_CPU_PRESET]
+
+
+def canonical_preset(name: str) -> str:
+    """The versioned name of a preset: ``cpu`` is an alias of the current default's version, and records name the
+    version (they still name their recipe after the default moves on)."""
+    return DEFAULT_CPU_PRESET if name == "cpu" else name
 
 
 def eval_sizes(preset: WarmstartPreset) -> list[int]:
@@ -211,6 +218,7 @@ def train_policy(
     from .completions import completion
 
     preset = check_preset(preset_name)
+    preset_name = canonical_preset(preset_name)
     if threads:
         torch.set_num_threads(threads)
     cpu0 = time.process_time()  # CPU seconds of this process: the honest cost on a shared machine
@@ -395,6 +403,7 @@ def warmstart(
     from .evaluate import PAPER_BINS, bin_shares, evaluate
 
     preset = check_preset(preset_name)
+    preset_name = canonical_preset(preset_name)
     out = Path(out_dir)
     t0 = time.time()
     model, tokenizer, train_stats = train_policy(
