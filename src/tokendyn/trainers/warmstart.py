@@ -139,7 +139,7 @@ PRESETS["cpu_v7"] = replace(
 # eighth version: v6's mix and steps, interjections ending in ".", "!" or "..." (reasoning style v6): the token after
 # an interjection becomes a free choice too
 PRESETS["cpu_v8"] = replace(PRESETS["cpu_v6"], reasoning="v6")
-# the embedded default (shipped in tokendyn/default_policy/: seed 1 of the two trained; warmstart.json there holds its
+# the embedded default (shipped in tokendyn/default_policy/: seed 1 of the three trained; warmstart.json there holds its
 # numbers and the target table of every seed trained)
 DEFAULT_CPU_PRESET = "cpu_v8"
 PRESETS["cpu"] = PRESETS[DEFAULT_CPU_PRESET]
