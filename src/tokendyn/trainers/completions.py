@@ -80,7 +80,6 @@ CLOSERS = (
 
 # the first version's phrasings are the first entries of each list (preset cpu_v1 regenerates the first default)
 V1_OPENERS, V1_CONCLUSIONS, V1_CLOSERS = OPENERS[:6], CONCLUSIONS[:7], CLOSERS[:5]
-STYLES = ("v1", "v2", "v3", "v4", "v5", "v6")
 
 
 def search_order(p: Puzzle) -> list[int]:
@@ -244,19 +243,23 @@ def answer(p: Puzzle) -> str:
     return p.solution_text_format
 
 
+# reference reasoning per style: v1 (1-3 people), v2 (2..N people, varied openers), v3 (claims restated, no roles), v4
+# (v3 with interjections), v5 (v4 with twice the interjections), v6 (v5, interjections ending in . ! or ...)
+REASONING = {
+    "v1": reasoning_v1,
+    "v2": reasoning,
+    "v3": reasoning_v3,
+    "v4": reasoning_v4,
+    "v5": reasoning_v5,
+    "v6": reasoning_v6,
+}
+STYLES = tuple(REASONING)
+
+
 def completion(p: Puzzle, rng: random.Random, style: str = "v1") -> str:
     """Everything after the prompt's pre-filled ``<think>`` (the EOS token is appended by the caller); ``style``
-    picks the reasoning: v1 (1-3 people), v2 (2..N people, varied openers), v3 (claims restated, no roles), v4
-    (v3 with interjections), v5 (v4 with twice the interjections) or v6 (v5, interjections ending in . ! or ...)."""
-    if style not in STYLES:
+    picks the reasoning (`REASONING`)."""
+    if style not in REASONING:
         raise ValueError(f"style: must be one of {list(STYLES)}, got {style!r}")
-    styles = {
-        "v1": reasoning_v1,
-        "v2": reasoning,
-        "v3": reasoning_v3,
-        "v4": reasoning_v4,
-        "v5": reasoning_v5,
-        "v6": reasoning_v6,
-    }
-    think = styles[style](p, rng)
+    think = REASONING[style](p, rng)
     return f" {think} </think>\n<answer> {answer(p)} </answer>"
