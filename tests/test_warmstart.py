@@ -140,3 +140,19 @@ def test_the_cpu_alias_is_recorded_by_its_version():
     assert version != "cpu" and PRESETS["cpu"] is PRESETS[version]
     assert json.loads((EMBEDDED_DIR / "warmstart.json").read_text())["preset"] == version
     assert canonical_preset("tiny") == "tiny" and canonical_preset("cpu_v1") == "cpu_v1"
+
+
+def test_a_run_through_the_alias_records_the_version(tmp_path, monkeypatch):
+    """The recording path itself: with the alias pointed at the tiny recipe (so it runs in seconds), `--preset cpu`
+    writes the versioned name into warmstart.json and the policy's marker file, not the alias."""
+    import json
+
+    from tokendyn.policy import MARKER
+    from tokendyn.trainers import warmstart as ws
+
+    monkeypatch.setattr(ws, "DEFAULT_CPU_PRESET", "tiny")
+    monkeypatch.setitem(ws.PRESETS, "cpu", ws.PRESETS["tiny"])
+    out = tmp_path / "policy"
+    assert main(["warmstart", "--preset", "cpu", "--out", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "warmstart.json").read_text())["preset"] == "tiny"
+    assert json.loads((out / MARKER).read_text())["preset"] == "tiny"
