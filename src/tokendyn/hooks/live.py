@@ -13,7 +13,9 @@ the record writer (``binstats``, ``checks``), and the rebalancing analyses' file
 - ``probe/bound_violations``: logits-bound + head-bound violations (must be 0); ``probe/identity_max_rel_err``: the
   LM-head identity's largest relative error.
 
-Rank 0's records only (the other ranks' shards are merged on disk, not live).
+A probed optimizer step made of several micro-batches (gradient accumulation) hands one set of records per
+micro-batch: the step metrics are those of all of them together (token counts and violations summed, the largest
+error), the latest probed step's. Rank 0's records only (the other ranks' shards are merged on disk, not live).
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from tokendyn.records import shard_files
 from tokendyn.vocab import FULL_UPDATES
 
 ANALYSIS_KINDS = ("shares", "prob_change")
+# the columns `step_metrics` reads, per kind of the probe's step records
+STEP_COLUMNS = {
+    "binstats": ("quantity", "point", "bin", "count"),
+    "checks": ("logits_violations", "head_violations", "identity_max_rel_err"),
+}
 
 
 def _frame(cols) -> pl.DataFrame:
@@ -98,9 +105,30 @@ class LiveProbeMetrics(TrainerCallback):
         self.run_dir = Path(run_dir)
         self.pending: dict[str, float] = {}
         self.seen: set[Path] = set()
+        self._step: int | None = None  # the probed step whose micro-batches `_parts` holds
+        self._parts: dict[str, list[pl.DataFrame]] = {}
+        self._step_keys: set[str] = set()  # the keys of `pending` that `step_metrics` set for that step
 
     def collect(self, records: dict) -> None:
-        self.pending.update(step_metrics(records))
+        """Add one micro-batch's step records (kind -> columns): merged with the earlier micro-batches of the same
+        probed step (a new step starts afresh), and the step's metrics (`step_metrics` of the merged records)
+        replace those pending."""
+        frames = {k: _frame(records[k]) for k in STEP_COLUMNS if k in records}
+        frames = {k: f for k, f in frames.items() if f.height}
+        if not frames:
+            return
+        steps = [int(f["step"].max()) for f in frames.values() if "step" in f.columns]
+        step = max(steps) if steps else self._step
+        if step != self._step:
+            self._step, self._parts = step, {}
+        for kind, f in frames.items():
+            self._parts.setdefault(kind, []).append(f.select(c for c in STEP_COLUMNS[kind] if c in f.columns))
+        merged = {k: pl.concat(parts, how="diagonal_relaxed") for k, parts in self._parts.items()}
+        metrics = step_metrics(merged)
+        for key in self._step_keys - set(metrics):
+            self.pending.pop(key, None)
+        self._step_keys = set(metrics)
+        self.pending.update(metrics)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.seen = {

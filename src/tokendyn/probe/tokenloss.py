@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -367,24 +368,51 @@ class _Parts(nn.Module):
         return h, self._head.weight, self._head.bias
 
 
+def _peft_base(model: nn.Module) -> nn.Module | None:
+    """The Hugging Face causal LM inside PEFT's wrappers (PeftModel or PeftMixedModel -> its tuner, e.g. LoraModel ->
+    the model, whose layers hold the adapters), the model itself when it is not wrapped, None for a prompt-learning
+    adapter (prefix / prompt tuning: the wrapper's forward adds virtual tokens, so the inner model's backbone alone
+    is not the model's forward). A model can only be wrapped by PEFT once PEFT is imported (``sys.modules``)."""
+    peft = sys.modules.get("peft")
+    if peft is None:
+        return model
+    wrappers = tuple(
+        c for c in (getattr(peft, "PeftModel", None), getattr(peft, "PeftMixedModel", None)) if c
+    )
+    if wrappers and isinstance(model, wrappers):
+        config = getattr(model, "active_peft_config", None)
+        if getattr(config, "is_prompt_learning", False):
+            return None
+        model = model.base_model
+    tuner = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTuner", None)
+    if tuner is not None and isinstance(model, tuner):
+        model = model.model
+    return model
+
+
 def _split(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     """(backbone, head) when logits = head(backbone(ids).last_hidden_state) with a plain `nn.Linear` head (a Hugging
-    Face causal LM: ``base_model_prefix`` names the backbone), else None."""
+    Face causal LM, also inside a PEFT wrapper (`_peft_base`): its ``base_model_prefix`` names the backbone), else
+    None. Both are submodules of ``model``, so parameters substituted by their names in ``model`` reach them."""
     from tokendyn.probe.points import head_transform_supported
 
-    prefix = getattr(model, "base_model_prefix", None)
-    backbone = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if not isinstance(backbone, nn.Module) or backbone is model or type(head) is not nn.Linear:
+    lm = _peft_base(model)
+    if lm is None:
         return None
-    return (backbone, head) if head_transform_supported(model) else None
+    prefix = getattr(lm, "base_model_prefix", None)
+    backbone = getattr(lm, prefix, None) if isinstance(prefix, str) and prefix else None
+    get_head = getattr(lm, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(backbone, nn.Module) or backbone is lm or type(head) is not nn.Linear:
+        return None
+    return (backbone, head) if head_transform_supported(lm) else None
 
 
 def _split_checked(model: nn.Module, batch: ProbeBatch) -> tuple[nn.Module, nn.Linear] | None:
     """`_split`, confirmed once per model on the batch's first row: the head applied to the backbone's last hidden
     state reproduces the model's own last logit within float rounding (a model that scales its hidden state or
-    logits in its forward, e.g. MiniCPM, falls back to the model's full forward)."""
+    logits in its forward, e.g. MiniCPM, falls back to the model's full forward, and so does a split whose
+    "backbone" output is not as wide as the head's input)."""
     parts = _split(model)
     if parts is None:
         return None
@@ -398,8 +426,11 @@ def _split_checked(model: nn.Module, batch: ProbeBatch) -> tuple[nn.Module, nn.L
             out = model(**kwargs)
             want = (out.logits if hasattr(out, "logits") else out[0])[:, -1].float()
             h = _Parts(model, *parts)(ids, mask)[0]
-            got = torch.nn.functional.linear(h[:, -1], parts[1].weight, parts[1].bias).float()
-        ok = bool(((got - want).abs().max() <= 1e-3 * want.abs().max() + 1e-6).item())
+            # a "backbone" whose output is not the head's input (e.g. a wrapper's whole model) is no split
+            ok = h.dim() == 3 and h.size(-1) == parts[1].weight.size(1)
+            if ok:
+                got = torch.nn.functional.linear(h[:, -1], parts[1].weight, parts[1].bias).float()
+                ok = bool(((got - want).abs().max() <= 1e-3 * want.abs().max() + 1e-6).item())
         _SPLIT_OK[model] = ok
     return parts if ok else None
 

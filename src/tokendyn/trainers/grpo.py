@@ -15,6 +15,8 @@ only where it plugs into TRL's loop:
   denominator) is left alone, so all completion tokens are still counted. The KL term is masked per stage by
   replacing pi_ref with the (detached) current pi on the other stage's tokens, right after the forward pass
   (``_get_per_token_logps_and_entropies``): k3(x, x) = 0 with zero gradient, exactly.
+* ``_issue_warnings_after_load`` (resuming): the keys tied to a key the checkpoint held (a tied LM head) are not
+  reported as missing.
 
 With ``advantage_reweight_alpha=0``, Lopti off and ``advantage_estimator="grpo"`` every override is a pass-through.
 
@@ -177,6 +179,18 @@ class TokendynGRPOTrainer(GRPOTrainer):
         self._metrics["train"][name].append(total / count if count > 0 else float("nan"))
 
     # ------------------------------------------------------------------------------------------------- loss
+    def _issue_warnings_after_load(self, load_result) -> None:
+        """transformers' warnings after loading a checkpoint into the model, without the missing keys tied to a key
+        the checkpoint held (`tokendyn.trainers.resume.untied_missing_keys`: a tied LM head is stored once)."""
+        from types import SimpleNamespace
+
+        from .resume import untied_missing_keys
+
+        missing = untied_missing_keys(self.model, load_result.missing_keys)
+        super()._issue_warnings_after_load(
+            SimpleNamespace(missing_keys=missing, unexpected_keys=list(load_result.unexpected_keys))
+        )
+
     def training_step(self, *args, **kwargs):
         """TRL's micro-step (forward, loss, backward); the probe then reduces that micro-batch at once, so the last
         one of a run (or of a Lopti stage) is recorded like every other."""

@@ -112,6 +112,26 @@ def check_save_steps(cfg) -> None:
         )
 
 
+def untied_missing_keys(model, missing_keys) -> list[str]:
+    """The keys of ``missing_keys`` (of ``model.state_dict()``, absent from a loaded checkpoint) that are really
+    missing: less those whose tensor is tied to the tensor of a key the checkpoint held (the same storage, offset,
+    shape and strides, e.g. an LM head tied to the input embeddings, which a checkpoint stores once): loading that
+    key loaded them too."""
+    missing = list(missing_keys)
+    if not missing:
+        return missing
+
+    def place(t):
+        if t is None or t.numel() == 0 or t.is_meta:
+            return None
+        return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+    tensors = model.state_dict(keep_vars=True)
+    skip = set(missing)
+    loaded = {place(t) for k, t in tensors.items() if k not in skip} - {None}
+    return [k for k in missing if (p := place(tensors.get(k))) is None or p not in loaded]
+
+
 # ---- cutting the run directory back to the checkpoint ----------------------------------------------------------
 def truncate_records(run_dir: str | os.PathLike, step: int) -> int:
     """Drop every record row with step >= ``step`` (each shard rewritten atomically, or removed when emptied) and

@@ -55,7 +55,8 @@ class RunArguments:
         metadata={
             "help": "Length of the run in rollout batches (each generation batch is one RL step of the paper); "
             "sets max_steps so that every method sees the same rollouts (Lopti takes twice the optimizer steps "
-            "per rollout). 0 = use --max_steps as given. --eval_steps counts rollouts when this is set; --save_steps "
+            "per rollout). 0 = use --max_steps as given. An explicit --max_steps with this left at its default "
+            "wins (rollouts 0); giving both is an error. --eval_steps counts rollouts when this is set; --save_steps "
             "always counts rollouts (a checkpoint falls on a rollout boundary)."
         },
     )
@@ -115,7 +116,7 @@ EMBEDDED_DEFAULTS = dict(
     bf16=False,
     gradient_checkpointing=False,
     logging_steps=1,
-    max_steps=30,  # overridden by --rollouts (default 15 rollouts)
+    max_steps=30,  # overridden by --rollouts (default 15 rollouts) unless --max_steps is given
     eval_steps=5,  # in rollouts when --rollouts is set
     save_strategy="steps",  # checkpoint-N folders, to resume from (--resume_from_checkpoint) or to evaluate
     save_steps=5,  # in rollouts (checkpoints fall on rollout boundaries)

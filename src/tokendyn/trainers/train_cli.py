@@ -117,7 +117,33 @@ def parse(argv: list[str]):
                 "per_device_train_batch_size, steps_per_generation or num_generations accordingly)"
             )
         _fail(text)
+    resolve_length(run_args, cfg, given_fields(parser, argv, ("max_steps", "rollouts")))
     return run_args, cfg
+
+
+def given_fields(parser, argv: list[str], names: tuple[str, ...]) -> set[str]:
+    """The fields among ``names`` that ``argv`` sets (``--config`` flags included), as argparse matches them
+    (``--flag=value`` and abbreviations too): parsed again into a namespace that holds a marker for each, which
+    argparse keeps where no flag sets it."""
+    unset = object()
+    namespace = argparse.Namespace(**{name: unset for name in names})
+    parser.parse_known_args(argv, namespace=namespace)
+    return {name for name in names if getattr(namespace, name) is not unset}
+
+
+def resolve_length(run_args, cfg, given: set[str]) -> None:
+    """The run's length: an explicit ``--max_steps`` with ``--rollouts`` left at its default sets ``rollouts`` to 0
+    (max_steps as given); both given, with ``rollouts`` > 0, is an error naming both."""
+    if "max_steps" not in given:
+        return
+    if "rollouts" not in given:
+        run_args.rollouts = 0
+    elif run_args.rollouts:
+        _fail(
+            f"rollouts, max_steps: give one of them, not both (got rollouts={run_args.rollouts}, "
+            f"max_steps={cfg.max_steps}); --rollouts N sets max_steps to N x the optimizer steps per rollout, "
+            "--rollouts 0 trains --max_steps steps"
+        )
 
 
 # TRL/transformers fields a K&K run commonly sets: listed by the short `--help` next to tokendyn's own
