@@ -101,6 +101,9 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "vocab_size": pl.Int64,
         "temperature": pl.Float64,
         "grad_dtype": pl.Utf8,
+        "head_dtype": pl.Utf8,
+        "identity_rounded": pl.Boolean,
+        "entropy_term": pl.Boolean,
         "n_checked": pl.Int64,
         "identity_n": pl.Int64,
         "identity_max_rel_err": pl.Float64,
@@ -120,6 +123,8 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "head_n": pl.Int64,
         "head_violations": pl.Int64,
         "tolerance": pl.Float64,
+        "tolerance_rel": pl.Float64,
+        "bound_tolerance": pl.Float64,
     },
     # the bounded token sample: one row per (sampled token, point)
     "tokens": {

@@ -224,7 +224,9 @@ def checks_summary(checks: pl.LazyFrame) -> pl.DataFrame:
             pl.col("head_bound").min(),
             pl.col("head_violations").sum(),
             pl.col("tolerance").max(),
+            pl.col("tolerance_rel").max(),
             pl.col("grad_dtype").unique().sort().str.join(",").alias("grad_dtype"),
+            pl.col("head_dtype").drop_nulls().unique().sort().str.join(",").alias("head_dtype"),
         )
         .sort("stage")
         .collect()

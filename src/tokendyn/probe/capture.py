@@ -67,6 +67,13 @@ class Pass:
         self.forward_done = self.prepared = self.backward_seen = False
         self.w_kind: str | None = None  # "seq" (fused log_probs) or "completion" (the caller's logps [B, C])
         self.w_grad: torch.Tensor | None = None
+        self.entropy_seq: torch.Tensor | None = (
+            None  # fused head output entropy [b, S-1], aligned as logp_seq
+        )
+        self.e_kind: str | None = (
+            None  # an entropy bonus: "seq" (fused entropy) or "completion" (the caller's)
+        )
+        self.e_grad: torch.Tensor | None = None  # e = dL/dH
         self.logp_value: torch.Tensor | None = None  # [B, C] log pi_t at the forward
         self.positions: torch.Tensor | None = None  # [B, C] p(t)
         self.sample: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -75,13 +82,19 @@ class Pass:
         self.delta_check: torch.Tensor | None = None
         self.logits_grad_check: torch.Tensor | None = None
         self.grad_dtype: torch.dtype = torch.float32
+        self.head_dtype: torch.dtype = (
+            torch.float32
+        )  # the dtype the LM head's product ran in (autocast included)
+        self.autocast: tuple[bool, torch.dtype] = (False, torch.float32)  # at the LM-head input's forward
+        self.rounded: tuple | None = None  # a 16-bit head: (h, targets, shard, T) of the check tokens
         self.direct: torch.Tensor | None = None
 
     def release(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        self.hidden, self.logp_seq, self.logits, self.calls = {}, None, None, {}
+        self.hidden, self.logp_seq, self.logits, self.calls, self.rounded = {}, None, None, {}, None
+        self.entropy_seq = None
 
 
 def gather_completion(p: Pass, point_names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

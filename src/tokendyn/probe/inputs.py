@@ -20,6 +20,9 @@ class StepInputs:
     temperature: float
     token_positions: torch.Tensor | None  # [B, C] sequence index of o_t; default: the last C positions
     logps: torch.Tensor | None  # [B, C] the per-token log pi_t the loss is computed from (w_t = dL/d logps)
+    entropy: torch.Tensor | None = (
+        None  # [B, C] the entropies H_t of an entropy bonus in the loss (e_t = dL/dH_t)
+    )
 
 
 def _tensor(name: str, value, shape: tuple[int, int] | None = None, device=None) -> torch.Tensor:
@@ -47,6 +50,7 @@ def validate_inputs(
     temperature: float = 1.0,
     token_positions: torch.Tensor | None = None,
     logps: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> StepInputs:
     """Check every field; returns detached, normalised tensors (the mask as bool, pi_old as float64)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -104,11 +108,15 @@ def validate_inputs(
                 "probe: token_positions must be >= 1 (a token at position 0 has no predicting position)"
             )
 
-    if logps is not None:
-        _tensor("logps", logps, shape)
-        if not logps.is_floating_point() or not logps.requires_grad:
-            raise ValueError(
-                "probe: logps must be the floating per-token log-probability tensor the loss is computed from "
-                "(it must require grad, so that w = dL/dlogps is read during backward)"
-            )
-    return StepInputs(step, stage, valid, adv, p_old, ids, temperature, positions, logps)
+    for name, value, what, grad in (
+        ("logps", logps, "per-token log-probability tensor the loss is computed from", "w = dL/dlogps"),
+        ("entropy", entropy, "per-token entropy tensor of the loss's entropy bonus", "e = dL/dH"),
+    ):
+        if value is not None:
+            _tensor(name, value, shape)
+            if not value.is_floating_point() or not value.requires_grad:
+                raise ValueError(
+                    f"probe: {name} must be the floating {what} (it must require grad, so that {grad} is read "
+                    "during backward)"
+                )
+    return StepInputs(step, stage, valid, adv, p_old, ids, temperature, positions, logps, entropy)

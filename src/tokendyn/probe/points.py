@@ -5,13 +5,20 @@ Names (used in configs, records and figures alike):
   `final_norm.out`   the input of the LM head: the output of the final norm, or of the projection after it where
                      the backbone has one (OPT's `project_out`, opt-350m style)
 Families: Qwen2 / Llama / Mistral (`model.layers`, `model.norm`), GPT-2 (`transformer.h`, `transformer.ln_f`),
-GPT-NeoX and OPT-style backbones; wrappers (DDP `.module`, PEFT `get_base_model()`) are unwrapped first. A backbone
-with neither a final norm nor a projection (post-LN OPT) has no `final_norm.out`: its layers are probed, and the exact
-checks at the LM head (which need the head's input) are off.
+GPT-NeoX and OPT-style backbones; wrappers (DDP `.module`, PEFT `get_base_model()`) are unwrapped first.
+Between the last layer and the LM head a backbone may run a final norm, a projection, or both (OPT with
+`project_out`: norm, then projection); `final_norm.out` is the output of the last of them. A post-LN backbone (config
+`do_layer_norm_before=False`, OPT-style) with neither feeds the last layer's output to the head: there
+`final_norm.out` names that same tensor (an alias of `layers.{L-1}.out`), so the exact checks at the LM head run too.
+A backbone with neither and no such config has no `final_norm.out` (the checks are off, and the probe notes it).
+
+`replay_chain` lists every module call from the first layer to the head's input, the unprobed ones between (OPT's
+final norm before `project_out`) named `head_chain.{attr}`: the direct gradients replay along it.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,29 +72,62 @@ def _backbone(model: nn.Module) -> nn.Module:
     )
 
 
-def head_input_module(backbone: nn.Module) -> nn.Module | None:
-    """The module whose output is the LM head's input: a projection after the final norm if there is one, else the
-    final norm; None when the backbone has neither (the last layer's output feeds the head)."""
-    for names in (_HEAD_PROJECTIONS, _NORM_ATTRS):
-        found = next(
-            (getattr(backbone, a) for a in names if isinstance(getattr(backbone, a, None), nn.Module)), None
-        )
+def head_chain(backbone: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules run between the last decoder layer and the LM head, in forward order, as (attribute, module):
+    the final norm if there is one, then a projection if there is one (OPT's `project_out`); empty when the last
+    layer's output feeds the head."""
+    chain = []
+    for names in (_NORM_ATTRS, _HEAD_PROJECTIONS):
+        found = next((a for a in names if isinstance(getattr(backbone, a, None), nn.Module)), None)
         if found is not None:
-            return found
-    return None
+            chain.append((found, getattr(backbone, found)))
+    return chain
+
+
+def head_input_module(backbone: nn.Module) -> nn.Module | None:
+    """The module whose output is the LM head's input: the last of `head_chain`; for a post-LN backbone without
+    one (`post_ln_head_input`), the last decoder layer; else None."""
+    chain = head_chain(backbone)
+    if chain:
+        return chain[-1][1]
+    return _layers(backbone)[-1] if post_ln_head_input(backbone) else None
+
+
+def post_ln_head_input(backbone: nn.Module) -> bool:
+    """True when the last decoder layer's output is itself the LM head's input: no final norm and no projection, and
+    the config says the layers normalise their own outputs (``do_layer_norm_before=False``, post-LN OPT)."""
+    config = getattr(backbone, "config", None)
+    return not head_chain(backbone) and getattr(config, "do_layer_norm_before", None) is False
+
+
+def _layers(backbone: nn.Module) -> nn.ModuleList:
+    return next(
+        getattr(backbone, a) for a in _LAYER_ATTRS if isinstance(getattr(backbone, a, None), nn.ModuleList)
+    )
 
 
 def discover_points(model: nn.Module) -> list[ProbePoint]:
     """All probe points of a causal LM, in forward order: `layers.0.out` .. `layers.{L-1}.out`, then `final_norm.out`
     (the LM head's input, see `head_input_module`) unless the backbone has no module there."""
     backbone = _backbone(unwrap_model(model))
-    layers = next(
-        getattr(backbone, a) for a in _LAYER_ATTRS if isinstance(getattr(backbone, a, None), nn.ModuleList)
-    )
-    points = [ProbePoint(layer_point(i), layer, i) for i, layer in enumerate(layers)]
+    points = [ProbePoint(layer_point(i), layer, i) for i, layer in enumerate(_layers(backbone))]
     head_input = head_input_module(backbone)
     if head_input is not None:
         points.append(ProbePoint(FINAL_NORM, head_input, len(points)))
+    return points
+
+
+def replay_chain(model: nn.Module) -> list[ProbePoint]:
+    """Every module call from the first decoder layer to the LM head's input, in forward order (the input of each is
+    the output of the one before): the layers, then `head_chain` with its last module named `final_norm.out` and
+    the others `head_chain.{attr}`. A post-LN head input (`post_ln_head_input`) adds nothing: `final_norm.out` is
+    the last layer's output there."""
+    backbone = _backbone(unwrap_model(model))
+    points = [ProbePoint(layer_point(i), layer, i) for i, layer in enumerate(_layers(backbone))]
+    chain = head_chain(backbone)
+    for j, (attr, module) in enumerate(chain):
+        name = FINAL_NORM if j == len(chain) - 1 else f"head_chain.{attr}"
+        points.append(ProbePoint(name, module, len(points)))
     return points
 
 
@@ -107,20 +147,34 @@ def output_head(model: nn.Module) -> nn.Module:
     return head
 
 
-def head_transform_supported(model: nn.Module) -> bool:
-    """True when logits are a plain affine map of the final hidden state (no softcapping or logit scaling)."""
+_SCALES = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+
+
+def _text_config(model: nn.Module):
     config = getattr(unwrap_model(model), "config", None)
-    if config is None:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def logit_softcap(model: nn.Module) -> float | None:
+    """c of a soft-capped LM head (logits = c tanh(h W^T / c)): the config's `final_logit_softcapping` where the
+    model's forward applies it (Gemma 2 does; a Qwen2 config carrying the key does not), else None."""
+    value = getattr(_text_config(model), "final_logit_softcapping", None)
+    if not value:
+        return None
+    try:
+        applies = "final_logit_softcapping" in inspect.getsource(type(unwrap_model(model)).forward)
+    except (OSError, TypeError):
+        applies = True  # no source to read: trust the config (the identity check would show a wrong cap)
+    return float(value) if applies else None
+
+
+def head_transform_supported(model: nn.Module, softcap: bool = False) -> bool:
+    """True when logits are a plain affine map of the final hidden state (no logit scaling in the config; with
+    ``softcap``, a soft cap the forward applies is allowed: the probe's head checks model it,
+    `head.HeadShard.capped`)."""
+    text = _text_config(model)
+    if text is None:
         return True
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for attr in (
-        "final_logit_softcapping",
-        "logit_scale",
-        "output_multiplier",
-        "lm_head_multiplier",
-        "logits_scaling",
-    ):
-        value = getattr(text, attr, None)
-        if value is not None and value != 1.0:
-            return False
-    return True
+    if not softcap and getattr(text, "final_logit_softcapping", None):
+        return False
+    return all(getattr(text, attr, None) in (None, 1.0) for attr in _SCALES)

@@ -14,7 +14,7 @@ Driving it (one micro-batch = one forward + one backward):
     begin_step(...) -> forward -> backward -> end_step()      (trainer: inputs known before the forward)
     forward -> begin_step(..., logps=logps) -> backward        (custom loop, auto=True; the step ends by itself)
 
-Loud, not silent: every condition that switches a check off (a soft-capped or scaled LM head, a backbone without a
+Loud, not silent: every condition that switches a check off (a scaled LM head, a backbone without a
 final norm, a step without completion ids) warns once and becomes a `notes` record (`tokendyn analyze` lists them).
 """
 
@@ -40,17 +40,21 @@ from tokendyn.probe.capture import (
     in_backward,
 )
 from tokendyn.probe.direct import DirectMemoryError
-from tokendyn.probe.head import HeadShard, logits_identity_error, sigma_max_power
+from tokendyn.probe.head import HeadShard, logits_identity_error, sigma_max_gram
 from tokendyn.probe.inputs import StepInputs, validate_inputs
 from tokendyn.probe.points import (
     FINAL_NORM,
     discover_points,
     head_transform_supported,
+    logit_softcap,
     output_head,
+    replay_chain,
     select_points,
     unwrap_model,
 )
 from tokendyn.probe.reduce import HeadCheckData, StepData, StepResult, reduce_step
+from tokendyn.probe.head_entropy import entropy_direction
+from tokendyn.probe.rounding import LOW_PRECISION, head_compute_dtype, rounded_head_gradient
 from tokendyn.probe.replay import LayerCall, replay_direct_norms
 from tokendyn.probe.stats import LogHistogram, bottom_k_sample
 from tokendyn.records import process_rank
@@ -102,7 +106,8 @@ class GradientProbe:
         parallel.check_supported(model)
         self.data_parallel_size = parallel.resolve_data_parallel_size(model, data_parallel_size)
         self.model = unwrap_model(model)
-        self._all_points = discover_points(self.model)  # every layer and the final norm: replay inputs
+        self._all_points = discover_points(self.model)  # every layer and the LM head's input
+        self._chain = replay_chain(self.model)  # the module calls the direct gradients replay, in forward order
         self.points = select_points(self._all_points, cfg.points)
         self.point_names = [p.name for p in self.points]
         self.bins = BinSpec.parse(cfg.bins)
@@ -117,7 +122,8 @@ class GradientProbe:
         self.hist = hist or LogHistogram()
         self.generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + self.rank)
         self.has_final = FINAL_NORM in self.point_names
-        self.head_ok = self.has_final and head_transform_supported(self.model)
+        self.head_ok = self.has_final and head_transform_supported(self.model, softcap=True)
+        self.softcap = logit_softcap(self.model)
         self._notes: list[dict] = []  # notes not yet handed to the sink
         self._noted: set[str] = set()
         self._note_disabled_checks()
@@ -138,8 +144,9 @@ class GradientProbe:
         if FINAL_NORM not in {p.name for p in self._all_points}:
             self.note(
                 "no_final_norm",
-                f"{name} has no final norm or projection before its LM head (post-LN backbone): the exact checks "
-                "at the LM head and the direct gradients are off",
+                f"{name} has no final norm or projection before its LM head that the probe recognises, and its "
+                "config does not say that the last layer's output feeds the head (do_layer_norm_before=False): "
+                "the exact checks at the LM head and the direct gradients are off",
             )
         elif not self.has_final:
             self.note(
@@ -150,8 +157,8 @@ class GradientProbe:
         elif not self.head_ok:
             self.note(
                 "head_transform",
-                f"{name}'s logits are not a plain affine map of the final hidden state (soft-capped or scaled "
-                "LM head): the exact checks at the LM head and the direct gradients are off",
+                f"{name}'s logits are not a plain affine map of the final hidden state, nor a soft-capped one (a "
+                "scaled LM head): the exact checks at the LM head and the direct gradients are off",
             )
 
     def note(self, code: str, message: str, step: int | None = None) -> None:
@@ -191,7 +198,7 @@ class GradientProbe:
         for p in self.points:
             self._handles.append(p.module.register_forward_hook(partial(self._on_point_forward, p.name)))
         if self.direct_tokens > 0:
-            for p in self._all_points:
+            for p in self._chain:
                 self._handles.append(
                     p.module.register_forward_pre_hook(
                         partial(self._on_module_input, p.name), with_kwargs=True
@@ -230,9 +237,10 @@ class GradientProbe:
     # ---- driving ---------------------------------------------------------------------------------------------
     def begin_step(self, step: int | None = None, stage: str = "train", **fields) -> None:
         """Announce a micro-batch: completion_mask (required), advantages, old_logp (log pi_old; None: on-policy),
-        completion_ids, temperature, token_positions, logps. Call before the forward (or after it, before the
-        backward); a custom loop with ``auto=True`` may call it after the forward with ``logps=``. A finished
-        previous step (backward seen) is ended first."""
+        completion_ids, temperature, token_positions, logps, entropy (the per-token entropies [B, C] of an entropy
+        bonus in the loss: its gradient is then part of the exact checks; a fused head's ``output.entropy`` is read by
+        itself). Call before the forward (or after it, before the backward); a custom loop with ``auto=True`` may
+        call it after the forward with ``logps=``. A finished previous step (backward seen) is ended first."""
         step = self._next_step if step is None else step
         temperature = fields.pop("temperature", None)
         inputs = validate_inputs(
@@ -377,6 +385,7 @@ class GradientProbe:
             return
         if name == FINAL_NORM:
             p.hidden[name] = t
+            p.autocast = (torch.is_autocast_enabled(t.device.type), torch.get_autocast_dtype(t.device.type))
         p.handles.append(t.register_hook(partial(self._on_point_grad, p, name)))
 
     def _on_root_post(self, module, args, output) -> None:
@@ -389,6 +398,10 @@ class GradientProbe:
         if torch.is_tensor(lp) and lp.requires_grad:
             p.logp_seq = lp
             p.handles.append(lp.register_hook(partial(self._on_logp_grad, p, "seq")))
+        ent = getattr(output, "entropy", None)
+        if torch.is_tensor(ent) and ent.requires_grad:
+            p.entropy_seq = ent
+            p.handles.append(ent.register_hook(partial(self._on_entropy_grad, p, "seq")))
         logits = getattr(output, "logits", None)
         if torch.is_tensor(logits) and logits.requires_grad:
             p.logits = logits
@@ -406,10 +419,30 @@ class GradientProbe:
             p.grad_dtype = grad.dtype
             if p.check_at is not None:
                 p.delta_check = grad.detach()[p.check_at].float()
+            if p.check is not None and p.e_grad is not None:
+                p.check.entropy_weight = self._at_checks(p, p.e_grad, p.e_kind).to(torch.float64)
+            if p.rounded is not None and p.check is not None and p.w_grad is not None:
+                # a 16-bit head: its rounding predicted here, in the training backward (W is still the forward's)
+                h, targets, shard, temperature = p.rounded
+                p.check.rounded = rounded_head_gradient(
+                    h, shard, targets, self._at_checks(p, p.w_grad, p.w_kind), temperature, p.head_dtype,
+                    e=p.check.entropy_weight,
+                )  # fmt: skip
 
     def _on_logp_grad(self, p: Pass, kind: str, grad: torch.Tensor) -> None:
         if not self._guard and kind == p.w_kind:
             p.w_grad = grad.detach().clone()
+
+    def _on_entropy_grad(self, p: Pass, kind: str, grad: torch.Tensor) -> None:
+        if not self._guard and kind == p.e_kind:
+            p.e_grad = grad.detach().clone()
+
+    @staticmethod
+    def _at_checks(p: Pass, grad: torch.Tensor, kind: str) -> torch.Tensor:
+        """A per-token gradient (w or e, [B, C] "completion" or [b, S-1] "seq") at the check tokens, flat [Kc]."""
+        if kind != "completion":
+            grad = torch.gather(grad, 1, p.positions.clamp(max=grad.shape[1] - 1))
+        return grad.reshape(-1)[p.sample[0][: p.check.direction.shape[0]]]
 
     def _on_logits_grad(self, p: Pass, idx: torch.Tensor, at: tuple, head: tuple, grad: torch.Tensor) -> None:
         """The logits-level identity error of the check tokens, computed here, in the training backward (W is still
@@ -449,6 +482,11 @@ class GradientProbe:
             p.logp_value = torch.gather(p.logp_seq.detach(), 1, pos.clamp(max=p.logp_seq.shape[1] - 1))
         else:
             return  # wait for watch_logps
+        if inp.entropy is not None:
+            p.e_kind = "completion"
+            p.handles.append(inp.entropy.register_hook(partial(self._on_entropy_grad, p, "completion")))
+        elif p.entropy_seq is not None:
+            p.e_kind = "seq"
         p.positions, p.prepared = pos, True
         n_check = c_len * n_rows if self.check_tokens is None else self.check_tokens
         k = max(self.sample_tokens, self.direct_tokens, n_check)
@@ -460,6 +498,7 @@ class GradientProbe:
         h_final = p.hidden.get(FINAL_NORM)
         if self.head_ok and h_final is not None and inp.completion_ids is not None:
             shard = parallel.head_shard(output_head(self.model))  # FSDP2: this rank's vocabulary rows only
+            shard.softcap = self.softcap
             kc = min(n_check, idx.shape[0])
             kd = min(self.direct_tokens, idx.shape[0])
             self._n_prepared += 1
@@ -470,13 +509,28 @@ class GradientProbe:
             q, sigma_lower = parallel.head_sample_quantities(h, shard, targets, inp.temperature)
             p.check_at = (rows[:kc], spos[:kc])
             sigma, sigma_step = self._sigma_max(shard, inp.step, sigma_lower)
+            p.head_dtype = head_compute_dtype(shard.weight.dtype, h_final.dtype, p.autocast)
             p.check = HeadCheckData(
                 vocab_size=shard.vocab,
                 sigma_max=sigma,
                 sigma_step=sigma_step,
                 direction=q.direction[:kc],
                 logits_ratio=q.logits_ratio[:kc],
+                head_dtype=p.head_dtype,
             )
+            # the head's rounding is modelled for a plain affine head (a soft cap's 16-bit tanh is not: 8 eps)
+            if p.head_dtype in LOW_PRECISION and shard.group is None and shard.softcap is None and kc > 0:
+                p.rounded = (h[:kc], targets[:kc], shard, inp.temperature)
+            if p.e_kind is not None and kc > 0:
+                if shard.group is None:
+                    p.check.entropy_direction = entropy_direction(h[:kc], shard, inp.temperature)
+                else:
+                    self.note(
+                        "entropy_sharded",
+                        "an entropy bonus with a vocabulary-sharded LM head: its gradient is not in the identity "
+                        "check's prediction (identity errors include it)",
+                        inp.step,
+                    )
             if p.logits is not None and kc > 0 and shard.group is None:
                 off = seq - p.logits.shape[1]
                 at = (rows[:kc], (spos[:kc] - off).clamp(min=0))
@@ -498,11 +552,11 @@ class GradientProbe:
         full = torch.full(
             (len(self.point_names), rows.shape[0]), float("nan"), dtype=torch.float32, device=rows.device
         )
-        calls = [p.calls.get(q.name) for q in self._all_points]
+        calls = [p.calls.get(q.name) for q in self._chain]
         self._guard = True  # the probe's own tensor hooks must ignore these backwards
         try:
             if any(c is None for c in calls):
-                missing = [q.name for q, c in zip(self._all_points, calls, strict=True) if c is None]
+                missing = [q.name for q, c in zip(self._chain, calls, strict=True) if c is None]
                 raise RuntimeError(f"the forward never called {', '.join(missing)}")
             agree = partial(parallel.agree_max, model=self.model, device=rows.device)
             d = replay_direct_norms(
@@ -546,9 +600,9 @@ class GradientProbe:
             self._sigma = (float(state["sigma"]), state["vector"].to(torch.float64), int(state["step"]))
 
     def _sigma_max(self, shard: HeadShard, step: int, lower: float) -> tuple[float, int]:
-        """(sigma, the step it was computed at): sigma_max(W) by power iteration (`head.sigma_max_power`, relative
-        tolerance `head.SIGMA_TOL`, warm-started from the last singular vector), recomputed on the first call and
-        then on every `sigma_every`-th (a collective under a sharded head: every rank calls it as often). In
+        """(sigma, the step it was computed at): sigma_max(W) = sqrt(lambda_max(W^T W)) from the H x H Gram matrix
+        (`head.sigma_max_gram`: one float64 pass over the head, exact to float64 rounding), recomputed on the first
+        call and then on every `sigma_every`-th (a collective under a sharded head: every rank calls it as often). In
         between, the W of the last refresh stands in for the current one, and the value is raised to `lower` (a
         lower bound of the current sigma_max from this micro-batch's tokens), so that a head grown since the
         refresh cannot make the bound check count tokens above a bound the current W allows them to reach."""
@@ -556,8 +610,7 @@ class GradientProbe:
         self._n_checks += 1
         fresh = self._sigma is None or self._sigma[1].shape[0] != shard.hidden
         if fresh or due:
-            v0 = None if fresh else self._sigma[1]
-            sigma, v, _ = sigma_max_power(shard, v0, parallel.all_reduce_in(shard.group))
+            sigma, v = sigma_max_gram(shard, parallel.all_reduce_in(shard.group))
             self._sigma = (sigma, v, step)
         sigma, _, at = self._sigma
         return max(sigma, lower), at

@@ -37,6 +37,14 @@ class HeadCheckData:
         None  # ||T dL/dz - w (e_o - pi)|| / ||w (e_o - pi)||, [Kc] float64
     )
     grad_dtype: torch.dtype = torch.float32
+    head_dtype: torch.dtype = torch.float32  # the dtype the LM head's product ran in (autocast included)
+    rounded: torch.Tensor | None = (
+        None  # a 16-bit head: δ predicted with its rounding [Kc, H] (`rounding.py`)
+    )
+    entropy_direction: torch.Tensor | None = (
+        None  # an entropy bonus: v = dH/dh [Kc, H] float64 (`head_entropy`)
+    )
+    entropy_weight: torch.Tensor | None = None  # e = dL/dH of the check tokens [Kc] float64
 
 
 @dataclass
@@ -240,6 +248,27 @@ def reduce_step(d: StepData) -> StepResult:
     return StepResult(records, edges, bins, d.norms, w, pi, pi_old)
 
 
+def check_tolerances(
+    grad_dtype: torch.dtype, head_dtype: torch.dtype, rounded: bool
+) -> tuple[float, float, float]:
+    """(tol, tol_rel, tol_bound) from the arithmetic that ran. The identity is violated where
+    ||delta - pred|| > tol |w| sigma_max / T + tol_rel ||pred||; the head bound where the ratio exceeds it by a
+    factor 1 + tol_bound.
+
+    A head computing in float32 or wider: tol = max(1e-4, 8 eps(grad dtype)) on the scale |w| sigma_max / T (float32
+    cancellation in e_o - pi, which the plain relative error magnifies by 1 / (1 - pi)), tol_rel = 0, tol_bound = tol.
+    A 16-bit head (autocast, or 16-bit weights): its rounding is in the prediction (`rounding.py`) and what is left
+    is the rounding of delta itself: tol_rel = eps(head dtype) (tol stays the float32 softmax's); where the
+    prediction could not be rounded (a vocabulary-sharded head), tol_rel = 8 eps(head dtype), since the forward's
+    rounded logits move pi by about 2 eps. The bound, an inequality on exact arithmetic, allows the same 8 eps."""
+    eps = torch.finfo(grad_dtype).eps if grad_dtype.is_floating_point else 1e-7
+    tol = max(1e-4, 8 * eps) if head_dtype not in (torch.bfloat16, torch.float16) else 1e-4
+    if head_dtype not in (torch.bfloat16, torch.float16):
+        return tol, 0.0, tol
+    eps_head = torch.finfo(head_dtype).eps
+    return tol, eps_head if rounded else 8 * eps_head, max(tol, 8 * eps_head)
+
+
 def _checks(d: StepData, ratio, keep, wflat, ompflat):
     """The exact checks: LM-head identity, logits-level bound, provable bound at the LM-head input."""
     c = d.check
@@ -255,39 +284,54 @@ def _checks(d: StepData, ratio, keep, wflat, ompflat):
     viol_logits = int((lr_ok & ((lr < lo_b * (1 - 1e-9)) | (lr > hi_b * (1 + 1e-9)))).sum())
     ident = torch.full((kc,), math.nan, dtype=torch.float64, device=lr.device)
     scaled = ident.clone()
+    tol, tol_rel, tol_bound = check_tolerances(c.grad_dtype, c.head_dtype, rounded=c.rounded is not None)
+    viol = torch.zeros(kc, dtype=torch.bool, device=lr.device)
+    entropy_part = None  # e v: an entropy bonus's gradient at the LM-head input (`head_entropy`)
+    if c.entropy_direction is not None and c.entropy_weight is not None:
+        entropy_part = c.entropy_direction * c.entropy_weight.to(lr.device).unsqueeze(-1)
     if c.delta is not None:
-        pred = c.direction * w_sel.unsqueeze(-1)
+        pred = c.direction * w_sel.unsqueeze(-1) if c.rounded is None else c.rounded.to(lr.device)
+        if entropy_part is not None and c.rounded is None:
+            pred = pred + entropy_part
         ident = torch.where(ok, B.relative_error(c.delta, pred), ident)
         # the same error on the scale |w| sigma_max / T of a token far from pi = 1: float32 cancellation in
         # (e_o - pi) makes the plain relative error grow like eps / (1 - pi) as pi -> 1, this one does not
         scale = w_sel.abs() * c.sigma_max / d.temperature
-        err = torch.linalg.vector_norm(c.delta.to(torch.float64) - pred, dim=-1) / scale
-        scaled = torch.where(ok & (scale > 0), err, scaled)
+        diff = torch.linalg.vector_norm(c.delta.to(torch.float64) - pred, dim=-1)
+        scaled = torch.where(ok & (scale > 0), diff / scale, scaled)
+        # violated beyond both: tol on that scale, tol_rel of the prediction (a 16-bit head's own rounding)
+        limit = tol * scale + tol_rel * torch.linalg.vector_norm(pred, dim=-1)
+        viol = ok & (scale > 0) & (diff > limit)
     ident_logits = math.nan
     if c.logits_identity_err is not None:
         err = c.logits_identity_err.to(ok.device)
         err = err[ok & torch.isfinite(err)]
         ident_logits = float(err.max()) if err.numel() else math.nan
-    eps = torch.finfo(c.grad_dtype).eps if c.grad_dtype.is_floating_point else 1e-7
-    tol = max(1e-4, 8 * eps)
     head_bound = B.head_upper_bound(c.sigma_max, d.temperature)
     head_ratio = torch.where(
         keep & (wflat * ompflat > 0), ratio[d.final_index], torch.full_like(ratio[0], math.nan)
     )
+    if entropy_part is not None:
+        # the bound is about the policy-gradient term: delta - e v, known on the check tokens only
+        pg = torch.linalg.vector_norm(c.delta.to(torch.float64) - entropy_part, dim=-1)
+        pg_ratio = torch.full_like(head_ratio, math.nan)
+        pg_ratio[idx] = B.bound_ratio(pg, wflat[idx], ompflat[idx])
+        head_ratio = torch.where(torch.isfinite(head_ratio), pg_ratio, head_ratio)
     finite = torch.isfinite(head_ratio)
     head_n = int(finite.sum())
     head_max = float(head_ratio[finite].max()) if head_n else math.nan
-    head_viol = int((head_ratio[finite] > head_bound * (1 + tol)).sum())
+    head_viol = int((head_ratio[finite] > head_bound * (1 + tol_bound)).sum())
     fin_ident = ident[torch.isfinite(ident)]
     fin_scaled = scaled[torch.isfinite(scaled)]
-    ident_viol = int(
-        (fin_scaled > tol).sum()
-    )  # the identity must hold on the scale that does not grow as pi -> 1
+    ident_viol = int(viol.sum())
     lr_fin = lr[lr_ok]
     cols = {
         "vocab_size": [vocab],
         "temperature": [float(d.temperature)],
         "grad_dtype": [str(c.grad_dtype).replace("torch.", "")],
+        "head_dtype": [str(c.head_dtype).replace("torch.", "")],
+        "identity_rounded": [c.rounded is not None],
+        "entropy_term": [entropy_part is not None],
         "n_checked": [int(ok.sum())],
         "identity_n": [int(fin_ident.numel())],
         "identity_max_rel_err": [float(fin_ident.max()) if fin_ident.numel() else math.nan],
@@ -307,6 +351,8 @@ def _checks(d: StepData, ratio, keep, wflat, ompflat):
         "head_n": [head_n],
         "head_violations": [head_viol],
         "tolerance": [tol],
+        "tolerance_rel": [tol_rel],
+        "bound_tolerance": [tol_bound],
     }
     for k, v in cols.items():
         if isinstance(v[0], float):

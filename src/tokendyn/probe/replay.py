@@ -92,11 +92,11 @@ def _plain(module: nn.Module, dtype: torch.dtype | None) -> Iterator[nn.Module]:
 def _run(call: LayerCall, x: torch.Tensor) -> torch.Tensor:
     """The module's plain forward on x (its recorded first argument replaced), as it ran in the forward."""
     module = _inner(call.module)
-    kwargs = dict(call.kwargs)
-    # a KV cache (`past_key_values`, `cache`) was filled by this very forward: do not append to it again
-    for key, value in kwargs.items():
-        if hasattr(value, "get_seq_length"):
-            kwargs[key] = None
+    # a KV cache (`past_key_values`, `cache`; GPT-2 passes it positionally) was filled by this very forward: a
+    # replay that appended to it again would attend to the forward's keys beside its own (the same output, since
+    # the keys repeat, but half the gradient lost into the forward's detached copy)
+    args = tuple(None if hasattr(a, "get_seq_length") else a for a in call.args[1:])
+    kwargs = {k: None if hasattr(v, "get_seq_length") else v for k, v in call.kwargs.items()}
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     cpu, cuda = call.rng
@@ -113,7 +113,7 @@ def _run(call: LayerCall, x: torch.Tensor) -> torch.Tensor:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, x.device)
-        out = module.forward(x, *call.args[1:], **kwargs)
+        out = module.forward(x, *args, **kwargs)
     return out if torch.is_tensor(out) else out[0]
 
 
@@ -241,9 +241,10 @@ def replay_direct_norms(
 ) -> dict[str, torch.Tensor]:
     """{point: [K] float32 ||d log pi_k / d h_point[rows_k, positions_k]||} for the probed points.
 
-    `calls`: every decoder layer then the final norm, in forward order (the input of calls[i] is the output of
-    calls[i-1]); `direction` [K, H] = d log pi_k / dh at the LM-head input. Only rows that hold tokens are replayed
-    (rows of a causal LM never interact), in groups under the memory cap (`plan_rows`: r rows x c slots at a
+    `calls`: every module call from the first decoder layer to the LM head's input, in forward order (the input of
+    calls[i] is the output of calls[i-1]; `points.replay_chain`); a probed `final_norm.out` that is not among them is
+    the last call's output (a post-LN head input). `direction` [K, H] = d log pi_k / dh at the LM-head input. Only
+    rows that hold tokens are replayed (rows of a causal LM never interact), in groups under the memory cap (`plan_rows`: r rows x c slots at a
     time; every row at once where a module drops out at random, so that the replay draws the forward's masks),
     each group from the final norm down to the layer after the lowest probed one. Under FSDP2 every rank must gather
     the same weights as often, so `agree` (a max over the ranks there) makes the number of replays the same on every
@@ -253,7 +254,8 @@ def replay_direct_norms(
     k_total = rows.shape[0]
     out = {n: torch.full((k_total,), float("nan"), dtype=torch.float32, device=device) for n in probed}
     names = [c.name for c in calls]
-    lowest = min(names.index(n) for n in probed)
+    alias = {n: names[-1] for n in probed if n not in names}  # a post-LN head input: the last layer's output
+    lowest = min(names.index(alias.get(n, n)) for n in probed)
     top = calls[-1]
     x_top = top.args[0]
     b, seq, hidden = x_top.shape[0], x_top.shape[1], x_top.shape[-1]
@@ -278,10 +280,11 @@ def replay_direct_norms(
     work += [(torch.zeros(1, dtype=torch.long, device=device), 0, 0)] * (n_work - len(work))
 
     def record(name: str, grads: torch.Tensor, sel: torch.Tensor, local: torch.Tensor, start: int) -> None:
-        if name in out:
-            out[name][sel] = torch.linalg.vector_norm(
-                grads[slots[sel] - start, local, positions[sel]], dim=-1, dtype=torch.float32
-            )
+        for target in [name] + [a for a, n in alias.items() if n == name]:
+            if target in out:
+                out[target][sel] = torch.linalg.vector_norm(
+                    grads[slots[sel] - start, local, positions[sel]], dim=-1, dtype=torch.float32
+                )
 
     for index, start, stop in work:
         in_group = torch.ones_like(rows, dtype=torch.bool) if index is None else torch.isin(rows, index)
