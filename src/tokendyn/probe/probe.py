@@ -41,6 +41,7 @@ from tokendyn.probe.capture import (
 )
 from tokendyn.probe.direct import DirectMemoryError
 from tokendyn.probe.head import HeadShard, logits_identity_error, sigma_max_gram
+from tokendyn.probe.head_entropy import entropy_direction
 from tokendyn.probe.inputs import StepInputs, validate_inputs
 from tokendyn.probe.points import (
     FINAL_NORM,
@@ -53,9 +54,8 @@ from tokendyn.probe.points import (
     unwrap_model,
 )
 from tokendyn.probe.reduce import HeadCheckData, StepData, StepResult, reduce_step
-from tokendyn.probe.head_entropy import entropy_direction
-from tokendyn.probe.rounding import LOW_PRECISION, head_compute_dtype, rounded_head_gradient
 from tokendyn.probe.replay import LayerCall, replay_direct_norms
+from tokendyn.probe.rounding import LOW_PRECISION, head_compute_dtype, rounded_head_gradient
 from tokendyn.probe.stats import LogHistogram, bottom_k_sample
 from tokendyn.records import process_rank
 
@@ -107,7 +107,9 @@ class GradientProbe:
         self.data_parallel_size = parallel.resolve_data_parallel_size(model, data_parallel_size)
         self.model = unwrap_model(model)
         self._all_points = discover_points(self.model)  # every layer and the LM head's input
-        self._chain = replay_chain(self.model)  # the module calls the direct gradients replay, in forward order
+        self._chain = replay_chain(
+            self.model
+        )  # the module calls the direct gradients replay, in forward order
         self.points = select_points(self._all_points, cfg.points)
         self.point_names = [p.name for p in self.points]
         self.bins = BinSpec.parse(cfg.bins)
