@@ -336,7 +336,8 @@ def run_cell(cell: Cell, run_dir: Path | None = None, **probe_options) -> Result
     """Run one cell (probe options: every token sampled, recorded, checked and given its direct gradient, unless
     ``probe_options`` say otherwise) and compare it with its reference."""
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="matrix-"))
-    options = dict(direct_tokens=64, direct_every=1, sample_tokens=64, check_tokens=None) | probe_options
+    options = dict(direct_tokens=64, direct_every=1, direct_budget=None, sample_tokens=64, check_tokens=None)
+    options |= probe_options
     base = build(cell.arch)
     batch = sample_batch(base)
     model = with_adapter(base, cell.adapter)

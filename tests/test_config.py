@@ -28,6 +28,8 @@ BAD = {
     "direct_chunk": (0, "direct_chunk: must be an integer >= 1"),
     "direct_memory_mb": (0, "direct_memory_mb: must be None (no cap) or a number > 0, got 0"),
     "check_tokens": (-2, "check_tokens: must be None (every token) or an integer >= 0"),
+    "check_budget": (0, "check_budget: must be None (no budget) or a number > 0, got 0"),
+    "direct_budget": (-0.1, "direct_budget: must be None (no budget) or a number > 0, got -0.1"),
     "sigma_every": (0, "sigma_every: must be an integer >= 1, got 0"),
     "flush_seconds": (float("nan"), "flush_seconds: must be a number >= 0"),
     "sample_sequences": (True, "sample_sequences: must be an integer >= 0"),

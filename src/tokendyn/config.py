@@ -148,6 +148,18 @@ class ProbeConfig:
         "Tokens per probed micro-batch checked exactly at the LM head; None = every token (then three float64 "
         "[tokens, hidden] buffers grow with the micro-batch); >= 0.",
     )
+    check_budget: float | None = _opt(
+        0.02,
+        "Share of a micro-batch's training flops (6 x parameters x tokens) the exact LM-head checks may use: fewer "
+        "than check_tokens are checked where their float64 passes over the head would cost more (never fewer "
+        "than 32; probe/budget.py); None = check_tokens exactly; > 0.",
+    )
+    direct_budget: float | None = _opt(
+        0.02,
+        "Share of the probed micro-batches' training flops the direct gradients' layer replays may use, on "
+        "average: a replay runs when its credit allows (the first micro-batch always; probe/budget.py), on top of "
+        "direct_every; None = every direct_every-th micro-batch whatever it costs; > 0.",
+    )
     sigma_every: int = _opt(
         16, "Probed micro-batches between power-iteration refreshes of the LM head's sigma_max; >= 1."
     )
@@ -200,6 +212,11 @@ class ProbeConfig:
             _int(name, getattr(self, name), 1)
         if self.check_tokens is not None:
             _int("check_tokens", self.check_tokens, 0, "None (every token) or ")
+        for name in ("check_budget", "direct_budget"):
+            value = getattr(self, name)
+            if value is not None:
+                _number(name, value, "None (no budget) or a number > 0", lo=0.0)
+                set_(self, name, float(value))
         if self.direct_memory_mb is not None:
             _number("direct_memory_mb", self.direct_memory_mb, "None (no cap) or a number > 0", lo=0.0)
             set_(self, "direct_memory_mb", float(self.direct_memory_mb))

@@ -30,7 +30,7 @@ from torch import nn
 
 from tokendyn.config import ProbeConfig
 from tokendyn.config import resolve as resolve_config
-from tokendyn.probe import parallel
+from tokendyn.probe import budget, parallel
 from tokendyn.probe.bins import BinSpec
 from tokendyn.probe.capture import (
     Pass,
@@ -117,7 +117,10 @@ class GradientProbe:
         self.direct_every, self.direct_chunk = cfg.direct_every, cfg.direct_chunk
         self.direct_memory_mb, self.sigma_every = cfg.direct_memory_mb, cfg.sigma_every
         self._n_prepared = 0
-        self.check_tokens = cfg.check_tokens
+        self.check_tokens, self.check_budget = cfg.check_tokens, cfg.check_budget
+        params, emb = budget.flop_parameters(self.model)
+        self._flop_params = params - emb  # arithmetic per token (`budget.py`)
+        self._direct_credit = budget.DirectCredit(cfg.direct_budget)
         self.temperature = float(temperature)
         self.auto, self.sink, self.enabled = auto, sink, True
         self.rank = process_rank() if rank is None else rank
@@ -501,10 +504,12 @@ class GradientProbe:
         if self.head_ok and h_final is not None and inp.completion_ids is not None:
             shard = parallel.head_shard(output_head(self.model))  # FSDP2: this rank's vocabulary rows only
             shard.softcap = self.softcap
-            kc = min(n_check, idx.shape[0])
+            kc = budget.check_tokens_within(
+                n_check, idx.shape[0], self._flop_params, b * seq, shard.hidden, shard.vocab,
+                None if self.check_tokens is None else self.check_budget,
+            )  # fmt: skip
             kd = min(self.direct_tokens, idx.shape[0])
-            self._n_prepared += 1
-            do_direct = kd > 0 and (self._n_prepared - 1) % self.direct_every == 0
+            do_direct = self._direct_due(kd, rows[:kd], b, seq, shard)
             kh = max(kc, kd if do_direct else 0)
             targets = inp.completion_ids.to(device).reshape(-1)[idx[:kh]]
             h = h_final.detach()[rows[:kh], spos[:kh]]
@@ -541,6 +546,26 @@ class GradientProbe:
             if do_direct:
                 p.direct = self._direct(p, rows[:kd], spos[:kd], q.direction[:kd])
         p.hidden, p.logp_seq, p.logits, p.calls = {}, None, None, {}
+
+    def _direct_due(self, kd: int, rows: torch.Tensor, b: int, seq: int, shard: HeadShard) -> bool:
+        """Whether this micro-batch gets direct gradients: every `direct_every`-th probed micro-batch with a
+        positive credit (`budget.DirectCredit`: each micro-batch earns direct_budget x its training flops, a replay
+        spends its estimated flops, `budget.direct_flops`); under FSDP2 the ranks agree (one replays: all do)."""
+        self._n_prepared += 1
+        self._direct_credit.earn(budget.step_flops(self._flop_params, b * seq))
+        if kd <= 0:
+            return False
+        due = (self._n_prepared - 1) % self.direct_every == 0 and self._direct_credit.affordable()
+        due = bool(parallel.agree_max(int(due), self.model, rows.device))
+        if due:
+            per_row = torch.bincount(rows.cpu())
+            head_params = shard.vocab * shard.hidden
+            self._direct_credit.spend(
+                budget.direct_flops(
+                    max(self._flop_params - head_params, 0), seq, int((per_row > 0).sum()), int(per_row.max())
+                )
+            )
+        return due
 
     def _direct(self, p: Pass, rows, spos, direction) -> torch.Tensor | None:
         """[P, Kd] ||d log pi_t / d h_l[p(t)]|| on the first Kd sampled tokens (NaN for points not captured), from
@@ -591,13 +616,20 @@ class GradientProbe:
         """What the sigma_max schedule carries from step to step, for a checkpoint: the checks counted and, once
         computed, sigma_max, its right singular vector (CPU) and the step it was computed at. A resumed probe given
         it back (`load_sigma_state`) refreshes on the same schedule and records what an uninterrupted run does."""
+        base = {
+            "n_checks": self._n_checks,
+            "n_prepared": self._n_prepared,
+            "direct_credit": self._direct_credit.credit,
+        }
         if self._sigma is None:
-            return {"n_checks": self._n_checks}
+            return base
         sigma, v, step = self._sigma
-        return {"n_checks": self._n_checks, "sigma": sigma, "vector": v.detach().cpu(), "step": step}
+        return base | {"sigma": sigma, "vector": v.detach().cpu(), "step": step}
 
     def load_sigma_state(self, state: dict) -> None:
         self._n_checks = int(state["n_checks"])
+        self._n_prepared = int(state.get("n_prepared", self._n_prepared))
+        self._direct_credit.credit = float(state.get("direct_credit", self._direct_credit.credit))
         if "sigma" in state:
             self._sigma = (float(state["sigma"]), state["vector"].to(torch.float64), int(state["step"]))
 

@@ -1,0 +1,94 @@
+"""What the probe's two costly measurements may spend: a share of the training step's arithmetic, so that the cost
+stays the same fraction of a step on a 1M-parameter model with a 875-token vocabulary and on a 7B model with 152k.
+
+Counted in multiply-adds x 2 (flops), from shapes alone, so every rank of a run makes the same decision from the same
+numbers and a resumed run the same as an uninterrupted one. With N = tokens of the micro-batch (rows x sequence) and
+P = parameters that do arithmetic per token (every parameter but the input embedding's lookup table; the LM head
+counts), one training forward + backward is
+
+    step = 6 P N.
+
+The exact checks at the LM head stream the head (V x H) in float64 three times for K tokens (`head.py`: z and the
+softmax-weighted rows in `head_partial`, z again in `logits_identity_error`), 2 K H V each; float64 costs about two
+float32 flops on a CPU's vector units (more against a GPU's 16-bit units: a budget there is met with room), so
+
+    checks(K) = 12 K H V  <=  budget x step   <=>   K <= budget P N / (2 H V).
+
+The direct gradients replay the decoder layers (P_L = P - H V parameters) of the R rows that hold sampled tokens:
+one forward, then one backward (two forwards' work) per seed slot, m slots = the most sampled tokens in one row:
+
+    direct = 2 P_L S R (1 + 2 m)        (S = the sequence length).
+
+That is one to several training steps' worth, so it cannot run on every micro-batch; it runs when the credit allows:
+each probed micro-batch earns budget x step, a replay spends its cost, and a replay runs when the credit is >= 0
+(so the first micro-batch always gets one, and later ones once the debt is repaid).
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+CHECK_FLOOR = 32  # tokens checked at the LM head whatever the budget (all of them when fewer)
+
+
+def flop_parameters(model: nn.Module) -> tuple[int, int]:
+    """(P, P_emb): every parameter's element count (shared tensors once; FSDP2 DTensors at their global size) and
+    that of the input embedding's table, which is read, not multiplied (0 when the LM head shares it: then the
+    head's V x H is arithmetic and stays in P)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = id(p)
+        if key not in seen:
+            seen.add(key)
+            total += p.numel()
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    emb_w = getattr(emb, "weight", None)
+    out_w = getattr(out, "weight", None)
+    tied = emb_w is not None and out_w is not None and emb_w is out_w
+    return total, 0 if emb_w is None or tied else emb_w.numel()
+
+
+def step_flops(params: int, tokens: int) -> float:
+    """6 P N: one training forward and backward of N tokens through P arithmetic parameters."""
+    return 6.0 * params * tokens
+
+
+def check_tokens_within(
+    requested: int, available: int, params: int, tokens: int, hidden: int, vocab: int, budget: float | None
+) -> int:
+    """K = min(requested, available, max(CHECK_FLOOR, floor(budget P N / (2 H V)))); `budget` None: min(requested,
+    available)."""
+    k = min(requested, available)
+    if budget is None:
+        return k
+    afford = math.floor(budget * params * tokens / (2.0 * hidden * vocab))
+    return min(k, max(CHECK_FLOOR, afford))
+
+
+def direct_flops(layer_params: int, seq: int, rows: int, slots: int) -> float:
+    """2 P_L S R (1 + 2 m): the replay's forward of R rows of length S and m seed slots' backwards."""
+    return 2.0 * layer_params * seq * rows * (1 + 2 * slots)
+
+
+class DirectCredit:
+    """The direct gradients' credit (flops): `earn` per probed micro-batch, `affordable` when a replay is due,
+    `spend` when it runs (the probe's `sigma_state` carries `credit` across a resume)."""
+
+    def __init__(self, budget: float | None) -> None:
+        self.budget = budget
+        self.credit = 0.0
+
+    def earn(self, flops: float) -> None:
+        if self.budget is not None:
+            self.credit += self.budget * flops
+
+    def affordable(self) -> bool:
+        """A replay may run now (always, without a budget)."""
+        return self.budget is None or self.credit >= 0.0
+
+    def spend(self, flops: float) -> None:
+        if self.budget is not None:
+            self.credit -= flops
