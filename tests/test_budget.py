@@ -67,7 +67,7 @@ def test_the_head_checks_shrink_to_their_budget_where_the_head_is_most_of_the_mo
     params, emb = budget.flop_parameters(model)
     n = batch.input_ids.numel()
     assert budget.CHECK_FLOOR == k < n_tokens  # the floor: the budget alone affords fewer
-    assert 12 * k * 16 * 4000 > 0.02 * 6 * (params - emb) * n
+    assert budget.check_flops(k, 16, 4000, refresh=False) > 0.02 * budget.step_flops(params - emb, n)
     assert int(checks["identity_violations"].sum()) == 0 and int(checks["head_violations"].sum()) == 0
     whole = _steps(model, tmp_path / "whole", 1, direct_tokens=0, check_budget=None)[0]
     assert int(whole["checks"].collect()["n_checked"][0]) == n_tokens  # < 256: every token
@@ -75,9 +75,33 @@ def test_the_head_checks_shrink_to_their_budget_where_the_head_is_most_of_the_mo
 
 def test_the_head_checks_stay_whole_where_the_head_is_cheap(tmp_path):
     # the layers' parameters are ~100 x the head's V H: every token's check costs < 2 % of the step
-    model = tiny_qwen2(vocab=16, hidden=32, layers=6, sharpen=4.0)
+    model = tiny_qwen2(vocab=16, hidden=32, layers=12, sharpen=4.0)
     run, batch = _steps(model, tmp_path, 1, direct_tokens=0)
     assert int(run["checks"].collect()["n_checked"][0]) == int(batch.completion_mask.sum())
+
+
+def test_checks_a_micro_batch_cannot_afford_wait_for_their_credit_and_the_bound_still_covers_every_token(
+    tmp_path,
+):
+    # 112 tokens of a 10k-parameter model: even the floor's 32 tokens cost ~5 micro-batches' 2 %
+    model = tiny_qwen2(vocab=16, hidden=32, layers=1, sharpen=4.0)
+    n_steps = 12
+    run, batch = _steps(model, tmp_path, n_steps, direct_tokens=0)
+    checks = run["checks"].collect().sort("step")
+    checked = checks.filter(pl.col("n_checked") > 0)["step"].to_list()
+    assert checked[0] == 0 and 1 < len(checked) < n_steps
+    assert set(checks.filter(pl.col("n_checked") == 0)["step"]) == set(range(n_steps)) - set(checked)
+    # every micro-batch, checked or not, bounds every scored token at the LM-head input (against the last sigma)
+    n_scored = int(((batch.completion_mask > 0) & (batch.advantages != 0).unsqueeze(1)).sum())
+    assert checks["head_n"].to_list() == [n_scored] * n_steps
+    assert int(checks["head_violations"].sum()) == 0 and int(checks["identity_violations"].sum()) == 0
+    # the credit: what the checks spent is within one check of what the budget earned
+    params, emb = budget.flop_parameters(model)
+    earned = 0.02 * budget.step_flops(params - emb, batch.input_ids.numel()) * n_steps
+    one = budget.check_flops(budget.CHECK_FLOOR, 32, 16, refresh=True)
+    spent = sum(budget.check_flops(budget.CHECK_FLOOR, 32, 16, refresh=i == 0) for i in range(len(checked)))
+    assert set(checks.filter(pl.col("n_checked") > 0)["n_checked"]) == {budget.CHECK_FLOOR}
+    assert spent <= earned + one
 
 
 def _direct_steps(run) -> list[int]:

@@ -152,7 +152,8 @@ class ProbeConfig:
         0.02,
         "Share of a micro-batch's training flops (6 x parameters x tokens) the exact LM-head checks may use: fewer "
         "than check_tokens are checked where their float64 passes over the head would cost more (never fewer "
-        "than 32; probe/budget.py); None = check_tokens exactly; > 0.",
+        "than 32), and where even those cost more, only the micro-batches a credit allows are checked (the "
+        "first always; probe/budget.py); None = check_tokens on every micro-batch; > 0.",
     )
     direct_budget: float | None = _opt(
         0.02,
@@ -161,7 +162,8 @@ class ProbeConfig:
         "direct_every; None = every direct_every-th micro-batch whatever it costs; > 0.",
     )
     sigma_every: int = _opt(
-        16, "Probed micro-batches between power-iteration refreshes of the LM head's sigma_max; >= 1."
+        16,
+        "Checked micro-batches between refreshes of the LM head's sigma_max (a float64 Gram matrix); >= 1.",
     )
     flush_seconds: float = _opt(
         30.0,

@@ -250,6 +250,21 @@ def to_frame(kind: str, columns: dict[str, list] | pl.DataFrame) -> pl.DataFrame
     return pl.DataFrame({c: columns[c] for c in schema}, schema=schema, strict=False)
 
 
+def _checked(kind: str, columns: dict[str, list] | pl.DataFrame) -> pl.DataFrame | dict[str, list]:
+    """A frame of `kind` (`to_frame`), or, for column lists, a copy whose names and lengths were checked (built
+    into a frame when the writer flushes)."""
+    if isinstance(columns, pl.DataFrame):
+        return to_frame(kind, columns)
+    if kind not in SCHEMAS:
+        raise ValueError(f"records: unknown kind {kind!r}; known: {', '.join(KINDS)}")
+    if set(columns) != set(SCHEMAS[kind]):
+        to_frame(kind, columns)  # raises, naming the missing and extra columns
+    lengths = {len(v) for v in columns.values()}
+    if len(lengths) > 1:
+        raise ValueError(f"records: {kind} columns have unequal lengths {sorted(lengths)}")
+    return {c: list(columns[c]) for c in SCHEMAS[kind]}
+
+
 def process_rank() -> int:
     """This process's rank: torch.distributed's when a process group is up, else $RANK, else 0 (torch is only
     asked when something imported it already: records stay torch-free)."""
@@ -322,7 +337,9 @@ class RecordWriter:
         self.rank = process_rank() if rank is None else int(rank)
         self.flush_every = flush_every
         self.flush_seconds = float(flush_seconds)
-        self._buffer: dict[str, list[pl.DataFrame]] = {k: [] for k in KINDS}
+        # per kind, in order: DataFrames, and runs of column dicts merged into one (built into a frame at flush:
+        # one DataFrame per kind per flush instead of one per kind per micro-batch)
+        self._buffer: dict[str, list[pl.DataFrame | dict[str, list]]] = {k: [] for k in KINDS}
         self._adds = 0
         self._last_flush = time.monotonic()
         self._lock = threading.RLock()  # the timer thread and the caller share the buffer
@@ -330,10 +347,17 @@ class RecordWriter:
         self.written: list[Path] = []
 
     def add(self, records: dict[str, dict[str, list] | pl.DataFrame]) -> None:
-        frames = [(kind, to_frame(kind, cols)) for kind, cols in records.items()]
+        """Buffer one micro-batch's records (kind -> columns), checked here: a kind or a column set other than its
+        schema's, or columns of unequal lengths, raise now, not at the flush."""
+        parts = [(kind, _checked(kind, cols)) for kind, cols in records.items()]
         with self._lock:
-            for kind, frame in frames:
-                self._buffer[kind].append(frame)
+            for kind, part in parts:
+                buf = self._buffer[kind]
+                if isinstance(part, dict) and buf and isinstance(buf[-1], dict):
+                    for c, values in part.items():
+                        buf[-1][c].extend(values)
+                else:
+                    buf.append(part)
             self._adds += 1
             wait = self.flush_seconds - (time.monotonic() - self._last_flush)
             if self._adds % self.flush_every == 0 or wait <= 0:
@@ -359,6 +383,7 @@ class RecordWriter:
             self._last_flush = time.monotonic()
             frames = {}
             for kind, parts in self._buffer.items():
+                parts = [to_frame(kind, f) if isinstance(f, dict) else f for f in parts]
                 parts = [f for f in parts if f.height]
                 self._buffer[kind] = []
                 if parts:

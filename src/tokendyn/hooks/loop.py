@@ -111,7 +111,7 @@ def instrument(
     config: ProbeConfig | None = None,
     *,
     temperature: float = 1.0,
-    flush_every: int = 1,
+    flush_every: int = 64,
     seed: int = 0,
     auto: bool = True,
     rank: int | None = None,
@@ -121,8 +121,8 @@ def instrument(
     **options,
 ) -> Iterator[GradientProbe | Recorder]:
     """Probe `model` inside the block; every finished micro-batch goes to RUN_DIR/records/ (one file per kind per
-    `flush_every` steps, and at least every ``config.flush_seconds``: a kill loses at most that many seconds of
-    records; one shard per rank). ``config``: the probe's `ProbeConfig` (``**options`` override its fields, e.g.
+    `flush_every` micro-batches, and at least every ``config.flush_seconds``: a kill loses at most that many seconds
+    of records; one shard per rank; 1 writes at every micro-batch, a few ms each). ``config``: the probe's `ProbeConfig` (``**options`` override its fields, e.g.
     ``points="layers.*.out"``). Hooks are removed on exit, also on exceptions; records of finished steps are flushed
     either way. `rank` defaults to `tokendyn.records.process_rank()`. Under DDP or FSDP2 pass the wrapped (or
     sharded) model: its gradients are averaged over the processes and the records are divided accordingly

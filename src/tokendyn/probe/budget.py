@@ -10,18 +10,28 @@ counts), one training forward + backward is
 
 The exact checks at the LM head stream the head (V x H) in float64 three times for K tokens (`head.py`: z and the
 softmax-weighted rows in `head_partial`, z again in `logits_identity_error`), 2 K H V each; float64 costs about two
-float32 flops on a CPU's vector units (more against a GPU's 16-bit units: a budget there is met with room), so
+float32 flops on a CPU's vector units (more against a GPU's 16-bit units: a budget there is met with room), and a
+pass costs at least what K_MEM = 64 tokens' products cost, however few tokens it carries (reading and widening the
+V x H weights is memory-bound: measured on a 2-core CPU at V = 32,000, H = 256, 32 tokens cost as much as 96 would
+at the large-K rate); a refresh of sigma_max adds the H x H Gram matrix, 2 V H^2 float64 multiply-adds:
 
-    checks(K) = 12 K H V  <=  budget x step   <=>   K <= budget P N / (2 H V).
+    checks(K) = 12 (K + K_MEM) H V  [+ 4 V H^2 on a refresh].
+
+The check sample is cut to what the budget affords on every micro-batch, K <= budget P N / (2 H V) - K_MEM, never below
+CHECK_FLOOR tokens; where even that costs more than the budget (a head that is most of the model), the checks run on
+the micro-batches the credit allows (below), and the others check no tokens exactly (the bound at the LM-head input
+is still checked on every token, against the last sigma_max).
 
 The direct gradients replay the decoder layers (P_L = P - H V parameters) of the R rows that hold sampled tokens:
 one forward, then one backward (two forwards' work) per seed slot, m slots = the most sampled tokens in one row:
 
     direct = 2 P_L S R (1 + 2 m)        (S = the sequence length).
 
-That is one to several training steps' worth, so it cannot run on every micro-batch; it runs when the credit allows:
-each probed micro-batch earns budget x step, a replay spends its cost, and a replay runs when the credit is >= 0
-(so the first micro-batch always gets one, and later ones once the debt is repaid).
+That is one to several training steps' worth, so it cannot run on every micro-batch.
+
+Both run when their credit allows (`Credit`, a token bucket with debt): each probed micro-batch earns budget x step,
+a measurement spends its cost, and one runs when the credit is >= 0, so the first micro-batch always gets both and
+later ones once the debt is repaid: on average each costs at most its budget of the probed steps.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import math
 from torch import nn
 
 CHECK_FLOOR = 32  # tokens checked at the LM head whatever the budget (all of them when fewer)
+K_MEM = 64  # a float64 pass over the head costs at least what this many tokens' products cost (memory-bound)
 
 
 def flop_parameters(model: nn.Module) -> tuple[int, int]:
@@ -59,13 +70,18 @@ def step_flops(params: int, tokens: int) -> float:
 def check_tokens_within(
     requested: int, available: int, params: int, tokens: int, hidden: int, vocab: int, budget: float | None
 ) -> int:
-    """K = min(requested, available, max(CHECK_FLOOR, floor(budget P N / (2 H V)))); `budget` None: min(requested,
-    available)."""
+    """K = min(requested, available, max(CHECK_FLOOR, floor(budget P N / (2 H V) - K_MEM))), the K whose
+    `check_flops` fit budget x `step_flops`; `budget` None: min(requested, available)."""
     k = min(requested, available)
     if budget is None:
         return k
-    afford = math.floor(budget * params * tokens / (2.0 * hidden * vocab))
+    afford = math.floor(budget * params * tokens / (2.0 * hidden * vocab)) - K_MEM
     return min(k, max(CHECK_FLOOR, afford))
+
+
+def check_flops(k: int, hidden: int, vocab: int, refresh: bool) -> float:
+    """12 (K + K_MEM) H V, plus 4 V H^2 when sigma_max is refreshed (the module docstring)."""
+    return 12.0 * (k + K_MEM) * hidden * vocab + (4.0 * vocab * hidden * hidden if refresh else 0.0)
 
 
 def direct_flops(layer_params: int, seq: int, rows: int, slots: int) -> float:
@@ -73,9 +89,10 @@ def direct_flops(layer_params: int, seq: int, rows: int, slots: int) -> float:
     return 2.0 * layer_params * seq * rows * (1 + 2 * slots)
 
 
-class DirectCredit:
-    """The direct gradients' credit (flops): `earn` per probed micro-batch, `affordable` when a replay is due,
-    `spend` when it runs (the probe's `sigma_state` carries `credit` across a resume)."""
+class Credit:
+    """A measurement's credit in flops: `earn` budget x the flops of every probed micro-batch, run it when
+    `affordable` (credit >= 0; always without a budget) and `spend` its cost then. The probe's `sigma_state`
+    carries `credit` across a resume."""
 
     def __init__(self, budget: float | None) -> None:
         self.budget = budget
@@ -86,7 +103,6 @@ class DirectCredit:
             self.credit += self.budget * flops
 
     def affordable(self) -> bool:
-        """A replay may run now (always, without a budget)."""
         return self.budget is None or self.credit >= 0.0
 
     def spend(self, flops: float) -> None:

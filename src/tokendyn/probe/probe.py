@@ -120,7 +120,8 @@ class GradientProbe:
         self.check_tokens, self.check_budget = cfg.check_tokens, cfg.check_budget
         params, emb = budget.flop_parameters(self.model)
         self._flop_params = params - emb  # arithmetic per token (`budget.py`)
-        self._direct_credit = budget.DirectCredit(cfg.direct_budget)
+        self._direct_credit = budget.Credit(cfg.direct_budget)
+        self._check_credit = budget.Credit(cfg.check_budget if cfg.check_tokens is not None else None)
         self.temperature = float(temperature)
         self.auto, self.sink, self.enabled = auto, sink, True
         self.rank = process_rank() if rank is None else rank
@@ -510,12 +511,13 @@ class GradientProbe:
             )  # fmt: skip
             kd = min(self.direct_tokens, idx.shape[0])
             do_direct = self._direct_due(kd, rows[:kd], b, seq, shard)
+            kc = self._checks_due(kc, b, seq, shard)
             kh = max(kc, kd if do_direct else 0)
             targets = inp.completion_ids.to(device).reshape(-1)[idx[:kh]]
             h = h_final.detach()[rows[:kh], spos[:kh]]
             q, sigma_lower = parallel.head_sample_quantities(h, shard, targets, inp.temperature)
             p.check_at = (rows[:kc], spos[:kc])
-            sigma, sigma_step = self._sigma_max(shard, inp.step, sigma_lower)
+            sigma, sigma_step = self._sigma_max(shard, inp.step, sigma_lower, checking=kc > 0)
             p.head_dtype = head_compute_dtype(shard.weight.dtype, h_final.dtype, p.autocast)
             p.check = HeadCheckData(
                 vocab_size=shard.vocab,
@@ -566,6 +568,17 @@ class GradientProbe:
                 )
             )
         return due
+
+    def _checks_due(self, kc: int, b: int, seq: int, shard: HeadShard) -> int:
+        """The tokens checked exactly at the LM head on this micro-batch: kc when the checks' credit allows
+        (`budget.Credit`, `budget.check_flops`), else 0; under FSDP2 the ranks agree (one checks: all do)."""
+        self._check_credit.earn(budget.step_flops(self._flop_params, b * seq))
+        due = kc > 0 and self._check_credit.affordable()
+        if not bool(parallel.agree_max(int(due), self.model, shard.weight.device)):
+            return 0
+        refresh = self._sigma is None or self._n_checks % self.sigma_every == 0
+        self._check_credit.spend(budget.check_flops(kc, shard.hidden, shard.vocab, refresh))
+        return kc
 
     def _direct(self, p: Pass, rows, spos, direction) -> torch.Tensor | None:
         """[P, Kd] ||d log pi_t / d h_l[p(t)]|| on the first Kd sampled tokens (NaN for points not captured), from
@@ -620,6 +633,7 @@ class GradientProbe:
             "n_checks": self._n_checks,
             "n_prepared": self._n_prepared,
             "direct_credit": self._direct_credit.credit,
+            "check_credit": self._check_credit.credit,
         }
         if self._sigma is None:
             return base
@@ -630,18 +644,20 @@ class GradientProbe:
         self._n_checks = int(state["n_checks"])
         self._n_prepared = int(state.get("n_prepared", self._n_prepared))
         self._direct_credit.credit = float(state.get("direct_credit", self._direct_credit.credit))
+        self._check_credit.credit = float(state.get("check_credit", self._check_credit.credit))
         if "sigma" in state:
             self._sigma = (float(state["sigma"]), state["vector"].to(torch.float64), int(state["step"]))
 
-    def _sigma_max(self, shard: HeadShard, step: int, lower: float) -> tuple[float, int]:
+    def _sigma_max(self, shard: HeadShard, step: int, lower: float, checking: bool) -> tuple[float, int]:
         """(sigma, the step it was computed at): sigma_max(W) = sqrt(lambda_max(W^T W)) from the H x H Gram matrix
         (`head.sigma_max_gram`: one float64 pass over the head, exact to float64 rounding), recomputed on the first
-        call and then on every `sigma_every`-th (a collective under a sharded head: every rank calls it as often). In
+        call and then on every `sigma_every`-th call that checks tokens (`checking`; a collective under a sharded
+        head: every rank calls it as often, `_checks_due` agrees on `checking`). In
         between, the W of the last refresh stands in for the current one, and the value is raised to `lower` (a
         lower bound of the current sigma_max from this micro-batch's tokens), so that a head grown since the
         refresh cannot make the bound check count tokens above a bound the current W allows them to reach."""
-        due = self._n_checks % self.sigma_every == 0
-        self._n_checks += 1
+        due = checking and self._n_checks % self.sigma_every == 0
+        self._n_checks += int(checking)
         fresh = self._sigma is None or self._sigma[1].shape[0] != shard.hidden
         if fresh or due:
             sigma, v = sigma_max_gram(shard, parallel.all_reduce_in(shard.group))

@@ -317,6 +317,10 @@ def _checks(d: StepData, ratio, keep, wflat, ompflat):
         pg_ratio = torch.full_like(head_ratio, math.nan)
         pg_ratio[idx] = B.bound_ratio(pg, wflat[idx], ompflat[idx])
         head_ratio = torch.where(torch.isfinite(head_ratio), pg_ratio, head_ratio)
+    elif c.entropy_weight is not None:
+        # an entropy bonus whose part could not be predicted (no check tokens on this micro-batch, or a sharded
+        # head): the policy-gradient part cannot be separated, so no token is bounded
+        head_ratio = torch.full_like(head_ratio, math.nan)
     finite = torch.isfinite(head_ratio)
     head_n = int(finite.sum())
     head_max = float(head_ratio[finite].max()) if head_n else math.nan
@@ -330,8 +334,9 @@ def _checks(d: StepData, ratio, keep, wflat, ompflat):
         "temperature": [float(d.temperature)],
         "grad_dtype": [str(c.grad_dtype).replace("torch.", "")],
         "head_dtype": [str(c.head_dtype).replace("torch.", "")],
-        "identity_rounded": [c.rounded is not None],
-        "entropy_term": [entropy_part is not None],
+        # what the identity's prediction held; null on a micro-batch whose checks the budget skipped (no prediction)
+        "identity_rounded": [c.rounded is not None if kc else None],
+        "entropy_term": [entropy_part is not None if kc else None],
         "n_checked": [int(ok.sum())],
         "identity_n": [int(fin_ident.numel())],
         "identity_max_rel_err": [float(fin_ident.max()) if fin_ident.numel() else math.nan],
