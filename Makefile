@@ -19,8 +19,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tokendyn demo --out runs/demo
 
+# two workers: the tests run one thread each, so a 2-core machine runs two at a time
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

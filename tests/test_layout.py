@@ -28,6 +28,7 @@ ORDER = {
     "hooks": 3,
     "figures": 3,
     "trainers": 4,
+    "integrations": 4,  # glue for other stacks (verl): remedies, probe and hooks below it, nothing above
     "commands": 5,
     "cli": 6,  # commands are found by name (importlib), not imported
     "__main__": 7,

@@ -1,0 +1,180 @@
+"""tokendyn inside verl (0.9.x): Advantage Reweighting and Lopti's stage masks as a registered verl policy loss on
+top of any other registered loss mode, loaded in every worker through verl's plugin entry point.
+
+All of tokendyn's verl glue is this file (and `verl_plugin`, the entry point that imports it), so an upgrade of
+verl touches one place. `pip install "tokendyn[verl]"` puts the entry point in the ``verl.plugins`` group: `import
+verl` then imports `tokendyn.integrations.verl_plugin`, which calls `register()`.
+
+A verl run turns it on with three overrides (the loss is named by `loss_mode`, its options live in a config class
+of its own because verl's `PolicyLossConfig` rejects unknown keys)::
+
+    actor_rollout_ref.actor.policy_loss._target_=tokendyn.integrations.verl.TokendynPolicyLossConfig
+    actor_rollout_ref.actor.policy_loss.loss_mode=tokendyn
+    actor_rollout_ref.actor.policy_loss.base_loss_mode=vanilla      # any registered mode: gspo, cispo, clip_cov, ...
+    actor_rollout_ref.actor.policy_loss.reweight_alpha=0.3          # Advantage Reweighting (0: off)
+
+The loss (`tokendyn_policy_loss`, called by verl's `ppo_loss` as every registered loss is) rewrites the advantages
+and hands everything else to the base mode's own function, unchanged:
+
+    A_t <- (alpha pi_old(o_t) + 1 - alpha) A_t            (`remedies.reweight_advantages`; pi_old = exp(old_log_prob))
+    A_t <- A_t [t in the active Lopti group]              (`lopti_stage` low / high; `remedies.lopti_masks`)
+
+with the response mask untouched, so a token-mean loss still divides by every token of the batch, as the official
+fork's Lopti does. Which group is active is the trainer's to say between its two actor updates (`lopti_stage` is a
+mutable field); "all" (the default) is the plain update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from verl.trainer.ppo import core_algos
+from verl.workers.config.actor import PolicyLossConfig
+
+from tokendyn.remedies import lopti_masks, reweight_advantages
+
+LOSS_NAME = "tokendyn"
+VERL_SERIES = "0.9"  # the verl minor series this glue is written against (`check_version`)
+LOPTI_STAGES = ("all", "low", "high")
+
+
+class VerlConfigError(ValueError):
+    """A bad tokendyn option in a verl config: the message is one line naming the field and its allowed values."""
+
+
+@dataclass
+class TokendynPolicyLossConfig(PolicyLossConfig):
+    """verl's `PolicyLossConfig` with tokendyn's fields (validated when built, one line per bad value).
+
+    base_loss_mode: the registered verl loss the tokendyn loss runs under (not "tokendyn" itself).
+    reweight_alpha: Advantage Reweighting's alpha in [0, 1] (0: off).
+    lopti_eta: Lopti's threshold on pi_old in (0, 1), or None (no Lopti).
+    lopti_stage: the group whose advantages this update keeps: "all", "low" (pi_old < eta) or "high"."""
+
+    _mutable_fields = PolicyLossConfig._mutable_fields | {"lopti_stage"}
+
+    loss_mode: str = LOSS_NAME
+    base_loss_mode: str = "vanilla"
+    reweight_alpha: float = 0.0
+    lopti_eta: float | None = None
+    lopti_stage: str = "all"
+
+    def __post_init__(self) -> None:
+        known = sorted(n for n in core_algos.POLICY_LOSS_REGISTRY if n != LOSS_NAME)
+        if self.base_loss_mode == LOSS_NAME or self.base_loss_mode not in core_algos.POLICY_LOSS_REGISTRY:
+            raise VerlConfigError(
+                f"policy_loss.base_loss_mode: must be a registered verl loss other than '{LOSS_NAME}' "
+                f"({', '.join(known)}), got {self.base_loss_mode!r}"
+            )
+        _unit("reweight_alpha", self.reweight_alpha, closed=True)
+        if self.lopti_eta is not None:
+            _unit("lopti_eta", self.lopti_eta, closed=False)
+        check_stage(self.lopti_stage, self.lopti_eta)
+
+
+def _unit(name: str, value, *, closed: bool) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, int | float)
+    inside = ok and ((0.0 <= value <= 1.0) if closed else (0.0 < value < 1.0))
+    if not inside:
+        interval = "[0, 1]" if closed else "(0, 1)"
+        raise VerlConfigError(f"policy_loss.{name}: must be a number in {interval}, got {value!r}")
+
+
+def check_stage(stage: str, eta: float | None) -> None:
+    """A Lopti stage must be one of LOPTI_STAGES, and "low" / "high" need `lopti_eta`."""
+    if stage not in LOPTI_STAGES:
+        raise VerlConfigError(
+            f"policy_loss.lopti_stage: must be one of {', '.join(LOPTI_STAGES)}, got {stage!r}"
+        )
+    if stage != "all" and eta is None:
+        raise VerlConfigError(f"policy_loss.lopti_stage: {stage!r} needs policy_loss.lopti_eta in (0, 1)")
+
+
+def stage_mask(old_log_prob: torch.Tensor, response_mask: torch.Tensor, eta: float | None, stage: str):
+    """The tokens whose advantages the update of `stage` keeps: low = pi_old < eta, high = pi_old >= eta (both
+    within the response mask, `remedies.lopti_masks`), all = the response mask."""
+    check_stage(stage, eta)
+    if stage == "all":
+        return response_mask.bool()
+    low, high = lopti_masks(old_log_prob, response_mask, eta=eta)
+    return low if stage == "low" else high
+
+
+def stage_advantages(
+    advantages: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    alpha: float,
+    eta: float | None,
+    stage: str,
+) -> torch.Tensor:
+    """The advantages the update of `stage` optimises: Reweighted by alpha (the paper's Eq. 4 on pi_old), then
+    zeroed outside `stage_mask` ("all": unchanged)."""
+    keep = stage_mask(old_log_prob, response_mask, eta, stage)
+    adv = reweight_advantages(advantages, old_log_prob, alpha) if alpha else advantages
+    return adv if stage == "all" else adv * keep.to(adv.dtype)
+
+
+def tokendyn_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+):
+    """verl's policy-loss signature: the base mode's loss on `stage_advantages`, its metrics plus the share of
+    tokens whose advantages this stage kept (`actor/tokendyn/stage_token_share`)."""
+    opts = config.policy_loss
+    adv = stage_advantages(
+        advantages, old_log_prob, response_mask, opts.reweight_alpha, opts.lopti_eta, opts.lopti_stage
+    )
+    kept = stage_mask(old_log_prob, response_mask, opts.lopti_eta, opts.lopti_stage)
+    base = core_algos.get_policy_loss_fn(opts.base_loss_mode)
+    loss, metrics = base(
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=adv,
+        response_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        config=config,
+        rollout_is_weights=rollout_is_weights,
+    )
+    metrics = dict(metrics)
+    metrics["actor/tokendyn/stage_token_share"] = int(kept.sum()) / max(int(response_mask.bool().sum()), 1)
+    return loss, metrics
+
+
+def check_version() -> str:
+    """verl's version, or an error naming the series this glue supports."""
+    import verl
+
+    version = getattr(verl, "__version__", "unknown")
+    if not str(version).startswith(VERL_SERIES + "."):
+        raise RuntimeError(f"tokendyn's verl glue supports verl {VERL_SERIES}.x, found {version}")
+    return version
+
+
+def disable_trl_value_head_patch() -> None:
+    """verl's `apply_monkey_patch` patches `AutoModelForCausalLMWithValueHead.state_dict` whenever TRL is
+    importable, but TRL 1.16 (which tokendyn's trainer needs) has no such class: building verl's engine then fails
+    with an ImportError. GRPO needs no value head, so verl's monkey-patch module is told TRL is absent (its own
+    `is_trl_available`, nothing else). Raises if verl no longer has that name (then this is to be revisited)."""
+    from verl.models.transformers import monkey_patch
+
+    if not hasattr(monkey_patch, "is_trl_available"):
+        raise RuntimeError(
+            "verl.models.transformers.monkey_patch has no is_trl_available: tokendyn's TRL value-head workaround "
+            "needs updating for this verl"
+        )
+    monkey_patch.is_trl_available = lambda: False
+
+
+def register() -> None:
+    """Register the tokendyn loss with verl and apply the TRL workaround; idempotent."""
+    check_version()
+    disable_trl_value_head_patch()
+    if core_algos.POLICY_LOSS_REGISTRY.get(LOSS_NAME) is not tokendyn_policy_loss:
+        core_algos.register_policy_loss(LOSS_NAME)(tokendyn_policy_loss)
