@@ -68,6 +68,8 @@ def _configs(out: Path, size: DemoSize, model: str | None, overrides: dict):
             probe_every=size.probe_every,
             probe_sample_sequences=size.probe_sample_sequences,
             probe_lr_sweep=list(size.lr_sweep) or None,
+            # the paper's Fig. 2a reads the direct gradients: every 10th probed micro-batch, whatever they cost
+            probe_direct_budget=None,
             use_cpu=not torch.cuda.is_available(),
         )
         fields.update(method)
