@@ -551,8 +551,8 @@ class GradientProbe:
 
     def _direct_due(self, kd: int, rows: torch.Tensor, b: int, seq: int, shard: HeadShard) -> bool:
         """Whether this micro-batch gets direct gradients: every `direct_every`-th probed micro-batch with a
-        positive credit (`budget.DirectCredit`: each micro-batch earns direct_budget x its training flops, a replay
-        spends its estimated flops, `budget.direct_flops`); under FSDP2 the ranks agree (one replays: all do)."""
+        credit >= 0 (`budget.Credit`: each micro-batch earns direct_budget x its training flops, a replay spends
+        its estimated flops, `budget.direct_flops`); under FSDP2 the ranks agree (one replays: all do)."""
         self._n_prepared += 1
         self._direct_credit.earn(budget.step_flops(self._flop_params, b * seq))
         if kd <= 0:
@@ -626,8 +626,9 @@ class GradientProbe:
             self._guard = False
 
     def sigma_state(self) -> dict:
-        """What the sigma_max schedule carries from step to step, for a checkpoint: the checks counted and, once
-        computed, sigma_max, its right singular vector (CPU) and the step it was computed at. A resumed probe given
+        """What the probe's schedules carry from step to step, for a checkpoint: the checks and probed micro-batches
+        counted, the two budgets' credits and, once computed, sigma_max, its right singular vector (CPU) and the
+        step it was computed at. A resumed probe given
         it back (`load_sigma_state`) refreshes on the same schedule and records what an uninterrupted run does."""
         base = {
             "n_checks": self._n_checks,
