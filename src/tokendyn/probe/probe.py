@@ -117,11 +117,13 @@ class GradientProbe:
         self.direct_every, self.direct_chunk = cfg.direct_every, cfg.direct_chunk
         self.direct_memory_mb, self.sigma_every = cfg.direct_memory_mb, cfg.sigma_every
         self._n_prepared = 0
-        self.check_tokens, self.check_budget = cfg.check_tokens, cfg.check_budget
+        # check_tokens None (every token) is an explicit request: no budget cuts it
+        self.check_tokens = cfg.check_tokens
+        self.check_budget = None if cfg.check_tokens is None else cfg.check_budget
         params, emb = budget.flop_parameters(self.model)
         self._flop_params = params - emb  # arithmetic per token (`budget.py`)
         self._direct_credit = budget.Credit(cfg.direct_budget)
-        self._check_credit = budget.Credit(cfg.check_budget if cfg.check_tokens is not None else None)
+        self._check_credit = budget.Credit(self.check_budget)
         self.temperature = float(temperature)
         self.auto, self.sink, self.enabled = auto, sink, True
         self.rank = process_rank() if rank is None else rank
@@ -506,9 +508,14 @@ class GradientProbe:
             shard = parallel.head_shard(output_head(self.model))  # FSDP2: this rank's vocabulary rows only
             shard.softcap = self.softcap
             kc = budget.check_tokens_within(
-                n_check, idx.shape[0], self._flop_params, b * seq, shard.hidden, shard.vocab,
-                None if self.check_tokens is None else self.check_budget,
-            )  # fmt: skip
+                n_check,
+                idx.shape[0],
+                self._flop_params,
+                b * seq,
+                shard.hidden,
+                shard.vocab,
+                self.check_budget,
+            )
             kd = min(self.direct_tokens, idx.shape[0])
             do_direct = self._direct_due(kd, rows[:kd], b, seq, shard)
             kc = self._checks_due(kc, b, seq, shard)
