@@ -375,3 +375,55 @@ def test_a_second_probe_on_the_same_model_raises():
     with GradientProbe(model) as second:
         assert second.attached
     assert not hasattr(model, "_tokendyn_probe")
+
+
+def test_a_packed_layout_through_token_rows_equals_one_row_per_sequence():
+    """verl's remove-padding layout: every sequence of a micro-batch packed into one row (block-diagonal causal
+    attention, positions restarting per sequence). Told each token's row (`token_rows`) and position, the probe
+    records what it records with one row per sequence: norms, w, the exact checks and the direct gradients."""
+    model = tiny_qwen2(sharpen=10.0)
+    batch = make_batch(model)
+    opts = dict(check_tokens=None, direct_tokens=64, direct_every=1, direct_budget=None, temperature=T)
+    with GradientProbe(model, auto=True, **opts) as probe:
+        _plain_step(model, batch, probe)
+        ref = probe.end_step()
+    model.zero_grad()
+    n, s, c = batch.input_ids.shape[0], batch.input_ids.shape[1], batch.c
+    lengths = batch.attention_mask.sum(1)  # prompt + the scored completion tokens of each row
+    ids = torch.cat([batch.input_ids[i, : lengths[i]] for i in range(n)])[None]
+    starts = torch.cumsum(lengths, 0) - lengths
+    seg = torch.repeat_interleave(torch.arange(n), lengths)
+    causal = torch.tril(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool))
+    packed_mask = (causal & (seg[:, None] == seg[None, :]))[None, None]
+    position_ids = torch.cat([torch.arange(int(k)) for k in lengths])[None]
+    positions = (starts[:, None] + s - c + torch.arange(c)[None]).clamp(max=ids.shape[1] - 1)  # index of o_t
+    with GradientProbe(model, auto=True, **opts) as probe:
+        logits = model(input_ids=ids, attention_mask=packed_mask, position_ids=position_ids).logits[0]
+        z = logits[(positions - 1).clamp(min=0)].float() / T  # [B, C, V]: the position before o_t predicts it
+        logps = torch.log_softmax(z, -1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+        old = logps.detach().clamp(max=0)  # as `_plain_step`'s (old_shift 0)
+        probe.begin_step(completion_mask=batch.completion_mask, advantages=batch.advantages, old_logp=old,
+                         completion_ids=batch.completion_ids, logps=logps, token_positions=positions,
+                         token_rows=torch.zeros_like(positions), temperature=T)  # fmt: skip
+        grpo_loss(logps, old, batch.advantages, batch.completion_mask).backward()
+        packed = probe.end_step()
+    valid = batch.completion_mask.bool()
+    torch.testing.assert_close(packed.norms[:, valid], ref.norms[:, valid], rtol=1e-4, atol=1e-7)
+    assert packed.records["checks"]["logits_violations"] == [0] and packed.records["checks"][
+        "head_violations"
+    ] == [0]
+    assert packed.records["checks"]["identity_max_rel_err"][0] < 1e-5
+    b_ref, b_packed = (
+        ref.records["bound"],
+        packed.records["bound"],
+    )  # the direct gradients' envelopes per point
+    assert b_packed["direct_n"] == b_ref["direct_n"] and min(b_ref["direct_n"]) > 0
+    for col in ("direct_ratio_min", "direct_ratio_max", "direct_spearman"):
+        torch.testing.assert_close(
+            torch.tensor(b_packed[col]), torch.tensor(b_ref[col]), rtol=1e-4, atol=1e-7
+        )
+    with pytest.raises(ValueError, match="token_rows must be < 1"):
+        with GradientProbe(model, auto=True, **opts) as probe:
+            logits = model(input_ids=ids, attention_mask=packed_mask, position_ids=position_ids).logits[0]
+            probe.begin_step(completion_mask=batch.completion_mask, logps=logps.detach().requires_grad_(),
+                             token_positions=positions, token_rows=torch.ones_like(positions))  # fmt: skip

@@ -25,14 +25,22 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def completion_positions(
-    batch: int, seq: int, mask: torch.Tensor, token_positions: torch.Tensor | None
+    batch: int,
+    seq: int,
+    mask: torch.Tensor,
+    token_positions: torch.Tensor | None,
+    token_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """p(t) [B, C]: the sequence position whose output predicts o_t, one before o_t.
 
     Default layout (prompt + completion, as TRL builds it): o_{t_j} sits at S - C + j, so p = S - C - 1 + j.
-    Otherwise p = token_positions - 1."""
+    Otherwise p = token_positions - 1, in row b of the forward, or in row token_rows[b, j] (a packed layout: several
+    sequences in one row of the forward, as verl's remove-padding builds it)."""
     n_rows, c_len = mask.shape
-    if n_rows != batch:
+    if token_rows is not None:
+        if bool((token_rows[mask] >= batch).any()):
+            raise ValueError(f"probe: token_rows must be < {batch} (the forward's batch size)")
+    elif n_rows != batch:
         raise ValueError(f"probe: completion_mask has {n_rows} rows but the forward had batch size {batch}")
     if token_positions is None:
         if c_len > seq - 1:
@@ -45,6 +53,13 @@ def completion_positions(
     if bool((pos[mask] > seq - 2).any()):
         raise ValueError(f"probe: token_positions must be <= {seq - 1} (the sequence length is {seq})")
     return pos.clamp(0, seq - 2)
+
+
+def at_tokens(t: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """t[row(b, j), pos[b, j]] [B, C] of a per-position tensor t [b, S'] (rows None: row b; positions past S' - 1
+    are clamped, they are masked tokens)."""
+    pos = pos.clamp(max=t.shape[1] - 1)
+    return torch.gather(t, 1, pos) if rows is None else t[rows, pos]
 
 
 class Pass:
@@ -76,6 +91,7 @@ class Pass:
         self.e_grad: torch.Tensor | None = None  # e = dL/dH
         self.logp_value: torch.Tensor | None = None  # [B, C] log pi_t at the forward
         self.positions: torch.Tensor | None = None  # [B, C] p(t)
+        self.rows: torch.Tensor | None = None  # [B, C] the forward's row of each token (None: row b)
         self.sample: tuple[torch.Tensor, torch.Tensor] | None = None
         self.check_at: tuple[torch.Tensor, torch.Tensor] | None = None
         self.check: HeadCheckData | None = None
@@ -104,7 +120,7 @@ def gather_completion(p: Pass, point_names: list[str]) -> tuple[torch.Tensor, to
     norms = torch.full((len(point_names), b, c_len), float("nan"), dtype=torch.float32, device=pos.device)
     for i, n in enumerate(point_names):
         if n in p.norms:
-            norms[i] = torch.gather(p.norms[n], 1, pos)
+            norms[i] = at_tokens(p.norms[n], pos, p.rows)
     if p.w_kind == "completion":
         return norms, p.w_grad
-    return norms, torch.gather(p.w_grad, 1, pos.clamp(max=p.w_grad.shape[1] - 1))
+    return norms, at_tokens(p.w_grad, pos, p.rows)

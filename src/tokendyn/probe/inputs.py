@@ -19,6 +19,7 @@ class StepInputs:
     completion_ids: torch.Tensor | None  # [B, C] sampled ids o_t (needed for the exact checks and "direct")
     temperature: float
     token_positions: torch.Tensor | None  # [B, C] sequence index of o_t; default: the last C positions
+    token_rows: torch.Tensor | None  # [B, C] the forward's row holding o_t (a packed layout); default: row b
     logps: torch.Tensor | None  # [B, C] the per-token log pi_t the loss is computed from (w_t = dL/d logps)
     entropy: torch.Tensor | None = (
         None  # [B, C] the entropies H_t of an entropy bonus in the loss (e_t = dL/dH_t)
@@ -49,6 +50,7 @@ def validate_inputs(
     completion_ids: torch.Tensor | None = None,
     temperature: float = 1.0,
     token_positions: torch.Tensor | None = None,
+    token_rows: torch.Tensor | None = None,
     logps: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
 ) -> StepInputs:
@@ -108,6 +110,17 @@ def validate_inputs(
                 "probe: token_positions must be >= 1 (a token at position 0 has no predicting position)"
             )
 
+    rows = None
+    if token_rows is not None:
+        if positions is None:
+            raise ValueError(
+                "probe: token_rows needs token_positions (the tokens' positions within those rows)"
+            )
+        rows = _tensor("token_rows", token_rows, shape, valid.device).detach()
+        if rows.is_floating_point() or rows.is_complex() or _bad(rows < 0, valid):
+            raise ValueError("probe: token_rows must be integer row indices >= 0 of the forward's batch")
+        rows = rows.long()
+
     for name, value, what, grad in (
         ("logps", logps, "per-token log-probability tensor the loss is computed from", "w = dL/dlogps"),
         ("entropy", entropy, "per-token entropy tensor of the loss's entropy bonus", "e = dL/dH"),
@@ -119,4 +132,4 @@ def validate_inputs(
                     f"probe: {name} must be the floating {what} (it must require grad, so that {grad} is read "
                     "during backward)"
                 )
-    return StepInputs(step, stage, valid, adv, p_old, ids, temperature, positions, logps, entropy)
+    return StepInputs(step, stage, valid, adv, p_old, ids, temperature, positions, rows, logps, entropy)

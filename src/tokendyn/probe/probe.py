@@ -35,6 +35,7 @@ from tokendyn.probe.bins import BinSpec
 from tokendyn.probe.capture import (
     Pass,
     all_reduce_sum,
+    at_tokens,
     completion_positions,
     gather_completion,
     in_backward,
@@ -245,7 +246,8 @@ class GradientProbe:
     # ---- driving ---------------------------------------------------------------------------------------------
     def begin_step(self, step: int | None = None, stage: str = "train", **fields) -> None:
         """Announce a micro-batch: completion_mask (required), advantages, old_logp (log pi_old; None: on-policy),
-        completion_ids, temperature, token_positions, logps, entropy (the per-token entropies [B, C] of an entropy
+        completion_ids, temperature, token_positions, token_rows (the forward's row of each token, when several
+        sequences share a row: a packed layout), logps, entropy (the per-token entropies [B, C] of an entropy
         bonus in the loss: its gradient is then part of the exact checks; a fused head's ``output.entropy`` is read by
         itself). Call before the forward (or after it, before the backward); a custom loop with ``auto=True`` may
         call it after the forward with ``logps=``. A finished previous step (backward seen) is ended first."""
@@ -449,7 +451,7 @@ class GradientProbe:
     def _at_checks(p: Pass, grad: torch.Tensor, kind: str) -> torch.Tensor:
         """A per-token gradient (w or e, [B, C] "completion" or [b, S-1] "seq") at the check tokens, flat [Kc]."""
         if kind != "completion":
-            grad = torch.gather(grad, 1, p.positions.clamp(max=grad.shape[1] - 1))
+            grad = at_tokens(grad, p.positions, p.rows)
         return grad.reshape(-1)[p.sample[0][: p.check.direction.shape[0]]]
 
     def _on_logits_grad(self, p: Pass, idx: torch.Tensor, at: tuple, head: tuple, grad: torch.Tensor) -> None:
@@ -462,7 +464,7 @@ class GradientProbe:
             return
         w = p.w_grad
         if p.w_kind != "completion":
-            w = torch.gather(w, 1, p.positions.clamp(max=w.shape[1] - 1))
+            w = at_tokens(w, p.positions, p.rows)
         h, lse, targets, shard, temperature = head
         g = grad.detach()
         p.logits_grad_check = logits_identity_error(
@@ -478,16 +480,17 @@ class GradientProbe:
             return
         b, seq = p.shape
         n_rows, c_len = inp.completion_mask.shape
-        pos = completion_positions(b, seq, inp.completion_mask, inp.token_positions)
+        pos = completion_positions(b, seq, inp.completion_mask, inp.token_positions, inp.token_rows)
         device = next(iter(p.hidden.values())).device if p.hidden else inp.completion_mask.device
         pos = pos.to(device)
+        fwd_rows = None if inp.token_rows is None else inp.token_rows.to(device)
         if inp.logps is not None:
             p.w_kind = "completion"
             p.logp_value = inp.logps.detach()
             p.handles.append(inp.logps.register_hook(partial(self._on_logp_grad, p, "completion")))
         elif p.logp_seq is not None:
             p.w_kind = "seq"
-            p.logp_value = torch.gather(p.logp_seq.detach(), 1, pos.clamp(max=p.logp_seq.shape[1] - 1))
+            p.logp_value = at_tokens(p.logp_seq.detach(), pos, fwd_rows)
         else:
             return  # wait for watch_logps
         if inp.entropy is not None:
@@ -495,7 +498,7 @@ class GradientProbe:
             p.handles.append(inp.entropy.register_hook(partial(self._on_entropy_grad, p, "completion")))
         elif p.entropy_seq is not None:
             p.e_kind = "seq"
-        p.positions, p.prepared = pos, True
+        p.positions, p.rows, p.prepared = pos, fwd_rows, True
         n_check = c_len * n_rows if self.check_tokens is None else self.check_tokens
         k = max(self.sample_tokens, self.direct_tokens, n_check)
         idx, ok = bottom_k_sample(inp.completion_mask, k, self.generator)
@@ -503,6 +506,8 @@ class GradientProbe:
         p.sample = (idx, ok)
         rows, cols = idx // c_len, idx % c_len
         spos = pos[rows, cols]
+        if fwd_rows is not None:
+            rows = fwd_rows[rows, cols]  # from here on: the forward's rows
         h_final = p.hidden.get(FINAL_NORM)
         if self.head_ok and h_final is not None and inp.completion_ids is not None:
             shard = parallel.head_shard(output_head(self.model))  # FSDP2: this rank's vocabulary rows only
