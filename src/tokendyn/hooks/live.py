@@ -45,19 +45,27 @@ def _finite(x) -> bool:
     return x is not None and isinstance(x, int | float) and math.isfinite(x)
 
 
+def bin_counts(records: dict) -> dict[int, int]:
+    """Scored tokens per pi_old bin (in bin order) at the deepest probe point of one probe step's records."""
+    if "binstats" not in records:
+        return {}
+    b = _frame(records["binstats"]).filter((pl.col("quantity") == "norm") & (pl.col("bin") >= 0))
+    if not b.height:
+        return {}
+    points = b["point"].unique().to_list()
+    last = "final_norm.out" if "final_norm.out" in points else max(points)
+    counts = b.filter(pl.col("point") == last).group_by("bin").agg(pl.col("count").sum()).sort("bin")
+    return {int(k): int(c) for k, c in counts.iter_rows()}
+
+
 def step_metrics(records: dict) -> dict[str, float]:
     """The live metrics of one probe step's records (kind -> columns): token shares per bin, bound violations and
     the identity error."""
     out: dict[str, float] = {}
-    if "binstats" in records:
-        b = _frame(records["binstats"]).filter((pl.col("quantity") == "norm") & (pl.col("bin") >= 0))
-        if b.height:
-            points = b["point"].unique().to_list()
-            last = "final_norm.out" if "final_norm.out" in points else max(points)
-            counts = b.filter(pl.col("point") == last).group_by("bin").agg(pl.col("count").sum()).sort("bin")
-            total = counts["count"].sum()
-            if total:
-                out.update({f"probe/token_share/bin{k}": c / total for k, c in counts.iter_rows()})
+    counts = bin_counts(records)
+    total = sum(counts.values())
+    if total:
+        out.update({f"probe/token_share/bin{k}": c / total for k, c in counts.items()})
     if "checks" in records:
         c = _frame(records["checks"])
         if c.height:

@@ -1,0 +1,74 @@
+"""Lopti's two-stage actor update in verl, with the official fork's semantics (`../shared/reference/PAPER.md` §4):
+
+    stage 1 (low first, the default):  advantages A * [pi_old < eta]    then a full actor update of the batch
+    stage 2:                           advantages A * [pi_old >= eta]   then a second full actor update
+
+Both stages use the same rollout (pi_old is not recomputed: stage 2's ratio is pi_theta(after stage 1) / pi_old), the
+response mask is unchanged (a token-mean loss divides by every token of the batch), and the optimizer state carries
+over. The groups are the tokendyn loss's (`loss.stage_advantages`): `lopti_update` switches the loss config's mutable
+``lopti_stage`` between the two calls and puts it back to "all" afterwards, also on an exception.
+
+KL and entropy terms: the official fork restricts them to the active group; verl's `ppo_loss` adds them over the whole
+response mask, outside the policy loss, so a Lopti update with ``use_kl_loss`` or a nonzero ``entropy_coeff`` is
+refused (one line) rather than run with different semantics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tokendyn.integrations.verl.loss import LOSS_NAME, VerlConfigError
+from tokendyn.vocab import LOPTI_ORDERS, TRAIN, stage_name
+
+
+def check_lopti(actor_config, order: str = "low_first") -> None:
+    """The actor config a Lopti update needs, each a one-line error naming the field."""
+    if order not in LOPTI_ORDERS:
+        raise VerlConfigError(f"lopti order: must be one of {', '.join(LOPTI_ORDERS)}, got {order!r}")
+    opts = actor_config.policy_loss
+    if getattr(opts, "loss_mode", None) != LOSS_NAME:
+        raise VerlConfigError(
+            f"actor.policy_loss.loss_mode: Lopti runs under '{LOSS_NAME}', got {getattr(opts, 'loss_mode', None)!r}"
+        )
+    if opts.lopti_eta is None:
+        raise VerlConfigError("actor.policy_loss.lopti_eta: Lopti needs a threshold in (0, 1), got None")
+    if actor_config.use_kl_loss:
+        raise VerlConfigError(
+            "actor.use_kl_loss: a Lopti update restricts KL to the active group, which verl's ppo_loss cannot; "
+            "set it to False (or use KL in the reward)"
+        )
+    if actor_config.entropy_coeff:
+        raise VerlConfigError(
+            f"actor.entropy_coeff: a Lopti update restricts the entropy bonus to the active group, which verl's "
+            f"ppo_loss cannot; set it to 0, got {actor_config.entropy_coeff!r}"
+        )
+
+
+def lopti_update(
+    update: Callable[[Any], dict],
+    data,
+    actor_config,
+    *,
+    order: str = "low_first",
+    probe=None,
+) -> dict:
+    """Lopti's two actor updates of one batch: ``update(data)`` (e.g. ``worker.train_mini_batch`` or
+    ``lambda d: engine.train_batch(d, loss_fn)``) is called twice, on a shallow copy of ``data`` each time (verl pops
+    keys from it), first with ``actor_config.policy_loss.lopti_stage`` = the first group of ``order``, then the
+    other. ``probe`` (an `EngineProbe`) records each stage under its name. Returns ``{"low": ..., "high": ...}``,
+    each stage's output."""
+    check_lopti(actor_config, order)
+    opts = actor_config.policy_loss
+    outputs = {}
+    try:
+        for stage in (stage_name(1, order), stage_name(2, order)):
+            opts.lopti_stage = stage
+            if probe is not None:
+                probe.stage = stage
+            outputs[stage] = update(data.copy())
+    finally:
+        opts.lopti_stage = "all"
+        if probe is not None:
+            probe.stage = TRAIN
+    return outputs
