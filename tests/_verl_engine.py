@@ -49,6 +49,7 @@ __all__ = [
     "CPUPlatform",
     "actor_config",
     "build_engine",
+    "build_worker",
     "cpu_platform",
     "full_parameters",
     "hf_response_log_probs",
@@ -58,6 +59,7 @@ __all__ = [
     "save_tiny_qwen2",
     "setup_distributed",
     "train_step",
+    "update_actor",
 ]
 
 ENGINE_DEVICE_ENV = "VERL_ENGINE_DEVICE"
@@ -65,6 +67,21 @@ ENGINE_DEVICE = "cuda"  # the device the FSDP engine is registered for (it runs 
 PAD_TOKEN_ID = 0
 EOS_TOKEN_ID = 1
 BOS_TOKEN_ID = 2
+
+
+def _cpu_device_module() -> ModuleType:
+    """`torch.cpu` plus the memory counters verl's `TrainingWorker` logs after every step (0 on the CPU)."""
+    module = ModuleType("tokendyn_cpu_device")
+    module.__dict__.update({k: v for k, v in vars(torch.cpu).items() if not k.startswith("__")})
+    for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved"):
+        module.__dict__.setdefault(name, lambda *args, **kwargs: 0)
+    module.__dict__.setdefault("reset_peak_memory_stats", lambda *args, **kwargs: None)
+    module.__dict__.setdefault("mem_get_info", lambda *args, **kwargs: (0, 0))
+    module.__dict__.setdefault("get_device_name", lambda *args, **kwargs: "cpu")  # the MFU counter's lookup
+    return module
+
+
+CPU_DEVICE_MODULE = _cpu_device_module()
 
 
 class CPUPlatform(PlatformBase):
@@ -81,7 +98,7 @@ class CPUPlatform(PlatformBase):
 
     @property
     def device_module(self) -> ModuleType:
-        return torch.cpu
+        return CPU_DEVICE_MODULE
 
     def is_available(self) -> bool:
         return True
@@ -270,28 +287,19 @@ def actor_config(
     )
 
 
-def build_engine(
-    model_path: str | os.PathLike,
+def _engine_configs(
+    model_path,
     *,
-    use_remove_padding: bool,
-    micro_batch_size: int,
-    lr: float,
-    optimizer: str = "SGD",
-    weight_decay: float = 0.0,
-    clip_grad: float = 1e9,
-    gradient_checkpointing: bool = False,
-) -> FSDPEngineWithLMHead:
-    """verl's FSDP2 actor engine (`FSDPEngineWithLMHead`) around the model saved at `model_path`, initialised
-    (model, optimizer, constant LR schedule): float32 weights and FSDP2 mixed precision, `torch.optim.<optimizer>`
-    at `lr`, gradients clipped at `clip_grad` (verl always clips; the default is large enough to be inactive),
-    micro-batches of `micro_batch_size` sequences for training and inference (no dynamic batch size), no torch
-    compile. Calls `setup_distributed()` first."""
-    setup_distributed()
-    disable_trl_value_head_patch()
-
+    use_remove_padding,
+    micro_batch_size,
+    lr,
+    optimizer,
+    weight_decay,
+    clip_grad,
+    gradient_checkpointing,
+):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine import EngineRegistry
 
     model_config = HFModelConfig(
         path=str(model_path),
@@ -316,16 +324,92 @@ def build_engine(
         clip_grad=clip_grad,
         lr_scheduler_type="constant",
     )
+    return model_config, engine_config, optimizer_config, CheckpointConfig()
+
+
+def build_engine(
+    model_path: str | os.PathLike,
+    *,
+    use_remove_padding: bool,
+    micro_batch_size: int,
+    lr: float,
+    optimizer: str = "SGD",
+    weight_decay: float = 0.0,
+    clip_grad: float = 1e9,
+    gradient_checkpointing: bool = False,
+) -> FSDPEngineWithLMHead:
+    """verl's FSDP2 actor engine (`FSDPEngineWithLMHead`) around the model saved at `model_path`, initialised
+    (model, optimizer, constant LR schedule): float32 weights and FSDP2 mixed precision, `torch.optim.<optimizer>`
+    at `lr`, gradients clipped at `clip_grad` (verl always clips; the default is large enough to be inactive),
+    micro-batches of `micro_batch_size` sequences for training and inference (no dynamic batch size), no torch
+    compile. Calls `setup_distributed()` first."""
+    setup_distributed()
+    disable_trl_value_head_patch()
+    from verl.workers.engine import EngineRegistry
+
+    model_config, engine_config, optimizer_config, checkpoint_config = _engine_configs(
+        model_path, use_remove_padding=use_remove_padding, micro_batch_size=micro_batch_size, lr=lr,
+        optimizer=optimizer, weight_decay=weight_decay, clip_grad=clip_grad,
+        gradient_checkpointing=gradient_checkpointing,
+    )  # fmt: skip
     engine = EngineRegistry.new(
         model_type="language_model",
         backend=engine_config.strategy,
         model_config=model_config,
         engine_config=engine_config,
         optimizer_config=optimizer_config,
-        checkpoint_config=CheckpointConfig(),
+        checkpoint_config=checkpoint_config,
     )
     engine.initialize()
     return engine
+
+
+def build_worker(model_path: str | os.PathLike, loss_fn: Callable, **engine_options):
+    """verl's `TrainingWorker` (the actor's training worker, `verl.workers.engine_workers`) around the same engine
+    as `build_engine`, built in this process without Ray (the ``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` variables of
+    one process are set where absent), its engine reset and its loss function set, as `ActorRolloutRefWorker`
+    does. ``engine_options``: `build_engine`'s keywords."""
+    setup_distributed()
+    disable_trl_value_head_patch()
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", "29555")
+    from verl.workers.config import TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+
+    defaults = dict(optimizer="SGD", weight_decay=0.0, clip_grad=1e9, gradient_checkpointing=False)
+    model_config, engine_config, optimizer_config, checkpoint_config = _engine_configs(
+        model_path, **{**defaults, **engine_options}
+    )
+    worker = TrainingWorker(
+        TrainingWorkerConfig(
+            model_type="language_model",
+            model_config=model_config,
+            engine_config=engine_config,
+            optimizer_config=optimizer_config,
+            checkpoint_config=checkpoint_config,
+        )
+    )
+    worker.reset()
+    worker.set_loss_fn(loss_fn)
+    return worker
+
+
+def update_actor(worker, data: TensorDict, *, mini_batch_size: int | None = None, epochs: int = 1) -> dict:
+    """`worker.train_mini_batch` as `ActorRolloutRefWorker.update_actor` calls it: the batch split into
+    mini-batches of `mini_batch_size` sequences (default the whole batch), `epochs` passes, no shuffling.
+    Returns the metrics (key -> list over mini-batches)."""
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(
+        data,
+        mini_batch_size=mini_batch_size or data.shape[0],
+        epochs=epochs,
+        seed=0,
+        dataloader_kwargs={"shuffle": False},
+    )
+    output = worker.train_mini_batch(data)
+    return dict(output["metrics"]) if output is not None else {}
 
 
 def make_batch(

@@ -71,11 +71,22 @@ def _loss_and_w(config, old, logp, adv, mask, agg="token-mean", seed=0):
 def test_the_plugin_entry_point_registers_the_loss_when_verl_is_imported():
     eps = {ep.name: ep.value for ep in entry_points(group="verl.plugins")}
     assert eps.get("tokendyn") == "tokendyn.integrations.verl_plugin"
-    code = "import verl; from verl.trainer.ppo import core_algos as c; print(c.get_policy_loss_fn('tokendyn').__name__)"
+    code = (
+        "import verl; from verl.trainer.ppo import core_algos as c; "
+        "from verl.workers.engine_workers import TrainingWorker as W; "
+        "print(c.get_policy_loss_fn('tokendyn').__name__, getattr(W.train_mini_batch, '_tokendyn_wrapped', False), "
+        "sorted(k for k in vars(W.train_mini_batch) if k.startswith('attrs_')))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
-    assert out.stdout.strip().splitlines()[-1] == "tokendyn_policy_loss"
+    name, wrapped, dispatch = out.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert (
+        name == "tokendyn_policy_loss" and wrapped == "True"
+    )  # the loss, and the actor worker's update wrapped
+    assert dispatch.startswith(
+        "['attrs_"
+    )  # verl's dispatch attributes kept on the wrapper (the worker group's)
 
 
 @pytest.mark.parametrize("mode", BASE_MODES)

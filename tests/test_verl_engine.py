@@ -379,3 +379,45 @@ if __name__ == "__main__":
     out = Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     (out / f".done-rank{os.environ.get('RANK', '0')}").write_text("ok")
+
+
+# ---- verl's actor worker, configured as a user's run would be -----------------------------------------------------
+def _worker_config(run_dir: Path, **policy_loss):
+    options = {"bins": "intervals:4", "check_tokens": None, "direct_tokens": 0, "sample_tokens": 4096}
+    loss = glue.TokendynPolicyLossConfig(probe_dir=str(run_dir), probe_options=options, **policy_loss)
+    return ve.actor_config(micro_batch_size=2, policy_loss=loss)
+
+
+@pytest.mark.parametrize("rmpad", [True, False], ids=["remove_padding", "padded"])
+def test_verls_actor_worker_runs_reweight_lopti_and_the_probe_from_its_config_alone(
+    model_dir, tmp_path, rmpad
+):
+    """`TrainingWorker.train_mini_batch` (wrapped by the plugin's `register`), as `update_actor` calls it, with
+    probe_dir, reweight_alpha and lopti_eta in the policy-loss config and nothing else: the weights equal the plain
+    Lopti loop's, each stage's records and scalars are there, and a second run without Lopti records stage train."""
+    old, adv = rollout(model_dir)
+    lr, eta, alpha = 0.5, 0.5, 0.3
+    cfg = _worker_config(tmp_path / "run", reweight_alpha=alpha, lopti_eta=eta)
+    worker = ve.build_worker(
+        model_dir, partial(ppo_loss, config=cfg), use_remove_padding=rmpad, micro_batch_size=2, lr=lr
+    )
+    metrics = ve.update_actor(worker, verl_batch(range(len(PROMPTS)), old, adv))
+    want = plain_lopti(model_dir, old, adv, eta=eta, alpha=alpha, lr=lr)
+    got = ve.full_parameters(worker.engine)
+    assert max(((got[n] - p).norm() / p.norm()).item() for n, p in want.items()) < 1e-5
+    for stage in ("low", "high"):
+        shares = [metrics[f"{METRIC_PREFIX}{stage}/token_share/bin{k}"][0] for k in range(4)]
+        assert sum(shares) == pytest.approx(1.0) and metrics[f"{METRIC_PREFIX}{stage}/bound_violations"] == [
+            0.0
+        ]
+    assert len(metrics["actor/pg_loss"]) == 2  # verl's own keys: one value per stage
+    checks = analyze_run(tmp_path / "run", write=False)["checks"].sort("stage")
+    assert checks["stage"].to_list() == ["high", "low"] and checks["logits_violations"].to_list() == [0, 0]
+
+    plain_cfg = _worker_config(tmp_path / "plain")
+    worker = ve.build_worker(
+        model_dir, partial(ppo_loss, config=plain_cfg), use_remove_padding=rmpad, micro_batch_size=2, lr=lr
+    )
+    metrics = ve.update_actor(worker, verl_batch(range(len(PROMPTS)), old, adv))
+    assert f"{METRIC_PREFIX}token_share/bin0" in metrics
+    assert analyze_run(tmp_path / "plain", write=False)["checks"]["stage"].to_list() == ["train"]

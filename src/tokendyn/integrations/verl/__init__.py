@@ -3,10 +3,14 @@ response token sits inside verl's actor engine (`layout`), and the probe attache
 (`probe`). All of tokendyn's verl glue is this package (and `verl_plugin`, the entry point that imports it), so an
 upgrade of verl touches one place.
 
-A verl run names the loss through its config::
+`register()` (run in every verl process by the plugin entry point) registers the loss and wraps the actor worker's
+update (`worker`: the probe and Lopti's two updates, from the loss config). A verl run turns it on through its
+config::
 
     actor_rollout_ref.actor.policy_loss._target_=tokendyn.integrations.verl.TokendynPolicyLossConfig
     actor_rollout_ref.actor.policy_loss.loss_mode=tokendyn
+    actor_rollout_ref.actor.policy_loss.probe_dir=/path/to/run        # the probe (optional)
+    actor_rollout_ref.actor.policy_loss.lopti_eta=0.5                 # Lopti (optional)
 """
 
 from tokendyn.integrations.verl.loss import (
@@ -18,11 +22,20 @@ from tokendyn.integrations.verl.loss import (
     check_stage,
     check_version,
     disable_trl_value_head_patch,
-    register,
+    register_loss,
     stage_advantages,
     stage_mask,
     tokendyn_policy_loss,
 )
+from tokendyn.integrations.verl.worker import install as install_worker
+
+
+def register() -> None:
+    """Register the tokendyn loss with verl (`loss.register_loss`) and wrap the actor worker's update
+    (`worker.install`); idempotent."""
+    register_loss()
+    install_worker()
+
 
 __all__ = [
     "LOPTI_STAGES",
@@ -33,7 +46,9 @@ __all__ = [
     "check_stage",
     "check_version",
     "disable_trl_value_head_patch",
+    "install_worker",
     "register",
+    "register_loss",
     "stage_advantages",
     "stage_mask",
     "tokendyn_policy_loss",

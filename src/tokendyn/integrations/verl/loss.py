@@ -26,13 +26,16 @@ mutable field); "all" (the default) is the plain update.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 from verl.trainer.ppo import core_algos
 from verl.workers.config.actor import PolicyLossConfig
 
+from tokendyn.config import ProbeConfig, ProbeConfigError
+from tokendyn.config import resolve as resolve_probe_config
 from tokendyn.remedies import lopti_masks, reweight_advantages
+from tokendyn.vocab import LOPTI_ORDERS
 
 LOSS_NAME = "tokendyn"
 VERL_SERIES = "0.9"  # the verl minor series this glue is written against (`check_version`)
@@ -49,8 +52,14 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
 
     base_loss_mode: the registered verl loss the tokendyn loss runs under (not "tokendyn" itself).
     reweight_alpha: Advantage Reweighting's alpha in [0, 1] (0: off).
-    lopti_eta: Lopti's threshold on pi_old in (0, 1), or None (no Lopti).
-    lopti_stage: the group whose advantages this update keeps: "all", "low" (pi_old < eta) or "high"."""
+    lopti_eta: Lopti's threshold on pi_old in (0, 1), or None (no Lopti). Set, verl's actor worker runs Lopti's
+        two updates per batch (`integrations.verl.worker`).
+    lopti_order: which group the first of the two updates keeps: "low_first" (the paper's) or "high_first".
+    lopti_stage: the group whose advantages this update keeps: "all", "low" (pi_old < eta) or "high" (set by the
+        two-stage update; "all" outside it).
+    probe_dir: a run directory: the actor worker attaches tokendyn's probe to its engine and records every
+        micro-batch there (one shard per data-parallel rank), or None (no probe).
+    probe_options: `tokendyn.ProbeConfig` fields for that probe (e.g. ``{"bins": "intervals:4"}``)."""
 
     _mutable_fields = PolicyLossConfig._mutable_fields | {"lopti_stage"}
 
@@ -58,7 +67,10 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
     base_loss_mode: str = "vanilla"
     reweight_alpha: float = 0.0
     lopti_eta: float | None = None
+    lopti_order: str = "low_first"
     lopti_stage: str = "all"
+    probe_dir: str | None = None
+    probe_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         known = sorted(n for n in core_algos.POLICY_LOSS_REGISTRY if n != LOSS_NAME)
@@ -70,7 +82,30 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
         _unit("reweight_alpha", self.reweight_alpha, closed=True)
         if self.lopti_eta is not None:
             _unit("lopti_eta", self.lopti_eta, closed=False)
+        if self.lopti_order not in LOPTI_ORDERS:
+            raise VerlConfigError(
+                f"policy_loss.lopti_order: must be one of {', '.join(LOPTI_ORDERS)}, got {self.lopti_order!r}"
+            )
         check_stage(self.lopti_stage, self.lopti_eta)
+        if self.probe_dir is not None and (not isinstance(self.probe_dir, str) or not self.probe_dir):
+            raise VerlConfigError(
+                f"policy_loss.probe_dir: must be a directory path or None, got {self.probe_dir!r}"
+            )
+        self.probe_config()
+
+    def probe_config(self) -> ProbeConfig:
+        """The probe's checked `ProbeConfig` from ``probe_options`` (one line per bad field)."""
+        known = {f.name for f in fields(ProbeConfig)}
+        options = dict(self.probe_options or {})
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise VerlConfigError(
+                f"policy_loss.probe_options.{unknown[0]}: not a probe option (one of {', '.join(sorted(known))})"
+            )
+        try:
+            return resolve_probe_config(None, options)
+        except ProbeConfigError as exc:
+            raise VerlConfigError(f"policy_loss.probe_options.{exc}") from None
 
 
 def _unit(name: str, value, *, closed: bool) -> None:
@@ -172,7 +207,7 @@ def disable_trl_value_head_patch() -> None:
     monkey_patch.is_trl_available = lambda: False
 
 
-def register() -> None:
+def register_loss() -> None:
     """Register the tokendyn loss with verl and apply the TRL workaround; idempotent."""
     check_version()
     disable_trl_value_head_patch()

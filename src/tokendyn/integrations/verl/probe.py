@@ -169,8 +169,10 @@ class EngineProbe:
             self.probe.end_step()  # what finished is recorded; an unfinished micro-batch is dropped with a warning
             raise
         metrics = self.step_metrics()
-        if isinstance(outputs, dict) and "metrics" in outputs:
-            outputs["metrics"].update(metrics)
+        if (
+            isinstance(outputs, dict) and "metrics" in outputs
+        ):  # a list, as verl keeps a loss metric per micro-batch
+            outputs["metrics"].update({key: [value] for key, value in metrics.items()})
         if self.rank == 0 and self.step == 0:
             self._write_run_json()
         self.step += 1
