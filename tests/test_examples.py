@@ -89,7 +89,29 @@ def test_verl_batch_to_rollouts_file_to_probe(tmp_path, monkeypatch):
         assert int(with_w.collect()["count"].sum()) == nonzero
 
 
-@pytest.mark.parametrize("script", ["custom_loop.py", "trl_script.py", "verl_rollouts.py"])
+def test_verl_actor_runs_lopti_and_the_probe_inside_verls_worker(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "verl_actor"
+    argv = ("--out", str(out), "--prompts", "2", "--group", "2", "--length", "6", "--updates", "1")
+    _run("verl_actor.py", *argv, monkeypatch=monkeypatch)
+    run = tokendyn.load_run(out)
+    assert run.method == "verl vanilla + Reweight(a=0.3) + Lopti(eta=0.5)"
+    assert run.config["lopti_eta"] == 0.5 and run.config["temperature"] == 0.7
+    assert PROBE_KINDS <= set(run.kinds) and (out / "analysis" / "bins.parquet").is_file()
+    tokens = (
+        run["binstats"]
+        .filter((pl.col("point") == "final_norm.out") & (pl.col("quantity") == "norm"))
+        .collect()
+    )
+    assert sorted(tokens["stage"].unique().to_list()) == ["high", "low"]
+    for stage in ("low", "high"):  # every response token probed once per stage at the final norm
+        assert int(tokens.filter(pl.col("stage") == stage)["count"].sum()) == 4 * 6
+    checks = run["checks"].collect()
+    assert int(checks["logits_violations"].sum() + checks["head_violations"].sum()) == 0
+    printed = capsys.readouterr().out
+    assert "Lopti stage low" in printed and "Lopti stage high" in printed
+
+
+@pytest.mark.parametrize("script", ["custom_loop.py", "trl_script.py", "verl_rollouts.py", "verl_actor.py"])
 def test_examples_state_their_command_and_time(script):
     head = (EXAMPLES / script).read_text().split('"""')[1]
     assert f"python examples/{script}" in head and "s on 2 CPU cores" in head

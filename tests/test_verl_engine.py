@@ -195,6 +195,11 @@ def test_the_probe_inside_verls_engine_records_what_a_plain_autograd_reference_r
         a["bins"].filter((pl.col("point") == "final_norm.out") & (pl.col("bin") >= 0)).sort("bin")["tokens"]
     )
     assert shares == pytest.approx((counts / counts.sum()).to_list(), abs=1e-12)
+    energy = torch.stack([(ref.norms[-1][mask & (ref.bins == k)] ** 2).sum() for k in range(4)]).double()
+    grad_sq = [metrics[f"{METRIC_PREFIX}grad_sq_share/bin{k}"] for k in range(4)]
+    assert grad_sq == pytest.approx(
+        (energy / energy.sum()).tolist(), rel=1e-4
+    )  # the final norm's ||delta||^2
     assert metrics[f"{METRIC_PREFIX}bound_violations"] == 0
     assert 0 <= metrics[f"{METRIC_PREFIX}identity_rel_err_worst"] < 1e-4
     assert not any("max" in k or "min" in k for k in metrics if k.startswith(METRIC_PREFIX))

@@ -3,8 +3,9 @@ response token sits inside verl's actor engine (`layout`), and the probe attache
 (`probe`). All of tokendyn's verl glue is this package (and `verl_plugin`, the entry point that imports it), so an
 upgrade of verl touches one place.
 
-`register()` (run in every verl process by the plugin entry point) registers the loss and wraps the actor worker's
-update (`worker`: the probe and Lopti's two updates, from the loss config). A verl run turns it on through its
+Importing this package calls `register()` (so the plugin entry point, which imports it in every verl process,
+needs nothing else, whichever of verl and tokendyn is imported first): it registers the loss and wraps the actor
+worker's update (`worker`: the probe and Lopti's two updates, from the loss config). A verl run turns it on through its
 config::
 
     actor_rollout_ref.actor.policy_loss._target_=tokendyn.integrations.verl.TokendynPolicyLossConfig
@@ -53,3 +54,5 @@ __all__ = [
     "stage_mask",
     "tokendyn_policy_loss",
 ]
+
+register()  # at import: the plugin entry point imports this package (see verl_plugin for the import order)

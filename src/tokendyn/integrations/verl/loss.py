@@ -93,6 +93,26 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
             )
         self.probe_config()
 
+    def method_name(self) -> str:
+        """The run's name in tokendyn's records and figures, in the TRL path's form: "verl vanilla + Reweight(a=0.3)
+        + Lopti(eta=0.5)"."""
+        parts = [f"verl {self.base_loss_mode}"]
+        if self.reweight_alpha:
+            parts.append(f"Reweight(a={self.reweight_alpha:g})")
+        if self.lopti_eta is not None:
+            order = "" if self.lopti_order == "low_first" else ", high first"
+            parts.append(f"Lopti(eta={self.lopti_eta:g}{order})")
+        return " + ".join(parts)
+
+    def run_config(self) -> dict:
+        """The remedy settings a run directory records (run.json "config"), under the TRL path's names."""
+        return {
+            "base_loss_mode": self.base_loss_mode,
+            "advantage_reweight_alpha": self.reweight_alpha,
+            "lopti_eta": self.lopti_eta,
+            "lopti_order": self.lopti_order,
+        }
+
     def probe_config(self) -> ProbeConfig:
         """The probe's checked `ProbeConfig` from ``probe_options`` (one line per bad field)."""
         known = {f.name for f in fields(ProbeConfig)}

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from tokendyn.common import write_json
 from tokendyn.config import ProbeConfig
 from tokendyn.config import resolve as resolve_config
-from tokendyn.hooks.live import bin_counts, step_metrics
+from tokendyn.hooks.live import step_metrics
 from tokendyn.integrations.verl.layout import prompt_response_lengths, response_layout
 from tokendyn.integrations.verl.loss import LOSS_NAME, VerlConfigError, stage_advantages
 from tokendyn.probe.probe import GradientProbe
@@ -100,6 +100,7 @@ class EngineProbe:
         config: ProbeConfig | None = None,
         *,
         method: str = "verl",
+        run_config: dict | None = None,
         flush_every: int = 64,
         seed: int = 0,
         **options,
@@ -121,7 +122,7 @@ class EngineProbe:
         self.writer = RecordWriter(
             self.run_dir, rank=self.rank, flush_every=flush_every, flush_seconds=self.config.flush_seconds
         )
-        self.method = method
+        self.method, self.run_config = method, dict(run_config or {})
         self.step, self.stage = 0, TRAIN
         self.results: list = []  # the StepResults of the latest train_batch, one per micro-batch
         self._records: list[dict] = []
@@ -226,28 +227,35 @@ class EngineProbe:
 
     # ---- metrics and the run file ----------------------------------------------------------------------------
     def step_metrics(self) -> dict[str, float]:
-        """The latest train_batch's live numbers over every micro-batch of every data-parallel rank: token shares
-        per bin (final probe point), bound violations (summed) and the LM-head identity's worst relative error."""
+        """The latest train_batch's live numbers over every micro-batch of every data-parallel rank (counts and
+        sums all-reduced first, so every rank reports the same): per bin b at the deepest probe point (the final
+        norm), ``token_share/bin{b}`` = n_b / n (scored tokens) and ``grad_sq_share/bin{b}`` =
+        sum_{t in b} ||delta_t||^2 / sum_t ||delta_t||^2 (how the per-token gradient energy at the final hidden
+        states splits over the bins); ``bound_violations`` (logits + head, summed: must be 0) and
+        ``identity_rel_err_worst`` (the LM-head identity's largest relative error)."""
         spec = self.probe.bins
         n_bins = spec.n if spec.kind == "quantiles" else len(spec.edges) - 1
-        counts = torch.zeros(n_bins + 1, dtype=torch.float64)  # bins, then violations
+        sums = torch.zeros(
+            2 * n_bins + 1, dtype=torch.float64
+        )  # token counts, then sum of norm^2, violations
         worst = torch.zeros(1, dtype=torch.float64)
         for rec in self._records:
-            for b, c in bin_counts(rec).items():
-                counts[b] += c
+            for b, (count, sumsq) in _final_point_sums(rec).items():
+                sums[b] += count
+                sums[n_bins + b] += sumsq
             m = step_metrics(rec)
-            counts[n_bins] += m.get("probe/bound_violations", 0.0)
+            sums[2 * n_bins] += m.get("probe/bound_violations", 0.0)
             worst[0] = max(worst[0].item(), m.get("probe/identity_max_rel_err", 0.0))
         group = self.engine.get_data_parallel_group()
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-        total = counts[:n_bins].sum().item()
-        out = {
-            f"{METRIC_PREFIX}token_share/bin{b}": (counts[b].item() / total if total else 0.0)
-            for b in range(n_bins)
-        }
-        out[f"{METRIC_PREFIX}bound_violations"] = counts[n_bins].item()
+        n, energy = sums[:n_bins].sum().item(), sums[n_bins : 2 * n_bins].sum().item()
+        out = {}
+        for b in range(n_bins):
+            out[f"{METRIC_PREFIX}token_share/bin{b}"] = sums[b].item() / n if n else 0.0
+            out[f"{METRIC_PREFIX}grad_sq_share/bin{b}"] = sums[n_bins + b].item() / energy if energy else 0.0
+        out[f"{METRIC_PREFIX}bound_violations"] = sums[2 * n_bins].item()
         out[f"{METRIC_PREFIX}identity_rel_err_worst"] = worst.item()
         return out
 
@@ -256,13 +264,30 @@ class EngineProbe:
         if not path.is_file():
             info = {
                 "method": self.method,
-                "config": {"temperature": self._temperature},
+                "config": {"temperature": self._temperature, **self.run_config},
                 "probe": self.config.to_dict(),
                 "source": "verl",
                 "data_parallel_size": self.dp_size,
                 "remove_padding": self.packed,
             }
             write_json(path, info)
+
+
+def _final_point_sums(records: dict) -> dict[int, tuple[int, float]]:
+    """(scored tokens, sum of ||delta||^2) per bin at the deepest probe point of one micro-batch's records."""
+    import polars as pl
+
+    if "binstats" not in records:
+        return {}
+    cols = records["binstats"]
+    b = (cols if isinstance(cols, pl.DataFrame) else pl.DataFrame(cols)).filter(
+        (pl.col("quantity") == "norm") & (pl.col("bin") >= 0)
+    )
+    if not b.height:
+        return {}
+    last = b.sort("point_index")["point"][-1]
+    rows = b.filter(pl.col("point") == last).group_by("bin").agg(pl.col("count").sum(), pl.col("sumsq").sum())
+    return {int(k): (int(c), float(q)) for k, c, q in rows.iter_rows()}
 
 
 @contextmanager

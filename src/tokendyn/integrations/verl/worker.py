@@ -36,7 +36,13 @@ def worker_probe(worker, opts: TokendynPolicyLossConfig) -> EngineProbe | None:
         return None
     probe = getattr(worker, "_tokendyn_probe", None)
     if probe is None:
-        probe = EngineProbe(worker.engine, opts.probe_dir, opts.probe_config()).attach()
+        probe = EngineProbe(
+            worker.engine,
+            opts.probe_dir,
+            opts.probe_config(),
+            method=opts.method_name(),
+            run_config=opts.run_config(),
+        ).attach()
         worker._tokendyn_probe = probe
         atexit.register(probe.detach)
     return probe
