@@ -8,7 +8,8 @@ every worker of a `main_ppo` run) on the CPU without Ray (`tokendyn.integrations
 sampled from tokendyn's embedded default policy. The only tokendyn-specific part is the policy-loss config, the same
 fields a real run sets with `actor_rollout_ref.actor.policy_loss.*` overrides (README, "With verl"); the plugin that
 `import verl` loads wraps the worker's update, so nothing else changes. Each update is Lopti's two full passes over
-the batch (low-probability tokens first), every micro-batch probed into RUN_DIR/records.
+the batch (low-probability tokens first), every micro-batch probed into RUN_DIR/records, and the rebalancing
+analyses run on the first 4 sequences before each stage, with verl's own loss as their objective.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def main(out: str, prompts: int, group: int, length: int, updates: int) -> None:
         reweight_alpha=0.3,  # Advantage Reweighting
         lopti_eta=0.5,  # Lopti: two updates per batch, pi_old < 0.5 first
         probe_dir=out,  # the probe: records of every micro-batch
-        probe_options={"bins": "intervals:4", "direct_every": 4},
+        probe_options={"bins": "intervals:4", "direct_every": 4, "sample_sequences": 4},
+        probe_analyses_every=1,  # update shares, the counterfactual change: verl's own loss as the objective
     )
     actor = cpu.actor_config(micro_batch_size=4, policy_loss=policy_loss)
     tokendyn_verl.register()  # what the plugin does when verl is imported (idempotent)

@@ -96,7 +96,8 @@ def test_verl_actor_runs_lopti_and_the_probe_inside_verls_worker(tmp_path, monke
     run = tokendyn.load_run(out)
     assert run.method == "verl vanilla + Reweight(a=0.3) + Lopti(eta=0.5)"
     assert run.config["lopti_eta"] == 0.5 and run.config["temperature"] == 0.7
-    assert PROBE_KINDS <= set(run.kinds) and (out / "analysis" / "bins.parquet").is_file()
+    assert PROBE_KINDS | {"shares", "prob_change", "influence"} <= set(run.kinds)
+    assert (out / "analysis" / "bins.parquet").is_file()
     tokens = (
         run["binstats"]
         .filter((pl.col("point") == "final_norm.out") & (pl.col("quantity") == "norm"))

@@ -426,3 +426,71 @@ def test_verls_actor_worker_runs_reweight_lopti_and_the_probe_from_its_config_al
     metrics = ve.update_actor(worker, verl_batch(range(len(PROMPTS)), old, adv))
     assert f"{METRIC_PREFIX}token_share/bin0" in metrics
     assert analyze_run(tmp_path / "plain", write=False)["checks"]["stage"].to_list() == ["train"]
+
+
+def test_the_analyses_with_verls_own_loss_equal_tokendyns_objective_on_the_plain_model(model_dir, tmp_path):
+    """The rebalancing analyses inside verl's engine (FSDP2, remove-padding), on the first 4 sequences, with verl's
+    registered vanilla loss as the objective (`VerlObjective`'s first-order terms), against the same analyses on
+    the plain HF model with tokendyn's own token-mean PPO objective (clip 0.2, no dual clip binding here) on a
+    ProbeBatch built here: update shares per bin, per-token shares and the counterfactual probability change."""
+    from tokendyn.integrations.verl.objective import VerlObjective
+    from tokendyn.probe.rebalance import analyze_batch
+    from tokendyn.probe.tokenloss import Objective, ProbeBatch
+
+    old, adv = rollout(model_dir)
+    engine = ve.build_engine(model_dir, use_remove_padding=True, micro_batch_size=2, lr=0.1)
+    loss_fn = partial(ppo_loss, config=ve.actor_config(micro_batch_size=2))
+    options = {**PROBE, "sample_sequences": 4, "lr": 0.5}
+    with probe_engine(engine, tmp_path / "verl", analyses_every=1, **options) as probe:
+        ve.train_step(engine, verl_batch(range(len(PROMPTS)), old, adv), loss_fn)
+    got = probe.last_analysis
+
+    rows = range(4)
+    width_p, width_r = max(len(PROMPTS[i]) for i in rows), max(len(RESPONSES[i]) for i in rows)
+    ids = torch.zeros(4, width_p + width_r, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    mask = torch.zeros(4, width_r, dtype=torch.bool)
+    for b in rows:
+        p, r = PROMPTS[b], RESPONSES[b]
+        ids[b, width_p - len(p) : width_p], ids[b, width_p : width_p + len(r)] = (
+            torch.tensor(p),
+            torch.tensor(r),
+        )
+        attn[b, width_p - len(p) : width_p + len(r)] = 1
+        mask[b, : len(r)] = True
+    batch = ProbeBatch(ids, attn, mask, adv[:4, :width_r].double(), old[:4, :width_r].double(), temperature=T)
+    from tokendyn.config import ProbeConfig
+    from tokendyn.hooks.options import rebalance_options
+
+    cfg = ProbeConfig(**options)
+    want = analyze_batch(
+        ve.load_hf_model(model_dir), batch, step=0, edges=[0, 0.25, 0.5, 0.75, 1.0],
+        options=rebalance_options(cfg, 0), objective=Objective(eps_low=CLIP, eps_high=CLIP, loss_type="bnpo"),
+    )  # fmt: skip
+    # FSDP2 leaves out the per-token shares (their JVP substitutes the parameters FSDP2 gathers); see below
+    assert set(want) - set(got) == {"token_shares"} and {"shares", "prob_change", "influence"} <= set(got)
+    from test_records import assert_frames_close
+
+    for kind in ("shares", "prob_change", "influence"):
+        a, b = (f.with_columns(pl.selectors.float().fill_nan(None)) for f in (want[kind], got[kind]))
+        skip = {"lr", "jvp_share"}  # jvp_share: the per-token JVP, absent under FSDP2 (above)
+        floats = [c for c, t in a.schema.items() if t in (pl.Float64, pl.Float32) and c not in skip]
+        keys = [c for c, t in a.schema.items() if c not in floats and c not in skip and t != pl.List]
+        # the probability changes are differences of float32 probabilities: their floor is ~1e-7 absolute
+        assert_frames_close(a, b, keys, floats, rtol=1e-4 if kind == "shares" else 2e-3)
+        j = a.sort(keys).select(floats).to_numpy(), b.sort(keys).select(floats).to_numpy()
+        rel = abs(j[0] - j[1]) / abs(j[0]).clip(min=1e-12)
+        print(json.dumps({f"{kind}_max_rel": float(rel[rel == rel].max())}))
+    # the per-token shares through verl's loss, on the plain model: VerlObjective's JVP against tokendyn's objective
+    mine = analyze_batch(
+        ve.load_hf_model(model_dir), batch, step=0, edges=[0, 0.25, 0.5, 0.75, 1.0],
+        options=rebalance_options(cfg, 0), objective=VerlObjective(ve.actor_config(micro_batch_size=2)),
+    )  # fmt: skip
+    a, b = want["token_shares"], mine["token_shares"]
+    keys = [c for c, t in a.schema.items() if t in (pl.Int32, pl.Int64, pl.Utf8)]
+    a, b = a.sort(keys), b.sort(keys)
+    assert a.select(keys).equals(b.select(keys)) and a.height > 0
+    share = "share" if "share" in a.columns else [c for c, t in a.schema.items() if t == pl.Float64][0]
+    err = ((a[share] - b[share]).abs().max()) / a[share].abs().max()
+    print(json.dumps({"token_share_err_over_max": err}))
+    assert err < 1e-6

@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.utils.checkpoint
@@ -143,6 +144,19 @@ class Objective:
             entropy_coef=float(getattr(args, "entropy_coef", 0.0) or 0.0),
             max_completion_length=getattr(args, "max_completion_length", None),
         )
+
+
+@runtime_checkable
+class TokenObjective(Protocol):
+    """Another stack's loss as the analyses' objective (e.g. `tokendyn.integrations.verl.objective.VerlObjective`):
+    ``terms(logp, batch, entropy)`` returns per-token terms l_t, (B, C), zero on padding, whose gradient sums to the
+    loss's and whose values sum to L; ``needs_entropy``: the terms also take H_t."""
+
+    needs_entropy: bool
+
+    def terms(
+        self, logp: torch.Tensor, batch: ProbeBatch, entropy: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
 
 def _as_2d(name: str, value: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -573,10 +587,11 @@ def completion_logp_entropy(
 def loss_terms(
     logp: torch.Tensor,
     batch: ProbeBatch,
-    objective: Objective | None = None,
+    objective: Objective | TokenObjective | None = None,
     entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The per-token terms l_t, (B, C), zero on padding, sum = L (formula: `Objective`).
+    """The per-token terms l_t, (B, C), zero on padding, sum = L (formula: `Objective`; a `TokenObjective`, another
+    stack's loss, computes its own).
 
     ``logp`` is log pi_t (B, C); pi_old is batch.old_logp, or logp.detach() when None (ratio 1, gradient of the
     plain surrogate -A_t log pi_t). ``entropy``: H_t (B, C), needed when the objective has an entropy bonus or an
@@ -584,6 +599,8 @@ def loss_terms(
     objective = objective or Objective()
     if objective.needs_entropy and entropy is None:
         raise ValueError("objective: an entropy bonus or top_entropy_quantile < 1 needs the entropies H_t")
+    if not isinstance(objective, Objective):
+        return objective.terms(logp, batch, entropy)
     mask = batch.completion_mask.to(logp.device)
     m = mask.to(logp.dtype)
     adv = batch.advantages.to(device=logp.device, dtype=logp.dtype)

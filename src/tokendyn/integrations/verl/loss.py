@@ -59,7 +59,10 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
         two-stage update; "all" outside it).
     probe_dir: a run directory: the actor worker attaches tokendyn's probe to its engine and records every
         micro-batch there (one shard per data-parallel rank), or None (no probe).
-    probe_options: `tokendyn.ProbeConfig` fields for that probe (e.g. ``{"bins": "intervals:4"}``)."""
+    probe_options: `tokendyn.ProbeConfig` fields for that probe (e.g. ``{"bins": "intervals:4"}``).
+    probe_analyses_every: run the rebalancing analyses (those ``probe_options["analyses"]`` switches on) on the
+        first ``sample_sequences`` sequences of every n-th update's batch, verl's own loss as the objective
+        (`integrations.verl.objective`); 0 (the default): off."""
 
     _mutable_fields = PolicyLossConfig._mutable_fields | {"lopti_stage"}
 
@@ -71,6 +74,7 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
     lopti_stage: str = "all"
     probe_dir: str | None = None
     probe_options: dict = field(default_factory=dict)
+    probe_analyses_every: int = 0
 
     def __post_init__(self) -> None:
         known = sorted(n for n in core_algos.POLICY_LOSS_REGISTRY if n != LOSS_NAME)
@@ -90,6 +94,11 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
         if self.probe_dir is not None and (not isinstance(self.probe_dir, str) or not self.probe_dir):
             raise VerlConfigError(
                 f"policy_loss.probe_dir: must be a directory path or None, got {self.probe_dir!r}"
+            )
+        every = self.probe_analyses_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise VerlConfigError(
+                f"policy_loss.probe_analyses_every: must be an integer >= 0 (0: off), got {every!r}"
             )
         self.probe_config()
 

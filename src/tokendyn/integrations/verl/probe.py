@@ -101,6 +101,7 @@ class EngineProbe:
         *,
         method: str = "verl",
         run_config: dict | None = None,
+        analyses_every: int = 0,
         flush_every: int = 64,
         seed: int = 0,
         **options,
@@ -123,6 +124,12 @@ class EngineProbe:
             self.run_dir, rank=self.rank, flush_every=flush_every, flush_seconds=self.config.flush_seconds
         )
         self.method, self.run_config = method, dict(run_config or {})
+        if isinstance(analyses_every, bool) or not isinstance(analyses_every, int) or analyses_every < 0:
+            raise VerlConfigError(
+                f"probe analyses_every: must be an integer >= 0 (0: off), got {analyses_every!r}"
+            )
+        self.analyses_every, self.seed = analyses_every, seed
+        self.last_analysis: dict | None = None
         self.step, self.stage = 0, TRAIN
         self.results: list = []  # the StepResults of the latest train_batch, one per micro-batch
         self._records: list[dict] = []
@@ -162,6 +169,8 @@ class EngineProbe:
     def train_batch(self, data, loss_function):
         """`engine.train_batch` with the probe on: every micro-batch's loss goes through `_probed_loss`."""
         self.results, self._records = [], []
+        if self.analyses_every and self.step % self.analyses_every == 0:
+            self.analyze(data, loss_function)
         try:
             outputs = self._original(data, partial(self._probed_loss, loss_function))
             if self.probe._pass is not None:  # the last micro-batch ends with the step
@@ -215,6 +224,40 @@ class EngineProbe:
             temperature=self._temperature,
         )
         return loss_function(model_output=out, data=data, dp_group=dp_group)
+
+    def analyze(self, data, loss_function) -> dict:
+        """The rebalancing analyses the probe config switches on (update shares per bin and per token, the
+        counterfactual probability change, the influence matrix), on the first ``sample_sequences`` sequences of
+        this rank's batch, with verl's own loss as the objective (`objective.VerlObjective`), at the current weights
+        and before the step's forward (the model is left bitwise as it was); written to RUN_DIR/records."""
+        from tokendyn.hooks.options import rebalance_options
+        from tokendyn.integrations.verl.objective import VerlObjective
+        from tokendyn.probe.rebalance import analyze_batch
+        from tokendyn.records import write_frames
+
+        config = getattr(loss_function, "keywords", {}).get("config")
+        if config is None:
+            raise VerlConfigError(
+                "probe analyses: the loss function must be partial(ppo_loss, config=actor_config)"
+            )
+        batch = probe_batch(data, self.config.sample_sequences, _temperature(data))
+        edges = self.probe.bins.edges if self.probe.bins.kind != "quantiles" else None
+        self.probe.enabled = False  # the analyses' forwards and backwards are not training passes
+        try:
+            frames = analyze_batch(
+                self.engine.module,
+                batch,
+                step=self.step,
+                stage=self.stage,
+                edges=edges,
+                options=rebalance_options(self.config, self.seed),
+                objective=VerlObjective(config, seed=self.seed),
+            )
+        finally:
+            self.probe.enabled = True
+        write_frames(self.run_dir, frames, rank=self.rank)
+        self.last_analysis = frames
+        return frames
 
     @staticmethod
     def _advantages(adv, old, mask, loss_function):
@@ -271,6 +314,42 @@ class EngineProbe:
                 "remove_padding": self.packed,
             }
             write_json(path, info)
+
+
+def probe_batch(data, rows: int, temperature: float):
+    """The first ``rows`` sequences of a verl batch (NO_PADDING layout) as a `ProbeBatch`: prompts left-padded and
+    responses right-padded to the sample's longest, the completion in the last columns (TRL's layout, which the
+    analyses take); completion mask, advantages, pi_old (and pi_ref when the batch has ``ref_log_prob``) per
+    response token."""
+    from tokendyn.probe.tokenloss import ProbeBatch
+
+    p_len, r_len = prompt_response_lengths(data)
+    k = min(int(rows), int(p_len.shape[0]))
+    if k < 1:
+        raise VerlConfigError(f"probe analyses: sample_sequences must be >= 1, got {rows!r}")
+    seqs = data["input_ids"].unbind()[:k]
+    width_p, width_r = int(p_len[:k].max()), int(r_len[:k].max())
+    ids = torch.zeros(k, width_p + width_r, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, seq in enumerate(seqs):
+        p, r = int(p_len[b]), int(r_len[b])
+        ids[b, width_p - p : width_p] = seq[:p].cpu()
+        ids[b, width_p : width_p + r] = seq[p : p + r].cpu()
+        attn[b, width_p - p : width_p + r] = 1
+
+    def per_token(key):
+        return _response_tensor(data, key)[:k, :width_r].cpu()
+
+    has_ref = "ref_log_prob" in data.keys()
+    return ProbeBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        completion_mask=per_token("response_mask").bool(),
+        advantages=per_token("advantages").double(),
+        old_logp=per_token("old_log_probs").double(),
+        ref_logp=per_token("ref_log_prob").double() if has_ref else None,
+        temperature=temperature,
+    )
 
 
 def _final_point_sums(records: dict) -> dict[int, tuple[int, float]]:

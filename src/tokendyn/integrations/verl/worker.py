@@ -3,7 +3,8 @@
 process) so that a run whose actor loss is tokendyn's gets, from its config alone,
 
 - the probe on the worker's engine when ``policy_loss.probe_dir`` is set (`probe.EngineProbe`, attached at the
-  first update and kept; records flushed after every update), its per-bin scalars in the update's metrics;
+  first update and kept; records flushed after every update), its per-bin scalars in the update's metrics, and the
+  rebalancing analyses every ``probe_analyses_every``-th update (verl's own loss as the objective);
 - Lopti's two full updates per batch when ``policy_loss.lopti_eta`` is set (`lopti.lopti_update`, in the order
   ``policy_loss.lopti_order``); the two stages' metrics are returned together (the mean of both, as verl reduces
   them), and tokendyn's own keys once per stage: ``actor/tokendyn/{low|high}/...``.
@@ -42,6 +43,7 @@ def worker_probe(worker, opts: TokendynPolicyLossConfig) -> EngineProbe | None:
             opts.probe_config(),
             method=opts.method_name(),
             run_config=opts.run_config(),
+            analyses_every=opts.probe_analyses_every,
         ).attach()
         worker._tokendyn_probe = probe
         atexit.register(probe.detach)
