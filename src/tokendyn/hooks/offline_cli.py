@@ -22,7 +22,9 @@ def register(subparsers) -> argparse.ArgumentParser:
         "probe",
         help="probe a rollouts file from any RL stack offline (same records as training)",
         description="Read a rollouts file (parquet or jsonl: prompt_ids + completion_ids or prompt + completion, "
-        "and advantage or reward + group; optional old_logp, ref_logp, masks, temperature; see the README), run "
+        "and advantage or reward + group; optional old_logp, ref_logp, masks, temperature; see the README) or a verl "
+        "rollout batch (a tensordict directory, or a DataProto.save_to_disk file with --allow_pickle; see "
+        "docs/verl_dataproto.md), run "
         "one forward + backward of the token-mean loss per micro-batch under the gradient probe and the rebalancing "
         "analyses on the first sequences, and write RUN_DIR/records and RUN_DIR/run.json as a training run does.",
     )
@@ -32,7 +34,16 @@ def register(subparsers) -> argparse.ArgumentParser:
         help="Hugging Face model id or local directory (default: the embedded default)",
     )
     p.add_argument(
-        "--rollouts", required=True, help="rollouts file, .parquet or .jsonl (one completion per row)"
+        "--rollouts",
+        required=True,
+        help="rollouts file, .parquet or .jsonl (one completion per row), or a verl batch: a tensordict directory "
+        "(DataProto.batch.memmap(DIR)) or a DataProto.save_to_disk file (.dp, .pkl, .pickle; needs --allow_pickle)",
+    )
+    p.add_argument(
+        "--allow_pickle",
+        action="store_true",
+        help="unpickle a verl DataProto file (.dp, .pkl, .pickle, as DataProto.save_to_disk writes it). Unpickling "
+        "runs code from the file: pass this only for a file you trust. A tensordict directory is read without it",
     )
     p.add_argument("--out", required=True, help="run directory to create (must be absent or empty)")
     p.add_argument(
@@ -195,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     options, objective = _check_args(args)
-    rollouts = read_rollouts(args.rollouts)
+    rollouts = read_rollouts(args.rollouts, allow_pickle=args.allow_pickle)
     temperature = resolve_temperature(rollouts, args.temperature)
     if args.beta > 0 and rollouts.ref_logp is None:
         raise ValueError(

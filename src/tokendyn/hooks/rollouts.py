@@ -18,6 +18,10 @@ A parquet or jsonl file (other columns are ignored):
                                               completion_mask); every scored token must be attended
                 temperature                   number, the same in every row (else the --temperature flag, default 1)
 
+A verl rollout batch is read as such a table (`tokendyn.hooks.rollouts_verl`, docs/verl_dataproto.md): a tensordict
+directory (``data.batch.memmap(DIR)``, read without unpickling), a ``DataProto.save_to_disk`` file (.dp, .pkl,
+.pickle: a pickle, read only with ``allow_pickle``) or an in-memory DataProto.
+
 Everything is checked by `read_rollouts` before any model is loaded; errors name the column, the row and what
 is accepted. Per-token columns of a text file are checked against the tokenized completion by `Rollouts.encode`.
 `dump_rollouts` writes a TRL training micro-batch as such a file, padding kept, so `Rollouts.batch` rebuilds the
@@ -48,6 +52,7 @@ from tokendyn.hooks.rollouts_read import (  # noqa: F401  (re-exported)
     read_table,
     rows_table,
 )
+from tokendyn.hooks.rollouts_verl import PICKLE_SUFFIXES, from_dataproto, is_dataproto, kind_of, read_verl
 
 
 # ---- the validated rollouts ----------------------------------------------------------------------------------------
@@ -182,11 +187,17 @@ class Rollouts:
         return out
 
 
-def read_rollouts(source: str | os.PathLike | pl.DataFrame | Sequence[dict] | Rollouts) -> Rollouts:
-    """Read and validate a rollouts file (.parquet or .jsonl), a polars DataFrame or a list of row dicts.
-    Raises `RolloutsError` naming the column, the row and the accepted forms; no model or tokenizer is needed."""
+def read_rollouts(
+    source: str | os.PathLike | pl.DataFrame | Sequence[dict] | Rollouts, *, allow_pickle: bool = False
+) -> Rollouts:
+    """Read and validate a rollouts file (.parquet or .jsonl), a polars DataFrame, a list of row dicts, or a verl
+    batch: a tensordict directory, a DataProto file (a pickle: unpickled only with ``allow_pickle=True``, as it runs
+    code from the file) or a DataProto object. Raises `RolloutsError` naming the column (or verl field), the row and
+    the accepted forms; no model or tokenizer is needed."""
     if isinstance(source, Rollouts):
         return source
+    if is_dataproto(source):
+        return Rollouts(**from_dataproto(source))
     if isinstance(source, pl.DataFrame):
         return Rollouts(
             **validate_table(Table("(DataFrame)", source.height, {c: source[c] for c in source.columns}))
@@ -195,7 +206,18 @@ def read_rollouts(source: str | os.PathLike | pl.DataFrame | Sequence[dict] | Ro
         if not all(isinstance(r, dict) for r in source):
             raise RolloutsError("rollouts: a list of rollouts must hold one dict per completion")
         return Rollouts(**validate_table(rows_table(list(source), "(rows)")))
-    return Rollouts(**validate_table(read_table(Path(source))))
+    path = Path(source)
+    if kind_of(path) is not None:
+        return Rollouts(**read_verl(path, allow_pickle=allow_pickle))
+    if not path.suffix and not path.exists():
+        raise error(str(path), "no such file or directory")
+    if path.suffix.lower() not in SUFFIXES:
+        raise error(
+            str(path),
+            f"unknown file type {path.suffix or '(no suffix)'!r}; use .parquet or .jsonl, a verl DataProto file "
+            f"({', '.join(PICKLE_SUFFIXES)}; a pickle, read with --allow_pickle) or a tensordict directory",
+        )
+    return Rollouts(**validate_table(read_table(path)))
 
 
 # ---- writing a TRL micro-batch ------------------------------------------------------------------------------------
