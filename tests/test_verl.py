@@ -149,7 +149,13 @@ def test_the_stage_is_the_one_mutable_option():
         ({"reweight_alpha": True}, r"policy_loss.reweight_alpha: must be a number in \[0, 1\], got True"),
         ({"lopti_eta": 1.0}, r"policy_loss.lopti_eta: must be a number in \(0, 1\), got 1.0"),
         ({"lopti_stage": "middle"}, "policy_loss.lopti_stage: must be one of all, low, high, got 'middle'"),
-        ({"lopti_stage": "low"}, r"policy_loss.lopti_stage: 'low' needs policy_loss.lopti_eta in \(0, 1\)"),
+        ({"lopti_stage": "low"}, r"policy_loss.lopti_stage: 'low' needs a threshold \(policy_loss.lopti_eta"),
+        ({"lopti_quantile": 0.0}, r"policy_loss.lopti_quantile: must be a number in \(0, 1\), got 0.0"),
+        ({"lopti_order": "middle"}, "policy_loss.lopti_order: must be one of low_first, high_first, got 'middle'"),
+        ({"probe_dir": ""}, "policy_loss.probe_dir: must be a directory path or None, got ''"),
+        ({"probe_options": {"binz": 4}}, "policy_loss.probe_options.binz: not a probe option"),
+        ({"probe_options": {"sample_tokens": -1}}, "policy_loss.probe_options.sample_tokens: must be an integer"),
+        ({"probe_analyses_every": -1}, "policy_loss.probe_analyses_every: must be an integer >= 0"),
     ],
 )
 def test_bad_options_fail_in_one_line_naming_the_field(options, message):

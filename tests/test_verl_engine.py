@@ -494,3 +494,26 @@ def test_the_analyses_with_verls_own_loss_equal_tokendyns_objective_on_the_plain
     err = ((a[share] - b[share]).abs().max()) / a[share].abs().max()
     print(json.dumps({"token_share_err_over_max": err}))
     assert err < 1e-6
+
+
+def test_lopti_with_a_quantile_threshold_splits_at_the_batchs_quantile(model_dir, tmp_path):
+    """lopti_quantile: both stages split at the q-quantile of pi_old over the batch's response tokens (computed
+    here with torch.quantile), and the weights equal the plain loop's at that eta; outside the update the
+    config's threshold is unset again."""
+    old, adv = rollout(model_dir)
+    lr, q, alpha = 0.5, 0.4, 0.0
+    mask = torch.arange(old.shape[1])[None] < torch.tensor(LENGTHS)[:, None]
+    eta = float(torch.quantile(old.exp()[mask].double(), q))
+    engine = ve.build_engine(model_dir, use_remove_padding=True, micro_batch_size=2, lr=lr)
+    cfg = ve.actor_config(micro_batch_size=2, policy_loss=glue.TokendynPolicyLossConfig(lopti_quantile=q))
+    loss_fn = partial(ppo_loss, config=cfg)
+    out = lopti_update(
+        lambda d: ve.train_step(engine, d, loss_fn), verl_batch(range(len(PROMPTS)), old, adv), cfg
+    )
+    assert cfg.policy_loss.lopti_batch_eta is None and cfg.policy_loss.eta is None
+    assert set(out) == {"low", "high"}
+    want = plain_lopti(model_dir, old, adv, eta=eta, alpha=alpha, lr=lr)
+    got = ve.full_parameters(engine)
+    assert max(((got[n] - p).norm() / p.norm()).item() for n, p in want.items()) < 1e-5
+    with pytest.raises(glue.VerlConfigError, match=r"^policy_loss.lopti_quantile: exclusive with lopti_eta"):
+        glue.TokendynPolicyLossConfig(lopti_eta=0.5, lopti_quantile=0.5)

@@ -18,7 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from tokendyn.integrations.verl.loss import LOSS_NAME, VerlConfigError
+from tokendyn.remedies import lopti_threshold
 from tokendyn.vocab import LOPTI_ORDERS, TRAIN, stage_name
 
 
@@ -31,8 +35,10 @@ def check_lopti(actor_config, order: str = "low_first") -> None:
         raise VerlConfigError(
             f"actor.policy_loss.loss_mode: Lopti runs under '{LOSS_NAME}', got {getattr(opts, 'loss_mode', None)!r}"
         )
-    if opts.lopti_eta is None:
-        raise VerlConfigError("actor.policy_loss.lopti_eta: Lopti needs a threshold in (0, 1), got None")
+    if not opts.lopti:
+        raise VerlConfigError(
+            "actor.policy_loss.lopti_eta: Lopti needs a threshold in (0, 1) (or lopti_quantile), got None"
+        )
     if actor_config.use_kl_loss:
         raise VerlConfigError(
             "actor.use_kl_loss: a Lopti update restricts KL to the active group, which verl's ppo_loss cannot; "
@@ -45,6 +51,25 @@ def check_lopti(actor_config, order: str = "low_first") -> None:
         )
 
 
+def batch_threshold(data, quantile: float, group=None) -> float:
+    """eta = the ``quantile`` of pi_old = exp(old_log_probs) over the response tokens of ``data`` (every rank of
+    ``group`` pooled, so all ranks split alike; `remedies.lopti_threshold`, linear interpolation)."""
+    old, mask = data["old_log_probs"], data["response_mask"]
+    old = old.to_padded_tensor(0.0) if old.is_nested else old
+    mask = (mask.to_padded_tensor(0) if mask.is_nested else mask).bool()
+    valid = old[mask].detach().double().cpu()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, valid, group=group)
+        valid = torch.cat(parts)
+    eta = float(lopti_threshold(valid[None], torch.ones_like(valid[None], dtype=torch.bool), quantile))
+    if not 0.0 < eta < 1.0:
+        raise VerlConfigError(
+            f"actor.policy_loss.lopti_quantile: the batch's {quantile:g}-quantile of pi_old is {eta!r}, outside (0, 1)"
+        )
+    return eta
+
+
 def lopti_update(
     update: Callable[[Any], dict],
     data,
@@ -52,16 +77,21 @@ def lopti_update(
     *,
     order: str = "low_first",
     probe=None,
+    group=None,
 ) -> dict:
     """Lopti's two actor updates of one batch: ``update(data)`` (e.g. ``worker.train_mini_batch`` or
     ``lambda d: engine.train_batch(d, loss_fn)``) is called twice, on a shallow copy of ``data`` each time (verl pops
     keys from it), first with ``actor_config.policy_loss.lopti_stage`` = the first group of ``order``, then the
-    other. ``probe`` (an `EngineProbe`) records each stage under its name. Returns ``{"low": ..., "high": ...}``,
-    each stage's output."""
+    other. ``probe`` (an `EngineProbe`) records each stage under its name. With ``lopti_quantile`` the threshold of
+    both stages is that quantile of pi_old over the batch's response tokens (`batch_threshold`; ``group``: the
+    data-parallel group whose ranks' batches are pooled). Returns ``{"low": ..., "high": ...}``, each stage's
+    output."""
     check_lopti(actor_config, order)
     opts = actor_config.policy_loss
     outputs = {}
     try:
+        if opts.lopti_quantile is not None:
+            opts.lopti_batch_eta = batch_threshold(data, opts.lopti_quantile, group)
         for stage in (stage_name(1, order), stage_name(2, order)):
             opts.lopti_stage = stage
             if probe is not None:
@@ -69,6 +99,7 @@ def lopti_update(
             outputs[stage] = update(data.copy())
     finally:
         opts.lopti_stage = "all"
+        opts.lopti_batch_eta = None
         if probe is not None:
             probe.stage = TRAIN
     return outputs

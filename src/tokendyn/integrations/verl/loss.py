@@ -52,8 +52,10 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
 
     base_loss_mode: the registered verl loss the tokendyn loss runs under (not "tokendyn" itself).
     reweight_alpha: Advantage Reweighting's alpha in [0, 1] (0: off).
-    lopti_eta: Lopti's threshold on pi_old in (0, 1), or None (no Lopti). Set, verl's actor worker runs Lopti's
-        two updates per batch (`integrations.verl.worker`).
+    lopti_eta: Lopti's threshold on pi_old in (0, 1), or None. Set (or lopti_quantile), verl's actor worker runs
+        Lopti's two updates per batch (`integrations.verl.worker`).
+    lopti_quantile: instead of a fixed eta, the threshold is this empirical quantile of pi_old over the batch's
+        response tokens (all data-parallel ranks), in (0, 1), or None; exclusive with lopti_eta.
     lopti_order: which group the first of the two updates keeps: "low_first" (the paper's) or "high_first".
     lopti_stage: the group whose advantages this update keeps: "all", "low" (pi_old < eta) or "high" (set by the
         two-stage update; "all" outside it).
@@ -64,14 +66,18 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
         first ``sample_sequences`` sequences of every n-th update's batch, verl's own loss as the objective
         (`integrations.verl.objective`); 0 (the default): off."""
 
-    _mutable_fields = PolicyLossConfig._mutable_fields | {"lopti_stage"}
+    _mutable_fields = PolicyLossConfig._mutable_fields | {"lopti_stage", "lopti_batch_eta"}
 
     loss_mode: str = LOSS_NAME
     base_loss_mode: str = "vanilla"
     reweight_alpha: float = 0.0
     lopti_eta: float | None = None
+    lopti_quantile: float | None = None
     lopti_order: str = "low_first"
     lopti_stage: str = "all"
+    lopti_batch_eta: float | None = (
+        None  # the current batch's threshold from lopti_quantile (set by the update)
+    )
     probe_dir: str | None = None
     probe_options: dict = field(default_factory=dict)
     probe_analyses_every: int = 0
@@ -84,13 +90,19 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
                 f"({', '.join(known)}), got {self.base_loss_mode!r}"
             )
         _unit("reweight_alpha", self.reweight_alpha, closed=True)
-        if self.lopti_eta is not None:
-            _unit("lopti_eta", self.lopti_eta, closed=False)
+        for name in ("lopti_eta", "lopti_quantile"):
+            if getattr(self, name) is not None:
+                _unit(name, getattr(self, name), closed=False)
+        if self.lopti_eta is not None and self.lopti_quantile is not None:
+            raise VerlConfigError(
+                f"policy_loss.lopti_quantile: exclusive with lopti_eta (set one), got lopti_eta={self.lopti_eta!r}, "
+                f"lopti_quantile={self.lopti_quantile!r}"
+            )
         if self.lopti_order not in LOPTI_ORDERS:
             raise VerlConfigError(
                 f"policy_loss.lopti_order: must be one of {', '.join(LOPTI_ORDERS)}, got {self.lopti_order!r}"
             )
-        check_stage(self.lopti_stage, self.lopti_eta)
+        check_stage(self.lopti_stage, self.eta)
         if self.probe_dir is not None and (not isinstance(self.probe_dir, str) or not self.probe_dir):
             raise VerlConfigError(
                 f"policy_loss.probe_dir: must be a directory path or None, got {self.probe_dir!r}"
@@ -102,6 +114,16 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
             )
         self.probe_config()
 
+    @property
+    def lopti(self) -> bool:
+        """Lopti is on: a fixed eta or a quantile."""
+        return self.lopti_eta is not None or self.lopti_quantile is not None
+
+    @property
+    def eta(self) -> float | None:
+        """The threshold in use: lopti_eta, or the current batch's quantile threshold (None outside an update)."""
+        return self.lopti_eta if self.lopti_eta is not None else self.lopti_batch_eta
+
     def method_name(self) -> str:
         """The run's name in tokendyn's records and figures, in the TRL path's form: "verl vanilla + Reweight(a=0.3)
         + Lopti(eta=0.5)"."""
@@ -111,6 +133,9 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
         if self.lopti_eta is not None:
             order = "" if self.lopti_order == "low_first" else ", high first"
             parts.append(f"Lopti(eta={self.lopti_eta:g}{order})")
+        if self.lopti_quantile is not None:
+            order = "" if self.lopti_order == "low_first" else ", high first"
+            parts.append(f"Lopti(q={self.lopti_quantile:g}{order})")
         return " + ".join(parts)
 
     def run_config(self) -> dict:
@@ -119,6 +144,7 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
             "base_loss_mode": self.base_loss_mode,
             "advantage_reweight_alpha": self.reweight_alpha,
             "lopti_eta": self.lopti_eta,
+            "lopti_quantile": self.lopti_quantile,
             "lopti_order": self.lopti_order,
         }
 
@@ -152,7 +178,10 @@ def check_stage(stage: str, eta: float | None) -> None:
             f"policy_loss.lopti_stage: must be one of {', '.join(LOPTI_STAGES)}, got {stage!r}"
         )
     if stage != "all" and eta is None:
-        raise VerlConfigError(f"policy_loss.lopti_stage: {stage!r} needs policy_loss.lopti_eta in (0, 1)")
+        raise VerlConfigError(
+            f"policy_loss.lopti_stage: {stage!r} needs a threshold (policy_loss.lopti_eta, or lopti_quantile inside "
+            "the two-stage update)"
+        )
 
 
 def stage_mask(old_log_prob: torch.Tensor, response_mask: torch.Tensor, eta: float | None, stage: str):
@@ -193,9 +222,9 @@ def tokendyn_policy_loss(
     tokens whose advantages this stage kept (`actor/tokendyn/stage_token_share`)."""
     opts = config.policy_loss
     adv = stage_advantages(
-        advantages, old_log_prob, response_mask, opts.reweight_alpha, opts.lopti_eta, opts.lopti_stage
+        advantages, old_log_prob, response_mask, opts.reweight_alpha, opts.eta, opts.lopti_stage
     )
-    kept = stage_mask(old_log_prob, response_mask, opts.lopti_eta, opts.lopti_stage)
+    kept = stage_mask(old_log_prob, response_mask, opts.eta, opts.lopti_stage)
     base = core_algos.get_policy_loss_fn(opts.base_loss_mode)
     loss, metrics = base(
         old_log_prob=old_log_prob,

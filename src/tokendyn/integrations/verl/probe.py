@@ -266,7 +266,7 @@ class EngineProbe:
         opts = getattr(config, "policy_loss", None)
         if opts is None or getattr(opts, "loss_mode", None) != LOSS_NAME:
             return adv
-        return stage_advantages(adv, old, mask, opts.reweight_alpha, opts.lopti_eta, opts.lopti_stage)
+        return stage_advantages(adv, old, mask, opts.reweight_alpha, opts.eta, opts.lopti_stage)
 
     # ---- metrics and the run file ----------------------------------------------------------------------------
     def step_metrics(self) -> dict[str, float]:

@@ -5,7 +5,7 @@ process) so that a run whose actor loss is tokendyn's gets, from its config alon
 - the probe on the worker's engine when ``policy_loss.probe_dir`` is set (`probe.EngineProbe`, attached at the
   first update and kept; records flushed after every update), its per-bin scalars in the update's metrics, and the
   rebalancing analyses every ``probe_analyses_every``-th update (verl's own loss as the objective);
-- Lopti's two full updates per batch when ``policy_loss.lopti_eta`` is set (`lopti.lopti_update`, in the order
+- Lopti's two full updates per batch when ``policy_loss.lopti_eta`` (or ``lopti_quantile``) is set (`lopti.lopti_update`, in the order
   ``policy_loss.lopti_order``); the two stages' metrics are returned together (the mean of both, as verl reduces
   them), and tokendyn's own keys once per stage: ``actor/tokendyn/{low|high}/...``.
 
@@ -71,10 +71,15 @@ def tokendyn_train_mini_batch(worker, data, original):
         return original(worker, data)
     probe = worker_probe(worker, opts)
     try:
-        if opts.lopti_eta is None:
+        if not opts.lopti:
             return original(worker, data)
         outputs = lopti_update(
-            lambda d: original(worker, d), data, config, order=opts.lopti_order, probe=probe
+            lambda d: original(worker, d),
+            data,
+            config,
+            order=opts.lopti_order,
+            probe=probe,
+            group=worker.engine.get_data_parallel_group(),
         )
     finally:
         if probe is not None:
