@@ -151,10 +151,16 @@ def test_the_stage_is_the_one_mutable_option():
         ({"lopti_stage": "middle"}, "policy_loss.lopti_stage: must be one of all, low, high, got 'middle'"),
         ({"lopti_stage": "low"}, r"policy_loss.lopti_stage: 'low' needs a threshold \(policy_loss.lopti_eta"),
         ({"lopti_quantile": 0.0}, r"policy_loss.lopti_quantile: must be a number in \(0, 1\), got 0.0"),
-        ({"lopti_order": "middle"}, "policy_loss.lopti_order: must be one of low_first, high_first, got 'middle'"),
+        (
+            {"lopti_order": "middle"},
+            "policy_loss.lopti_order: must be one of low_first, high_first, got 'middle'",
+        ),
         ({"probe_dir": ""}, "policy_loss.probe_dir: must be a directory path or None, got ''"),
         ({"probe_options": {"binz": 4}}, "policy_loss.probe_options.binz: not a probe option"),
-        ({"probe_options": {"sample_tokens": -1}}, "policy_loss.probe_options.sample_tokens: must be an integer"),
+        (
+            {"probe_options": {"sample_tokens": -1}},
+            "policy_loss.probe_options.sample_tokens: must be an integer",
+        ),
         ({"probe_analyses_every": -1}, "policy_loss.probe_analyses_every: must be an integer >= 0"),
     ],
 )
@@ -186,3 +192,40 @@ def test_verl_engine_builds_beside_trl_with_the_value_head_workaround():
         glue.disable_trl_value_head_patch()
     monkey_patch.apply_monkey_patch(model, use_remove_padding=True)
     assert monkey_patch.is_trl_available() is False
+
+
+def test_the_readme_overrides_compose_with_verls_own_trainer_config():
+    """The overrides the README's "With verl" section gives a `main_ppo` run, read from the README itself, composed
+    with verl's own `ppo_trainer` config by Hydra and turned into verl's actor config: tokendyn's policy-loss class
+    with every field as written."""
+    import os
+    import re
+    from pathlib import Path
+
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## With verl\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    overrides = re.findall(r"^\s+(\+?actor_rollout_ref\.\S+)", block, flags=re.M)
+    assert len(overrides) >= 8
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose(
+            config_name="ppo_trainer",
+            overrides=[*overrides, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"],
+        )
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    loss = actor.policy_loss
+    assert type(loss) is glue.TokendynPolicyLossConfig and loss.loss_mode == glue.LOSS_NAME
+    pairs = (o.lstrip("+").split("=", 1) for o in overrides if "probe_options" not in o)
+    written = {key.rsplit(".", 1)[1]: value for key, value in pairs}
+    assert loss.reweight_alpha == float(written["reweight_alpha"]) and loss.lopti_eta == float(
+        written["lopti_eta"]
+    )
+    assert loss.probe_dir == written["probe_dir"] and loss.probe_analyses_every == int(
+        written["probe_analyses_every"]
+    )
+    assert loss.probe_config().bins == "intervals:4" and loss.base_loss_mode == written["base_loss_mode"]

@@ -10,8 +10,8 @@ config::
 
     actor_rollout_ref.actor.policy_loss._target_=tokendyn.integrations.verl.TokendynPolicyLossConfig
     actor_rollout_ref.actor.policy_loss.loss_mode=tokendyn
-    actor_rollout_ref.actor.policy_loss.probe_dir=/path/to/run        # the probe (optional)
-    actor_rollout_ref.actor.policy_loss.lopti_eta=0.5                 # Lopti (optional)
+    +actor_rollout_ref.actor.policy_loss.probe_dir=/path/to/run       # the probe (optional; "+": not in verl's YAML)
+    +actor_rollout_ref.actor.policy_loss.lopti_eta=0.5                # Lopti (optional)
 """
 
 from tokendyn.integrations.verl.loss import (

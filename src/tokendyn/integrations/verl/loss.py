@@ -1,17 +1,14 @@
-"""tokendyn inside verl (0.9.x): Advantage Reweighting and Lopti's stage masks as a registered verl policy loss on
-top of any other registered loss mode, loaded in every worker through verl's plugin entry point.
+"""tokendyn's verl loss (0.9.x): Advantage Reweighting and Lopti's stage masks as a registered verl policy loss on
+top of any other registered loss mode, registered in every worker through verl's plugin entry point (the package
+`tokendyn.integrations.verl` registers on import; `verl_plugin` imports it).
 
-All of tokendyn's verl glue is this file (and `verl_plugin`, the entry point that imports it), so an upgrade of
-verl touches one place. `pip install "tokendyn[verl]"` puts the entry point in the ``verl.plugins`` group: `import
-verl` then imports `tokendyn.integrations.verl_plugin`, which calls `register()`.
-
-A verl run turns it on with three overrides (the loss is named by `loss_mode`, its options live in a config class
+A verl run turns it on with overrides (the loss is named by `loss_mode`, its options live in a config class
 of its own because verl's `PolicyLossConfig` rejects unknown keys)::
 
     actor_rollout_ref.actor.policy_loss._target_=tokendyn.integrations.verl.TokendynPolicyLossConfig
     actor_rollout_ref.actor.policy_loss.loss_mode=tokendyn
-    actor_rollout_ref.actor.policy_loss.base_loss_mode=vanilla      # any registered mode: gspo, cispo, clip_cov, ...
-    actor_rollout_ref.actor.policy_loss.reweight_alpha=0.3          # Advantage Reweighting (0: off)
+    +actor_rollout_ref.actor.policy_loss.base_loss_mode=vanilla     # any registered mode: gspo, cispo, clip_cov, ...
+    +actor_rollout_ref.actor.policy_loss.reweight_alpha=0.3         # Advantage Reweighting (0: off)
 
 The loss (`tokendyn_policy_loss`, called by verl's `ppo_loss` as every registered loss is) rewrites the advantages
 and hands everything else to the base mode's own function, unchanged:
