@@ -126,6 +126,10 @@ def head_shard(head: nn.Module) -> HeadShard:
     ):
         group = mesh.get_group()
         local = weight.to_local()
+        if (
+            torch.distributed.get_world_size(group) == 1
+        ):  # one rank holds every row: the whole head, no collectives
+            return HeadShard(local, None if bias is None else full_weight(bias), 0, vocab)
         counts = gather_counts(int(local.shape[0]), group, local.device)
         offset = int(sum(counts[: torch.distributed.get_rank(group)]))
         if bias is not None:
@@ -212,7 +216,9 @@ def agree_max(n: int, model: nn.Module, device: torch.device) -> int:
     """max over the ranks of n when the model is sharded with FSDP2 (its layer replays are collectives whose count
     must agree), else n."""
     dist = torch.distributed
-    if not (is_fully_sharded(model) and dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return n
+    if not is_fully_sharded(model):
         return n
     t = torch.tensor([n], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -258,7 +264,7 @@ def sum_over_ranks(t: torch.Tensor, model: nn.Module) -> torch.Tensor:
     """t summed over the ranks (in place) when the model is FSDP2-sharded (t holds sums over this rank's
     shards), else t: a collective under FSDP2."""
     dist = torch.distributed
-    if fsdp_modules(model) and dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and fsdp_modules(model):
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 

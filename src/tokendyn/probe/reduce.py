@@ -92,7 +92,8 @@ def _key(d: StepData, n: int) -> Columns:
 
 
 def _nan_to_none(values: list[float]) -> list[float | None]:
-    return [None if (v is None or (isinstance(v, float) and math.isnan(v))) else v for v in values]
+    """NaN -> None (None and every other value kept): ``v != v`` holds for NaN only (None != None is False)."""
+    return [None if v != v else v for v in values]
 
 
 def _binstats_and_hist(d: StepData, stats: BinStats, edges: list[float]) -> tuple[Columns, Columns]:

@@ -38,7 +38,6 @@ import torch.distributed as dist
 from tokendyn.common import write_json
 from tokendyn.config import ProbeConfig
 from tokendyn.config import resolve as resolve_config
-from tokendyn.hooks.live import step_metrics
 from tokendyn.integrations.verl.layout import prompt_response_lengths, response_layout
 from tokendyn.integrations.verl.loss import LOSS_NAME, VerlConfigError, stage_advantages
 from tokendyn.probe.probe import GradientProbe
@@ -286,9 +285,9 @@ class EngineProbe:
             for b, (count, sumsq) in _final_point_sums(rec).items():
                 sums[b] += count
                 sums[n_bins + b] += sumsq
-            m = step_metrics(rec)
-            sums[2 * n_bins] += m.get("probe/bound_violations", 0.0)
-            worst[0] = max(worst[0].item(), m.get("probe/identity_max_rel_err", 0.0))
+            violations, err = _check_sums(rec)
+            sums[2 * n_bins] += violations
+            worst[0] = max(worst[0].item(), err)
         group = self.engine.get_data_parallel_group()
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
@@ -352,21 +351,44 @@ def probe_batch(data, rows: int, temperature: float):
     )
 
 
-def _final_point_sums(records: dict) -> dict[int, tuple[int, float]]:
-    """(scored tokens, sum of ||delta||^2) per bin at the deepest probe point of one micro-batch's records."""
-    import polars as pl
+def _columns(records: dict, kind: str) -> dict[str, list]:
+    cols = records.get(kind)
+    if cols is None:
+        return {}
+    return cols if isinstance(cols, dict) else cols.to_dict(as_series=False)
 
-    if "binstats" not in records:
+
+def _final_point_sums(records: dict) -> dict[int, tuple[int, float]]:
+    """(scored tokens, sum of ||delta||^2) per bin at the deepest probe point of one micro-batch's records (plain
+    lists: this runs after every micro-batch, where a DataFrame's construction alone costs milliseconds)."""
+    b = _columns(records, "binstats")
+    if not b:
         return {}
-    cols = records["binstats"]
-    b = (cols if isinstance(cols, pl.DataFrame) else pl.DataFrame(cols)).filter(
-        (pl.col("quantity") == "norm") & (pl.col("bin") >= 0)
-    )
-    if not b.height:
+    rows = [
+        (i, point, k)
+        for i, (q, k, point) in enumerate(zip(b["quantity"], b["bin"], b["point"], strict=True))
+        if q == "norm" and k >= 0
+    ]
+    if not rows:
         return {}
-    last = b.sort("point_index")["point"][-1]
-    rows = b.filter(pl.col("point") == last).group_by("bin").agg(pl.col("count").sum(), pl.col("sumsq").sum())
-    return {int(k): (int(c), float(q)) for k, c, q in rows.iter_rows()}
+    depth = dict(zip(b["point"], b["point_index"], strict=True))
+    last = max((r[1] for r in rows), key=depth.__getitem__)
+    out: dict[int, tuple[int, float]] = {}
+    for i, point, k in rows:
+        if point == last:
+            count, sumsq = out.get(k, (0, 0.0))
+            out[k] = (count + int(b["count"][i]), sumsq + float(b["sumsq"][i] or 0.0))
+    return out
+
+
+def _check_sums(records: dict) -> tuple[float, float]:
+    """(logits + head bound violations, the largest LM-head identity error) of one micro-batch's records."""
+    c = _columns(records, "checks")
+    if not c:
+        return 0.0, 0.0
+    violations = sum(c["logits_violations"]) + sum(c["head_violations"])
+    errors = [e for e in c["identity_max_rel_err"] if e is not None and e == e]
+    return float(violations), float(max(errors, default=0.0))
 
 
 @contextmanager
