@@ -1,4 +1,6 @@
-"""Shared test fixtures: a real, tiny, locally built Qwen2 policy and its tokenizer (no network)."""
+"""Shared test fixtures: a real, tiny, locally built Qwen2 policy and its tokenizer (no network); and no test leaves a
+process group or a distributed launch's environment behind for the next test in the same worker (verl's engine
+runs in process on a one-rank gloo group: Accelerate would then wrap a later TRL trainer in DDP)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,27 @@ def _train_tokenizer(out_dir):
     )
     fast.save_pretrained(out_dir)
     return fast
+
+
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_distributed_leftovers():
+    import os
+
+    import torch.distributed as dist
+
+    had_group = dist.is_available() and dist.is_initialized()
+    env = {key: os.environ.get(key) for key in LAUNCH_ENV}
+    yield
+    if not had_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="session")

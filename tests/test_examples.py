@@ -32,7 +32,7 @@ def _run(script: str, *argv: str, monkeypatch) -> float:
 
 
 def test_every_example_has_a_test():
-    tested = {"custom_loop.py", "trl_script.py", "verl_rollouts.py"}
+    tested = {"custom_loop.py", "trl_script.py", "verl_rollouts.py", "verl_actor.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 

@@ -258,3 +258,22 @@ def test_the_gpu_recipe_bf16_autocast_has_no_violations(tiny_model_dir, tmp_path
         .agg(pl.col("share").sum())
     )
     assert per_step.height >= 1 and float((per_step["share"] - 1).abs().max()) < 1e-3
+
+
+def test_the_gpu_recipe_with_lora_under_a_one_process_ddp_launch():
+    """The same run as torchrun launches it with one process (RANK / WORLD_SIZE / MASTER_* set: Accelerate wraps the
+    model in DDP with find_unused_parameters): the fused head's entropy then gets a None gradient in the backward,
+    which crashed the probe's hook (an AttributeError) before; now no gradient is recorded as no gradient."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = "29561"
+    test = f"{__file__}::test_the_gpu_recipe_bf16_autocast_has_no_violations[True]"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 passed" in proc.stdout

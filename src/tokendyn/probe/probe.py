@@ -418,8 +418,8 @@ class GradientProbe:
         if p.inputs is not None:
             self._prepare(p)
 
-    def _on_point_grad(self, p: Pass, name: str, grad: torch.Tensor) -> None:
-        if self._guard:
+    def _on_point_grad(self, p: Pass, name: str, grad: torch.Tensor | None) -> None:
+        if self._guard or grad is None:
             return
         p.backward_seen = True
         p.norms[name] = torch.linalg.vector_norm(
@@ -439,12 +439,14 @@ class GradientProbe:
                     e=p.check.entropy_weight,
                 )  # fmt: skip
 
-    def _on_logp_grad(self, p: Pass, kind: str, grad: torch.Tensor) -> None:
-        if not self._guard and kind == p.w_kind:
+    # A tensor hook gets None for an output of a multi-output node that received no gradient while another did
+    # (seen under DDP with LoRA and bf16: the fused head's entropy when the loss has no entropy term): no gradient.
+    def _on_logp_grad(self, p: Pass, kind: str, grad: torch.Tensor | None) -> None:
+        if grad is not None and not self._guard and kind == p.w_kind:
             p.w_grad = grad.detach().clone()
 
-    def _on_entropy_grad(self, p: Pass, kind: str, grad: torch.Tensor) -> None:
-        if not self._guard and kind == p.e_kind:
+    def _on_entropy_grad(self, p: Pass, kind: str, grad: torch.Tensor | None) -> None:
+        if grad is not None and not self._guard and kind == p.e_kind:
             p.e_grad = grad.detach().clone()
 
     @staticmethod

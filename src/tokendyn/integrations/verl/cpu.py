@@ -289,14 +289,13 @@ def build_engine(
 
 def build_worker(model_path: str | os.PathLike, loss_fn: Callable, **engine_options):
     """verl's `TrainingWorker` (the actor's training worker, `verl.workers.engine_workers`) around the same engine
-    as `build_engine`, built in this process without Ray (the ``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` variables of
-    one process are set where absent), its engine reset and its loss function set, as `ActorRolloutRefWorker`
-    does. ``engine_options``: `build_engine`'s keywords."""
-    setup_distributed()
+    as `build_engine`, built in this process without Ray, its engine reset and its loss function set, as
+    `ActorRolloutRefWorker` does. verl's `Worker` reads ``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` when it is built:
+    the values of this process's group are set for that moment only, where absent, then removed again (left
+    behind, they would tell Accelerate / TRL in the same process that it runs under a distributed launch).
+    ``engine_options``: `build_engine`'s keywords."""
+    rank, world = setup_distributed()
     disable_trl_value_head_patch()
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", "29555")
     from verl.workers.config import TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker
 
@@ -304,15 +303,28 @@ def build_worker(model_path: str | os.PathLike, loss_fn: Callable, **engine_opti
     model_config, engine_config, optimizer_config, checkpoint_config = _engine_configs(
         model_path, **{**defaults, **engine_options}
     )
-    worker = TrainingWorker(
-        TrainingWorkerConfig(
-            model_type="language_model",
-            model_config=model_config,
-            engine_config=engine_config,
-            optimizer_config=optimizer_config,
-            checkpoint_config=checkpoint_config,
+    launch = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+    }
+    launch["MASTER_PORT"] = "29555"
+    added = [key for key in launch if key not in os.environ]
+    os.environ.update({key: launch[key] for key in added})
+    try:
+        worker = TrainingWorker(
+            TrainingWorkerConfig(
+                model_type="language_model",
+                model_config=model_config,
+                engine_config=engine_config,
+                optimizer_config=optimizer_config,
+                checkpoint_config=checkpoint_config,
+            )
         )
-    )
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
     worker.reset()
     worker.set_loss_fn(loss_fn)
     return worker
