@@ -2,8 +2,8 @@
 every step against off, as ratios measured in this one run (target <= 1.05x).
 
 verl 0.9's FSDP2 actor engine (`tests/_verl_engine.py`: gloo, float32, one process) around a random untied Qwen2
-(default 4 layers, hidden 256, 4/2 heads, MLP 768, vocab 4096; its LM head scaled x25 so that pi spreads over the
-default bins: about 25 / 18 / 16 / 41 % of the tokens), trained with verl's `ppo_loss` (vanilla clipped policy loss,
+(default 8 layers, hidden 512, 8/4 heads, MLP 1536, vocab 4096: a micro-batch takes ~1 s on one CPU thread, as a
+real policy's does on a GPU; its LM head scaled x25 so that pi spreads over the default bins), trained with verl's `ppo_loss` (vanilla clipped policy loss,
 token-mean) by SGD at lr 0, so the weights never move and every step costs the same. The batch: 16 sequences,
 prompts of 16-32 random tokens, responses of 48-96 tokens sampled from the model at T = 1, pi_old = the engine's own
 log-probs plus noise (so that some ratios clip), one advantage per sequence; micro-batches of 4. Both of verl's
@@ -28,10 +28,13 @@ cProfile: both totals, and the probed steps' top tokendyn functions by cumulativ
 
 torch runs on ``--threads`` intra-op threads (`torch.set_num_threads`; default 1, at most the machine's cores), the
 same for every variant: on a shared 2-core machine two spinning OpenMP threads turn another process's load into
-10-40x spikes of single steps, one thread only slows down in proportion (a step takes ~1 s on one thread).
+10-40x spikes of single steps, one thread only slows down in proportion (a step of four micro-batches takes ~4 s
+on one thread, ~1 s in the small shape below).
 
-    python bench/verl_probe_overhead.py                 # ~2 min on 2 cores
-    python bench/verl_probe_overhead.py --steps 20 --profile 5 --threads 2
+    python bench/verl_probe_overhead.py                 # ~6 min on 2 cores
+    python bench/verl_probe_overhead.py --hidden 256 --intermediate 768 --layers 4 --heads 4 --kv-heads 2 --steps 20
+                                                        # ~3 min: 0.24 s micro-batches, where the probe's fixed
+                                                        # ~10 ms of bookkeeping per micro-batch shows
 """
 
 from __future__ import annotations
@@ -205,7 +208,7 @@ def profile(engines, prompts, responses, old, adv, loss_fn, args, tmp: Path) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=12, help="timed steps per variant and layout (default 12)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per variant and layout (default 10)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--batch", type=int, default=16)
@@ -215,11 +218,11 @@ def main() -> None:
         "--response", type=int, default=96, help="longest response (lengths drawn from half of it)"
     )
     ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--intermediate", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument(
         "--sharpen", type=float, default=25.0, help="LM-head scale of the random model (default 25)"
     )
