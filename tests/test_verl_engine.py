@@ -338,7 +338,8 @@ def dp_worker(model_dir: str, out_dir: str) -> None:
     loss_fn = partial(ppo_loss, config=ve.actor_config(micro_batch_size=3))
     half = len(PROMPTS) // world
     rows = list(range(rank * half, (rank + 1) * half))
-    with probe_engine(engine, out_dir, **PROBE) as probe:
+    options = {**PROBE, "sample_sequences": 3, "lr": 0.5, "analyses": ["shares"]}
+    with probe_engine(engine, out_dir, analyses_every=1, **options) as probe:
         metrics = ve.train_step(engine, verl_batch(rows, old, adv), loss_fn)
     assert len(probe.results) == 1  # one packed micro-batch of three per rank
     if rank == 0:
@@ -428,6 +429,29 @@ def test_verls_actor_worker_runs_reweight_lopti_and_the_probe_from_its_config_al
     assert analyze_run(tmp_path / "plain", write=False)["checks"]["stage"].to_list() == ["train"]
 
 
+def reference_probe_batch(rows, old, adv):
+    """The sequences ``rows`` as a `ProbeBatch` built here from the token lists (prompts left-padded, responses
+    right-padded), independent of the verl glue's conversion."""
+    from tokendyn.probe.tokenloss import ProbeBatch
+
+    rows = list(rows)
+    width_p, width_r = max(len(PROMPTS[i]) for i in rows), max(len(RESPONSES[i]) for i in rows)
+    ids = torch.zeros(len(rows), width_p + width_r, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    mask = torch.zeros(len(rows), width_r, dtype=torch.bool)
+    for b, i in enumerate(rows):
+        p, r = PROMPTS[i], RESPONSES[i]
+        ids[b, width_p - len(p) : width_p], ids[b, width_p : width_p + len(r)] = (
+            torch.tensor(p),
+            torch.tensor(r),
+        )
+        attn[b, width_p - len(p) : width_p + len(r)] = 1
+        mask[b, : len(r)] = True
+    return ProbeBatch(
+        ids, attn, mask, adv[rows, :width_r].double(), old[rows, :width_r].double(), temperature=T
+    )
+
+
 def test_the_analyses_with_verls_own_loss_equal_tokendyns_objective_on_the_plain_model(model_dir, tmp_path):
     """The rebalancing analyses inside verl's engine (FSDP2, remove-padding), on the first 4 sequences, with verl's
     registered vanilla loss as the objective (`VerlObjective`'s first-order terms), against the same analyses on
@@ -435,7 +459,7 @@ def test_the_analyses_with_verls_own_loss_equal_tokendyns_objective_on_the_plain
     ProbeBatch built here: update shares per bin, per-token shares and the counterfactual probability change."""
     from tokendyn.integrations.verl.objective import VerlObjective
     from tokendyn.probe.rebalance import analyze_batch
-    from tokendyn.probe.tokenloss import Objective, ProbeBatch
+    from tokendyn.probe.tokenloss import Objective
 
     old, adv = rollout(model_dir)
     engine = ve.build_engine(model_dir, use_remove_padding=True, micro_batch_size=2, lr=0.1)
@@ -445,20 +469,7 @@ def test_the_analyses_with_verls_own_loss_equal_tokendyns_objective_on_the_plain
         ve.train_step(engine, verl_batch(range(len(PROMPTS)), old, adv), loss_fn)
     got = probe.last_analysis
 
-    rows = range(4)
-    width_p, width_r = max(len(PROMPTS[i]) for i in rows), max(len(RESPONSES[i]) for i in rows)
-    ids = torch.zeros(4, width_p + width_r, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    mask = torch.zeros(4, width_r, dtype=torch.bool)
-    for b in rows:
-        p, r = PROMPTS[b], RESPONSES[b]
-        ids[b, width_p - len(p) : width_p], ids[b, width_p : width_p + len(r)] = (
-            torch.tensor(p),
-            torch.tensor(r),
-        )
-        attn[b, width_p - len(p) : width_p + len(r)] = 1
-        mask[b, : len(r)] = True
-    batch = ProbeBatch(ids, attn, mask, adv[:4, :width_r].double(), old[:4, :width_r].double(), temperature=T)
+    batch = reference_probe_batch(range(4), old, adv)
     from tokendyn.config import ProbeConfig
     from tokendyn.hooks.options import rebalance_options
 

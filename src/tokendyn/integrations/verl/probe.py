@@ -27,6 +27,7 @@ slice of every sequence) and fused kernels (no logits, so no exact checks).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from contextlib import contextmanager
 from functools import partial
@@ -175,12 +176,13 @@ class EngineProbe:
             if self.probe._pass is not None:  # the last micro-batch ends with the step
                 self.probe.end_step()
         except BaseException:
-            self.probe.end_step()  # what finished is recorded; an unfinished micro-batch is dropped with a warning
+            # what finished is recorded (an unfinished micro-batch is dropped with a warning); verl's error wins
+            with contextlib.suppress(Exception):
+                self.probe.end_step()
             raise
         metrics = self.step_metrics()
-        if (
-            isinstance(outputs, dict) and "metrics" in outputs
-        ):  # a list, as verl keeps a loss metric per micro-batch
+        if isinstance(outputs, dict) and "metrics" in outputs:
+            # one-element lists, as verl keeps a loss metric per micro-batch
             outputs["metrics"].update({key: [value] for key, value in metrics.items()})
         if self.rank == 0 and self.step == 0:
             self._write_run_json()
@@ -227,8 +229,10 @@ class EngineProbe:
     def analyze(self, data, loss_function) -> dict:
         """The rebalancing analyses the probe config switches on (update shares per bin and per token, the
         counterfactual probability change, the influence matrix), on the first ``sample_sequences`` sequences of
-        this rank's batch, with verl's own loss as the objective (`objective.VerlObjective`), at the current weights
-        and before the step's forward (the model is left bitwise as it was); written to RUN_DIR/records."""
+        the batch, with verl's own loss as the objective (`objective.VerlObjective`), at the current weights and
+        before the step's forward (the model is left bitwise as it was); written to RUN_DIR/records. Under several
+        data-parallel ranks every rank analyses data-parallel rank 0's sample (FSDP2's collectives run on all of
+        them, and the averaged gradients are then that sample's), and rank 0 writes the records."""
         from tokendyn.hooks.options import rebalance_options
         from tokendyn.integrations.verl.objective import VerlObjective
         from tokendyn.probe.rebalance import analyze_batch
@@ -240,6 +244,11 @@ class EngineProbe:
                 "probe analyses: the loss function must be partial(ppo_loss, config=actor_config)"
             )
         batch = probe_batch(data, self.config.sample_sequences, _temperature(data))
+        group = self.engine.get_data_parallel_group()
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            shared = [batch]
+            dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+            batch = shared[0]
         edges = self.probe.bins.edges if self.probe.bins.kind != "quantiles" else None
         self.probe.enabled = False  # the analyses' forwards and backwards are not training passes
         try:
@@ -254,7 +263,8 @@ class EngineProbe:
             )
         finally:
             self.probe.enabled = True
-        write_frames(self.run_dir, frames, rank=self.rank)
+        if self.rank == 0:
+            write_frames(self.run_dir, frames, rank=self.rank)
         self.last_analysis = frames
         return frames
 
