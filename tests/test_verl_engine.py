@@ -28,6 +28,7 @@ from tokendyn.analysis import analyze_run  # noqa: E402
 from tokendyn.hooks import instrument  # noqa: E402
 from tokendyn.integrations import verl as glue  # noqa: E402
 from tokendyn.integrations.verl.lopti import lopti_update  # noqa: E402
+from tokendyn.integrations.verl.loss import lopti_ppo_loss  # noqa: E402
 from tokendyn.integrations.verl.probe import METRIC_PREFIX, probe_engine  # noqa: E402
 from tokendyn.remedies import lopti_masks, reweight_advantages  # noqa: E402
 
@@ -228,6 +229,7 @@ def test_verls_loss_and_gradients_are_bitwise_the_same_with_the_probe_on_and_off
     with probe_engine(engine, tmp_path / "run", **PROBE) as probe:
         probed = ve.train_step(engine, verl_batch(rows, old, adv), loss_fn, zero_grad_on_exit=False)
     g_probed = _grads(engine)
+    assert "actor/entropy_loss" in plain  # the engine computed the entropies: the bonus is in the loss
     assert probed["loss"] == plain["loss"] and probed["grad_norm"] == plain["grad_norm"]
     assert all(torch.equal(a, b) for a, b in zip(g_plain, g_probed, strict=True))
     assert len(probe.results) == 3 and probe.results[0].records["checks"]["logits_violations"] == [0]
@@ -528,3 +530,72 @@ def test_lopti_with_a_quantile_threshold_splits_at_the_batchs_quantile(model_dir
     assert max(((got[n] - p).norm() / p.norm()).item() for n, p in want.items()) < 1e-5
     with pytest.raises(glue.VerlConfigError, match=r"^policy_loss.lopti_quantile: exclusive with lopti_eta"):
         glue.TokendynPolicyLossConfig(lopti_eta=0.5, lopti_quantile=0.5)
+
+
+def reference_logp_entropy(model, rows):
+    """log pi(o_t) and the entropy H_t of the distribution at T at the position predicting o_t, [B, W], on the
+    plain HF model (right-padded rows with an attention mask)."""
+    rows = list(rows)
+    seqs = [PROMPTS[i] + RESPONSES[i] for i in rows]
+    n, width = max(map(len, seqs)), max(len(RESPONSES[i]) for i in rows)
+    ids, attn = torch.zeros(len(rows), n, dtype=torch.long), torch.zeros(len(rows), n, dtype=torch.long)
+    for b, seq in enumerate(seqs):
+        ids[b, : len(seq)], attn[b, : len(seq)] = torch.tensor(seq), 1
+    logits = model(input_ids=ids, attention_mask=attn).logits.float() / T
+    logp_all = torch.log_softmax(logits, -1)
+    logp = torch.zeros(len(rows), width)
+    ent = torch.zeros(len(rows), width)
+    for b, i in enumerate(rows):
+        p, r = len(PROMPTS[i]), len(RESPONSES[i])
+        at = torch.arange(p - 1, p + r - 1)
+        logp[b, :r] = logp_all[b, at].gather(-1, torch.tensor(RESPONSES[i])[:, None])[:, 0]
+        ent[b, :r] = -(logp_all[b, at].exp() * logp_all[b, at]).sum(-1)
+    return logp, ent
+
+
+@pytest.mark.parametrize("rmpad", [True, False], ids=["remove_padding", "padded"])
+def test_lopti_with_kl_and_an_entropy_bonus_restricts_both_to_the_active_group(model_dir, rmpad):
+    """The official fork's Lopti with a KL term and an entropy bonus: each stage's KL (verl's low_var_kl, k3) and
+    entropy restricted to its group, the denominator over every token, through `lopti_ppo_loss` in verl's engine,
+    against a plain-torch loop written from those semantics; and plain `ppo_loss` is refused for it."""
+    old, adv = rollout(model_dir)
+    g = torch.Generator().manual_seed(3)
+    ref = (old + 0.2 * torch.randn(old.shape, generator=g)).clamp(max=-1e-3)
+    lr, eta, beta, c_h = 0.5, 0.5, 0.1, 0.05
+    engine = ve.build_engine(model_dir, use_remove_padding=rmpad, micro_batch_size=2, lr=lr)
+    cfg = ve.actor_config(
+        micro_batch_size=2, use_kl_loss=True, kl_loss_coef=beta, kl_loss_type="low_var_kl", entropy_coeff=c_h,
+        policy_loss=glue.TokendynPolicyLossConfig(lopti_eta=eta),
+    )  # fmt: skip
+    data = ve.make_batch(
+        PROMPTS, RESPONSES, old_log_probs=old, advantages=adv, ref_log_probs=ref, temperature=T,
+        global_batch_size=len(PROMPTS),
+    )  # fmt: skip
+    with pytest.raises(glue.VerlConfigError, match=r"^actor.use_kl_loss: "):
+        lopti_update(lambda d: d, data, cfg)
+    loss_fn = partial(lopti_ppo_loss, config=cfg)
+    lopti_update(lambda d: ve.train_step(engine, d, loss_fn), data, cfg, restricted=True)
+
+    model = ve.load_hf_model(model_dir)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    rows = range(len(PROMPTS))
+    mask = (torch.arange(old.shape[1])[None] < torch.tensor(LENGTHS)[:, None]).float()
+    n_tokens = int(mask.sum())
+    for keep in (old.exp() < eta, old.exp() >= eta):
+        keep = keep.float() * mask
+        logp, ent = reference_logp_entropy(model, rows)
+        d = (ref - logp).clamp(-20, 20)
+        kl = (torch.exp(d) - d - 1).clamp(-10, 10)  # verl's low_var_kl
+        loss = ppo_token_mean(logp, old, adv * keep, mask.bool(), n_tokens)
+        loss = loss + beta * (kl * keep).sum() / n_tokens - c_h * (ent * keep).sum() / n_tokens
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    got = ve.full_parameters(engine)
+    start = dict(ve.load_hf_model(model_dir).named_parameters())
+    err = max(
+        ((got[n] - p).norm() / (p - start[n]).norm().clamp(min=1e-12)).item()
+        for n, p in model.named_parameters()
+    )
+    print(json.dumps({"lopti_kl_entropy_update_rel_err": err}))
+    assert err < 1e-4  # relative to each parameter's update

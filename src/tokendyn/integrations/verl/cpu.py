@@ -188,10 +188,13 @@ def actor_config(
     clip_ratio_high: float | None = None,
     entropy_coeff: float = 0.0,
     use_kl_loss: bool = False,
+    kl_loss_coef: float = 0.001,
+    kl_loss_type: str = "low_var_kl",
     policy_loss: Any = None,
 ) -> FSDPActorConfig:
     """verl's `FSDPActorConfig` with what `functools.partial(verl.workers.utils.losses.ppo_loss, config=...)`
-    reads: `loss_agg_mode`, the clip ratios, `entropy_coeff`, `use_kl_loss`, `policy_loss` (a
+    reads: `loss_agg_mode`, the clip ratios, `entropy_coeff`, `use_kl_loss` (`kl_loss_coef`, `kl_loss_type`),
+    `policy_loss` (a
     `PolicyLossConfig` or subclass, default loss mode "vanilla") and the `global_batch_info` dict `ppo_loss`
     fills per micro-batch. The low / high clip ratios default to `clip_ratio`."""
     from verl.workers.config import FSDPActorConfig, PolicyLossConfig
@@ -206,6 +209,8 @@ def actor_config(
         clip_ratio_high=clip_ratio if clip_ratio_high is None else clip_ratio_high,
         entropy_coeff=entropy_coeff,
         use_kl_loss=use_kl_loss,
+        kl_loss_coef=kl_loss_coef,
+        kl_loss_type=kl_loss_type,
         policy_loss=PolicyLossConfig() if policy_loss is None else policy_loss,
     )
 
@@ -332,16 +337,19 @@ def build_worker(model_path: str | os.PathLike, loss_fn: Callable, **engine_opti
 
 def update_actor(worker, data: TensorDict, *, mini_batch_size: int | None = None, epochs: int = 1) -> dict:
     """`worker.train_mini_batch` as `ActorRolloutRefWorker.update_actor` calls it: the batch split into
-    mini-batches of `mini_batch_size` sequences (default the whole batch), `epochs` passes, no shuffling.
-    Returns the metrics (key -> list over mini-batches)."""
+    mini-batches of `mini_batch_size` sequences (default the whole batch), `epochs` passes, no shuffling, the
+    entropies computed when the actor has an entropy bonus (as the trainer's `_update_actor` asks). Returns the
+    metrics (key -> list over mini-batches)."""
     from verl.utils import tensordict_utils as tu
 
+    config = getattr(worker.loss_fn, "keywords", {}).get("config")
     tu.assign_non_tensor(
         data,
         mini_batch_size=mini_batch_size or data.shape[0],
         epochs=epochs,
         seed=0,
         dataloader_kwargs={"shuffle": False},
+        calculate_entropy=bool(config is not None and (config.calculate_entropy or config.entropy_coeff)),
     )
     output = worker.train_mini_batch(data)
     return dict(output["metrics"]) if output is not None else {}
@@ -353,6 +361,7 @@ def make_batch(
     *,
     old_log_probs: PerToken | None = None,
     advantages: PerToken | None = None,
+    ref_log_probs: PerToken | None = None,
     temperature: float = 1.0,
     global_batch_size: int | None = None,
     pad_token_id: int = PAD_TOKEN_ID,
@@ -361,7 +370,8 @@ def make_batch(
 
     Built as verl's trainer builds it: prompts left-padded to the longest prompt, responses right-padded to the
     longest response, ``input_ids`` / ``attention_mask`` / ``position_ids`` over both (position ids count the real
-    tokens from 0), ``response_mask``, ``prompts``, ``responses``, ``old_log_probs`` and ``advantages`` (bs,
+    tokens from 0), ``response_mask``, ``prompts``, ``responses``, ``old_log_probs``, ``advantages`` (and ``ref_log_prob`` when
+    ``ref_log_probs`` is given) (bs,
     longest response; given as a right-padded tensor at least that wide, whose extra columns are dropped, or as
     one list per response; zeros where not given, padding zeroed), then verl's `left_right_2_no_padding`
     (nested ``input_ids`` / ``position_ids``, ``loss_mask`` = ``response_mask``, ``indices``, ``max_seq_len``,
@@ -416,6 +426,7 @@ def make_batch(
             "response_mask": response_mask,
             "old_log_probs": _per_token(old_log_probs, "old_log_probs"),
             "advantages": _per_token(advantages, "advantages"),
+            **({} if ref_log_probs is None else {"ref_log_prob": _per_token(ref_log_probs, "ref_log_probs")}),
         },
         non_tensor_dict={"temperature": temperature, "global_batch_size": global_batch_size},
     )
@@ -449,11 +460,18 @@ def train_step(
     grad, forward / backward per micro-batch, clip, step). The train mode zeroes the gradients on exit unless
     `zero_grad_on_exit` is False (then they stay on the parameters, as sharded DTensors). Every rank must call it.
 
-    Returns the metrics: ``loss`` (this rank's micro-batch losses summed, then averaged over the data-parallel
+    Entropies are computed when the loss's config has an entropy bonus (``calculate_entropy``, as verl's trainer
+    sets it). Returns the metrics: ``loss`` (this rank's micro-batch losses summed, then averaged over the data-parallel
     ranks, as `TrainingWorker` reports it: the global batch's loss), ``grad_norm`` (the global norm before
     clipping) and the loss function's own metrics, reduced over this rank's micro-batches (a verl `Metric` by its
     own aggregation, a list of numbers by its mean)."""
     _engine_defaults(engine, data, train=True)
+    config = getattr(loss_fn, "keywords", {}).get("config")
+    if config is not None and "calculate_entropy" not in data.keys():
+        from verl.utils import tensordict_utils as tu
+
+        # as the trainer's _update_actor sets it: the engine computes entropies only when asked
+        tu.assign_non_tensor(data, calculate_entropy=bool(config.calculate_entropy or config.entropy_coeff))
     with engine.train_mode(zero_grad_on_exit=zero_grad_on_exit):
         output = engine.train_batch(data, loss_function=loss_fn)
     loss = torch.tensor(float(sum(output["loss"])), dtype=torch.float64)

@@ -8,9 +8,10 @@ response mask is unchanged (a token-mean loss divides by every token of the batc
 over. The groups are the tokendyn loss's (`loss.stage_advantages`): `lopti_update` switches the loss config's mutable
 ``lopti_stage`` between the two calls and puts it back to "all" afterwards, also on an exception.
 
-KL and entropy terms: the official fork restricts them to the active group; verl's `ppo_loss` adds them over the whole
-response mask, outside the policy loss, so a Lopti update with ``use_kl_loss`` or a nonzero ``entropy_coeff`` is
-refused (one line) rather than run with different semantics.
+KL and entropy terms: the official fork restricts them to the active group, with the denominator over every token;
+verl's `ppo_loss` adds them over the whole response mask, outside the policy loss, so a Lopti update with
+``use_kl_loss`` or a nonzero ``entropy_coeff`` trains with `loss.lopti_ppo_loss` (which restricts them; the actor
+worker swaps it in) and is refused (one line) otherwise, rather than run with different semantics.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from tokendyn.remedies import lopti_threshold
 from tokendyn.vocab import LOPTI_ORDERS, TRAIN, stage_name
 
 
-def check_lopti(actor_config, order: str = "low_first") -> None:
-    """The actor config a Lopti update needs, each a one-line error naming the field."""
+def check_lopti(actor_config, order: str = "low_first", *, restricted: bool = False) -> None:
+    """The actor config a Lopti update needs, each a one-line error naming the field. ``restricted``: the update's
+    loss restricts KL and the entropy bonus to the active group (`loss.lopti_ppo_loss`); without it a KL or
+    entropy term is refused (verl's own `ppo_loss` adds them over every token)."""
     if order not in LOPTI_ORDERS:
         raise VerlConfigError(f"lopti order: must be one of {', '.join(LOPTI_ORDERS)}, got {order!r}")
     opts = actor_config.policy_loss
@@ -39,15 +42,18 @@ def check_lopti(actor_config, order: str = "low_first") -> None:
         raise VerlConfigError(
             "actor.policy_loss.lopti_eta: Lopti needs a threshold in (0, 1) (or lopti_quantile), got None"
         )
+    if restricted:
+        return
     if actor_config.use_kl_loss:
         raise VerlConfigError(
-            "actor.use_kl_loss: a Lopti update restricts KL to the active group, which verl's ppo_loss cannot; "
-            "set it to False (or use KL in the reward)"
+            "actor.use_kl_loss: a Lopti update restricts KL to the active group, which verl's ppo_loss does not: "
+            "train with partial(lopti_ppo_loss, config=...) (the actor worker does) and pass restricted=True"
         )
     if actor_config.entropy_coeff:
         raise VerlConfigError(
             f"actor.entropy_coeff: a Lopti update restricts the entropy bonus to the active group, which verl's "
-            f"ppo_loss cannot; set it to 0, got {actor_config.entropy_coeff!r}"
+            f"ppo_loss does not: train with partial(lopti_ppo_loss, config=...) and pass restricted=True, got "
+            f"{actor_config.entropy_coeff!r}"
         )
 
 
@@ -78,6 +84,7 @@ def lopti_update(
     order: str = "low_first",
     probe=None,
     group=None,
+    restricted: bool = False,
 ) -> dict:
     """Lopti's two actor updates of one batch: ``update(data)`` (e.g. ``worker.train_mini_batch`` or
     ``lambda d: engine.train_batch(d, loss_fn)``) is called twice, on a shallow copy of ``data`` each time (verl pops
@@ -86,7 +93,7 @@ def lopti_update(
     both stages is that quantile of pi_old over the batch's response tokens (`batch_threshold`; ``group``: the
     data-parallel group whose ranks' batches are pooled). Returns ``{"low": ..., "high": ...}``, each stage's
     output."""
-    check_lopti(actor_config, order)
+    check_lopti(actor_config, order, restricted=restricted)
     opts = actor_config.policy_loss
     outputs = {}
     try:

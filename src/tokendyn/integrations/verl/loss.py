@@ -237,6 +237,50 @@ def tokendyn_policy_loss(
     return loss, metrics
 
 
+def lopti_ppo_loss(config, model_output, data, dp_group=None):
+    """verl's `ppo_loss` with the KL and entropy terms of a Lopti stage restricted to its group, as the official
+    fork restricts them (S: the tokens `stage_mask` keeps, m: the response mask, agg: verl's `agg_loss`, linear in
+    its loss matrix for every aggregation mode, its denominator over every token of m)::
+
+        L_S = ppo_loss(A 1_S) - beta agg(kl (1 - 1_S), m) + c_H agg(H (1 - 1_S), m)
+            = pg(A 1_S) + beta agg(kl 1_S, m) - c_H agg(H 1_S, m)
+
+    (beta = kl_loss_coef with use_kl_loss, kl = verl's `kl_penalty` of kl_loss_type; c_H = entropy_coeff). Outside
+    a Lopti stage (lopti_stage "all") it is `ppo_loss` itself. The actor worker uses it for Lopti's updates
+    (`worker`); with `engine.train_batch` pass ``partial(lopti_ppo_loss, config=actor_config)``."""
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    loss, metrics = ppo_loss(config, model_output, data, dp_group)
+    opts = config.policy_loss
+    if getattr(opts, "lopti_stage", "all") == "all" or not (config.use_kl_loss or config.entropy_coeff):
+        return loss, metrics
+    fields = data.select("response_mask", "old_log_probs", *(["ref_log_prob"] if config.use_kl_loss else []))
+    padded = fields.to_padded_tensor()
+    mask = padded["response_mask"].bool()
+    outside = (mask & ~stage_mask(padded["old_log_probs"], mask, opts.eta, opts.lopti_stage)).to(
+        torch.float32
+    )
+    info = dict(config.global_batch_info)  # as ppo_loss has just set it from this batch
+    if config.use_kl_loss:
+        log_prob = no_padding_2_padding(model_output["log_probs"], data)
+        kld = core_algos.kl_penalty(
+            logprob=log_prob, ref_logprob=padded["ref_log_prob"], kl_penalty=config.kl_loss_type
+        )
+        kl_out = core_algos.agg_loss(
+            loss_mat=kld * outside.to(kld.dtype), loss_mask=mask, loss_agg_mode=config.loss_agg_mode, **info
+        )
+        loss = loss - kl_out * config.kl_loss_coef
+    entropy = model_output.get("entropy")
+    if config.entropy_coeff and entropy is not None:
+        ent = no_padding_2_padding(entropy, data)
+        ent_out = core_algos.agg_loss(
+            loss_mat=ent * outside.to(ent.dtype), loss_mask=mask, loss_agg_mode=config.loss_agg_mode, **info
+        )
+        loss = loss + config.entropy_coeff * ent_out
+    return loss, metrics
+
+
 def check_version() -> str:
     """verl's version, or an error naming the series this glue supports."""
     import verl

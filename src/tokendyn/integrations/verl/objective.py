@@ -7,6 +7,8 @@ The loss is what verl's `ppo_loss` computes from the per-token log-probs of a ba
         - entropy_coeff * agg_loss(H, response_mask)                         (when the actor has an entropy bonus)
         + kl_loss_coef * agg_loss(kl_penalty(log_prob, ref_log_prob, kl_loss_type), response_mask)   (use_kl_loss)
 
+(in a Lopti stage the KL and entropy matrices are restricted to the stage's group, as `loss.lopti_ppo_loss` trains)
+
 on the analysed sample taken as the whole batch (one rank: dp_size 1, the sample's token count as the global
 token count). Its per-token terms, which the analyses split into bins and token sets, are first-order:
 
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tokendyn.integrations.verl.loss import LOSS_NAME, stage_mask
 from tokendyn.probe.tokenloss import ProbeBatch
 
 
@@ -60,6 +63,10 @@ class VerlObjective:
         }
         old = logp.detach() if batch.old_logp is None else batch.old_logp.to(logp.device, dtype)
         adv = batch.advantages.to(logp.device, dtype)
+        keep = mask  # the KL and entropy terms' tokens: a Lopti stage's group (`loss.lopti_ppo_loss`)
+        opts = cfg.policy_loss
+        if getattr(opts, "loss_mode", None) == LOSS_NAME and opts.lopti_stage != "all":
+            keep = stage_mask(old, mask, opts.eta, opts.lopti_stage)
         saved = dict(cfg.global_batch_info)
         cfg.global_batch_info.update(info)  # ppo_loss sets these from the batch the same way
         try:
@@ -70,14 +77,18 @@ class VerlObjective:
                     loss_agg_mode=cfg.loss_agg_mode, config=cfg, rollout_is_weights=None,
                 )  # fmt: skip
             if entropy is not None and cfg.entropy_coeff:
-                ent = agg_loss(loss_mat=entropy, loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode, **info)
+                ent = agg_loss(
+                    loss_mat=entropy * keep.to(dtype), loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode, **info
+                )
                 loss = loss - cfg.entropy_coeff * ent
             if cfg.use_kl_loss:
                 if batch.ref_logp is None:
                     raise ValueError("verl objective: use_kl_loss needs the batch's ref_log_prob")
                 ref = batch.ref_logp.to(logp.device, dtype)
                 kld = kl_penalty(logprob=logp, ref_logprob=ref, kl_penalty=cfg.kl_loss_type)
-                kl = agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode, **info)
+                kl = agg_loss(
+                    loss_mat=kld * keep.to(dtype), loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode, **info
+                )
                 loss = loss + kl * cfg.kl_loss_coef
         finally:
             cfg.global_batch_info.clear()

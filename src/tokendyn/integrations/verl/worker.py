@@ -6,7 +6,8 @@ process) so that a run whose actor loss is tokendyn's gets, from its config alon
   first update and kept; records flushed after every update), its per-bin scalars in the update's metrics, and the
   rebalancing analyses every ``probe_analyses_every``-th update (verl's own loss as the objective);
 - Lopti's two full updates per batch when ``policy_loss.lopti_eta`` (or ``lopti_quantile``) is set (`lopti.lopti_update`, in the order
-  ``policy_loss.lopti_order``); the two stages' metrics are returned together (the mean of both, as verl reduces
+  ``policy_loss.lopti_order``; its KL and entropy terms restricted to the active group, `loss.lopti_ppo_loss`); the two
+  stages' metrics are returned together (the mean of both, as verl reduces
   them), and tokendyn's own keys once per stage: ``actor/tokendyn/{low|high}/...``.
 
 Any other loss mode passes through untouched. The wrapper keeps the method's verl dispatch attributes
@@ -17,10 +18,10 @@ every worker through the plugin entry point (`register`); it is idempotent.
 from __future__ import annotations
 
 import atexit
-from functools import wraps
+from functools import partial, wraps
 
 from tokendyn.integrations.verl.lopti import lopti_update
-from tokendyn.integrations.verl.loss import TokendynPolicyLossConfig
+from tokendyn.integrations.verl.loss import TokendynPolicyLossConfig, lopti_ppo_loss
 from tokendyn.integrations.verl.probe import METRIC_PREFIX, EngineProbe
 
 _MARK = "_tokendyn_wrapped"
@@ -73,14 +74,22 @@ def tokendyn_train_mini_batch(worker, data, original):
     try:
         if not opts.lopti:
             return original(worker, data)
-        outputs = lopti_update(
-            lambda d: original(worker, d),
-            data,
-            config,
-            order=opts.lopti_order,
-            probe=probe,
-            group=worker.engine.get_data_parallel_group(),
-        )
+        plain_loss = worker.loss_fn
+        worker.loss_fn = partial(
+            lopti_ppo_loss, config=config
+        )  # KL and entropy restricted to the active group
+        try:
+            outputs = lopti_update(
+                lambda d: original(worker, d),
+                data,
+                config,
+                order=opts.lopti_order,
+                probe=probe,
+                group=worker.engine.get_data_parallel_group(),
+                restricted=True,
+            )
+        finally:
+            worker.loss_fn = plain_loss
     finally:
         if probe is not None:
             probe.writer.flush()
