@@ -599,3 +599,43 @@ def test_lopti_with_kl_and_an_entropy_bonus_restricts_both_to_the_active_group(m
     )
     print(json.dumps({"lopti_kl_entropy_update_rel_err": err}))
     assert err < 1e-4  # relative to each parameter's update
+
+
+def test_the_actor_worker_restricts_lopti_kl_and_entropy_from_the_config_alone(model_dir, tmp_path):
+    """The same official semantics through `TrainingWorker.train_mini_batch` (wrapped by the plugin), configured with
+    use_kl_loss, an entropy bonus and lopti_eta only: the worker trains each stage with `lopti_ppo_loss` and puts
+    verl's own loss back afterwards; the weights equal those of the engine-level run of the test above."""
+    old, adv = rollout(model_dir)
+    g = torch.Generator().manual_seed(3)
+    ref = (old + 0.2 * torch.randn(old.shape, generator=g)).clamp(max=-1e-3)
+    lr, eta, beta, c_h = 0.5, 0.5, 0.1, 0.05
+
+    def config():
+        return ve.actor_config(
+            micro_batch_size=2, use_kl_loss=True, kl_loss_coef=beta, kl_loss_type="low_var_kl", entropy_coeff=c_h,
+            policy_loss=glue.TokendynPolicyLossConfig(lopti_eta=eta, probe_dir=str(tmp_path / "run")),
+        )  # fmt: skip
+
+    def batch():
+        return ve.make_batch(
+            PROMPTS, RESPONSES, old_log_probs=old, advantages=adv, ref_log_probs=ref, temperature=T,
+            global_batch_size=len(PROMPTS),
+        )  # fmt: skip
+
+    cfg = config()
+    plain_loss = partial(ppo_loss, config=cfg)
+    worker = ve.build_worker(model_dir, plain_loss, use_remove_padding=True, micro_batch_size=2, lr=lr)
+    metrics = ve.update_actor(worker, batch())
+    assert worker.loss_fn is plain_loss and len(metrics["actor/pg_loss"]) == 2
+    engine = ve.build_engine(model_dir, use_remove_padding=True, micro_batch_size=2, lr=lr)
+    cfg2 = config()
+    lopti_update(
+        lambda d: ve.train_step(engine, d, partial(lopti_ppo_loss, config=cfg2)),
+        batch(),
+        cfg2,
+        restricted=True,
+    )
+    got, want = ve.full_parameters(worker.engine), ve.full_parameters(engine)
+    start = dict(ve.load_hf_model(model_dir).named_parameters())
+    err = max(((got[n] - p).norm() / (p - start[n]).norm().clamp(min=1e-12)).item() for n, p in want.items())
+    assert err < 1e-5, err
