@@ -74,10 +74,8 @@ def tokendyn_train_mini_batch(worker, data, original):
     try:
         if not opts.lopti:
             return original(worker, data)
-        plain_loss = worker.loss_fn
-        worker.loss_fn = partial(
-            lopti_ppo_loss, config=config
-        )  # KL and entropy restricted to the active group
+        plain_loss = worker.loss_fn  # Lopti's stages train with KL and entropy restricted to the active group
+        worker.loss_fn = partial(lopti_ppo_loss, config=config)
         try:
             outputs = lopti_update(
                 lambda d: original(worker, d),
