@@ -30,6 +30,12 @@ OPTIONS = {
     "beta, bias-corrected": dict(loss_type="dapo", beta=0.05, use_bias_correction_kl=True),
     "top entropy 0.5": dict(loss_type="dapo", top_entropy_quantile=0.5),
     "entropy bonus": dict(loss_type="bnpo", entropy_coef=0.05),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.1),  # the clamp binds on the ratios above 1.1
+    "cispo, beta": dict(loss_type="cispo", epsilon_high=1.1, beta=0.05),
+    "sapo": dict(loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
+    "sapo, other temperatures": dict(loss_type="sapo", sapo_temperature_pos=3.0, sapo_temperature_neg=0.5),
+    "luspo, sequence IS": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "luspo, token IS": dict(loss_type="luspo"),
 }
 
 
@@ -76,9 +82,7 @@ def test_the_analysis_loss_has_the_training_steps_gradient(tiny_model_dir, tmp_p
         max_steps=1,
         gradient_accumulation_steps=1,
         max_grad_norm=0.0,  # the raw gradient (no clipping before the optimizer step)
-        epsilon=0.1,
-        epsilon_high=0.15,
-        **OPTIONS[name],
+        **{"epsilon": 0.1, "epsilon_high": 0.15, **OPTIONS[name]},
     )
     trainer = _trainer(tiny_model_dir, args, cls=Capturing)
     trainer.add_callback(GradAtStep(trainer))
@@ -110,8 +114,8 @@ def test_the_analysis_loss_has_the_training_steps_gradient(tiny_model_dir, tmp_p
 
 def test_a_loss_the_analyses_cannot_reproduce_fails_at_start(tmp_path):
     """At config time (before any model loads), naming the option; without analyses the same loss trains."""
-    with pytest.raises(ValueError, match="loss_type='cispo'"):
-        _config(tmp_path, loss_type="cispo", probe_every=1, probe_sample_sequences=2)
+    with pytest.raises(ValueError, match="loss_type='vespo'"):
+        _config(tmp_path, loss_type="vespo", probe_every=1, probe_sample_sequences=2)
     with pytest.raises(ValueError, match="use_adaptive_entropy"):
         _config(tmp_path, use_adaptive_entropy=True, probe_every=1, probe_sample_sequences=2)
-    _config(tmp_path, loss_type="cispo", probe_every=1, probe_sample_sequences=0)
+    _config(tmp_path, loss_type="vespo", probe_every=1, probe_sample_sequences=0)

@@ -63,8 +63,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--loss_type",
         default="dapo",
-        help="the trained loss's aggregation (TRL's): grpo, bnpo, dr_grpo, dapo",
+        help="the trained loss (TRL's loss_type): grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo",
     )
+    p.add_argument("--sapo_temperature_pos", type=float, default=1.0, help="sapo: tau for A > 0 (> 0)")
+    p.add_argument("--sapo_temperature_neg", type=float, default=1.05, help="sapo: tau for A <= 0 (> 0)")
     p.add_argument("--importance_sampling_level", default="token", help="token, or sequence (GSPO)")
     p.add_argument(
         "--use_bias_correction_kl",
@@ -156,6 +158,8 @@ def _check_args(args: argparse.Namespace):
         raise ValueError(f"--delta: must be > 1 (or left unset), got {args.delta:g}")
     config = probe_config(args)
     finite("top_entropy_quantile", args.top_entropy_quantile)
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        finite(name, getattr(args, name))
     finite("entropy_coef", args.entropy_coef)
     try:
         objective = Objective(
@@ -169,6 +173,8 @@ def _check_args(args: argparse.Namespace):
             top_entropy_quantile=args.top_entropy_quantile,
             entropy_coef=args.entropy_coef,
             max_completion_length=args.max_completion_length,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
         )
     except ValueError as exc:  # "objective: <field> ..." -> the flag
         field = str(exc).removeprefix("objective: ").split(" ", 1)

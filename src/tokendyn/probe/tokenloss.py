@@ -33,7 +33,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 IS_LEVELS = ("token", "sequence")
 
 
@@ -46,13 +46,15 @@ class Objective:
 
         pg_t = -min(min(r_t, delta) A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)    (eps set; delta optional)
         pg_t = -r_t A_t                                                              (eps None: plain surrogate)
+        pg_t = -sg[min(r_t, eps_high)] A_t log pi_t                                  (cispo; sg: stop-gradient)
+        pg_t = -(4 / tau_t) sigmoid(tau_t (r_t - 1)) A_t,  tau_t = tau_+ if A_t > 0 else tau_-          (sapo)
         pg_t = pg_t * e_t          e_t = 1 if H_t >= the (1 - top_entropy_quantile)-quantile of the batch's H
         kl_t = exp(ref_t - log pi_t) - (ref_t - log pi_t) - 1  (k3),  kl_t *= r_t if bias_correction_kl
         p_t  = m_t (pg_t + beta kl_t)
 
     and the aggregation of ``loss_type`` over the analysed batch (B rows, n_i tokens in row i, N tokens in all):
-    grpo  l_t = p_t / (n_i B);   bnpo  l_t = p_t / N;   dr_grpo  l_t = p_t / (B max_completion_length);
-    dapo  l_t = p_t / N (N = batch.normalizer when given). An entropy bonus (``entropy_coef`` c, H_t the entropy
+    grpo, sapo  l_t = p_t / (n_i B);   bnpo  l_t = p_t / N;   dr_grpo  l_t = p_t / (B max_completion_length);
+    dapo, cispo  l_t = p_t / N (N = batch.normalizer when given);   luspo  l_t = p_t / B. An entropy bonus (``entropy_coef`` c, H_t the entropy
     of pi at position p(t), at the temperature) adds  -c m_t e_t H_t / sum_u m_u e_u.  L = sum_t l_t.
 
     The batch is taken as one micro-batch on one process: TRL's 1/gradient_accumulation_steps (and DAPO's
@@ -72,6 +74,8 @@ class Objective:
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
     max_completion_length: int | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
 
     def __post_init__(self) -> None:
         for name in ("eps_low", "eps_high"):
@@ -96,6 +100,9 @@ class Objective:
                 f"objective: importance_sampling_level must be one of {', '.join(IS_LEVELS)}, "
                 f"got {self.importance_sampling_level!r}"
             )
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if not float(getattr(self, name)) > 0.0:
+                raise ValueError(f"objective: {name} must be > 0, got {getattr(self, name)!r}")
         if not 0.0 < float(self.top_entropy_quantile) <= 1.0:
             raise ValueError(
                 f"objective: top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile!r}"
@@ -143,6 +150,8 @@ class Objective:
             top_entropy_quantile=float(getattr(args, "top_entropy_quantile", 1.0)),
             entropy_coef=float(getattr(args, "entropy_coef", 0.0) or 0.0),
             max_completion_length=getattr(args, "max_completion_length", None),
+            sapo_temperature_pos=float(getattr(args, "sapo_temperature_pos", 1.0)),
+            sapo_temperature_neg=float(getattr(args, "sapo_temperature_neg", 1.05)),
         )
 
 
@@ -610,7 +619,17 @@ def loss_terms(
         log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
     capped = ratio if objective.delta is None else torch.clamp(ratio, max=objective.delta)
-    if objective.eps_low is None:
+    if objective.loss_type == "cispo":
+        weight = ratio if objective.eps_high is None else torch.clamp(ratio, max=objective.eps_high)
+        pg = -weight.detach() * adv * torch.where(mask, logp, torch.zeros_like(logp))
+    elif objective.loss_type == "sapo":
+        tau = torch.where(
+            adv > 0,
+            torch.full_like(adv, objective.sapo_temperature_pos),
+            torch.full_like(adv, objective.sapo_temperature_neg),
+        )
+        pg = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+    elif objective.eps_low is None:
         pg = -capped * adv
     else:
         clipped = torch.clamp(ratio, 1.0 - objective.eps_low, 1.0 + objective.eps_high)
@@ -628,8 +647,10 @@ def loss_terms(
         pg = pg + objective.beta * (kl * ratio if objective.bias_correction_kl else kl)
     per_token = torch.where(mask, pg, torch.zeros_like(pg))
     b = logp.size(0)
-    if objective.loss_type == "grpo":
+    if objective.loss_type in ("grpo", "sapo"):
         terms = per_token / (m.sum(-1, keepdim=True).clamp(min=1.0) * b)
+    elif objective.loss_type == "luspo":
+        terms = per_token / b
     elif objective.loss_type == "bnpo":
         terms = per_token / m.sum().clamp(min=1.0)
     elif objective.loss_type == "dr_grpo":
