@@ -45,34 +45,62 @@ def _finite(x) -> bool:
     return x is not None and isinstance(x, int | float) and math.isfinite(x)
 
 
-def bin_counts(records: dict) -> dict[int, int]:
-    """Scored tokens per pi_old bin (in bin order) at the deepest probe point of one probe step's records."""
-    if "binstats" not in records:
+def _columns(records: dict, kind: str) -> dict[str, list]:
+    """One kind of a probe step's records as column lists (records are column dicts, or DataFrames)."""
+    cols = records.get(kind)
+    if cols is None:
         return {}
-    b = _frame(records["binstats"]).filter((pl.col("quantity") == "norm") & (pl.col("bin") >= 0))
-    if not b.height:
+    return cols if isinstance(cols, dict) else cols.to_dict(as_series=False)
+
+
+def final_point_sums(records: dict) -> dict[int, tuple[int, float]]:
+    """(scored tokens, sum of ||delta||^2) per pi_old bin, in bin order, at the deepest probe point (the final norm
+    when probed) of a probe step's records; the sums are 0 where the records carry no sumsq. Plain lists: this runs
+    after every micro-batch, where building a DataFrame alone costs milliseconds."""
+    b = _columns(records, "binstats")
+    rows = [
+        i
+        for i, (q, k) in enumerate(zip(b.get("quantity", []), b.get("bin", []), strict=True))
+        if q == "norm" and k >= 0
+    ]
+    if not rows:
         return {}
-    points = b["point"].unique().to_list()
-    last = "final_norm.out" if "final_norm.out" in points else max(points)
-    counts = b.filter(pl.col("point") == last).group_by("bin").agg(pl.col("count").sum()).sort("bin")
-    return {int(k): int(c) for k, c in counts.iter_rows()}
+    depth = b.get("point_index") or b["point"]  # a selection without point_index: the names' order
+    points = {b["point"][i]: depth[i] for i in rows}
+    last = "final_norm.out" if "final_norm.out" in points else max(points, key=points.__getitem__)
+    sq = b.get("sumsq") or [0.0] * len(b["point"])
+    out: dict[int, tuple[int, float]] = {}
+    for i in rows:
+        if b["point"][i] == last:
+            count, sumsq = out.get(b["bin"][i], (0, 0.0))
+            out[b["bin"][i]] = (count + int(b["count"][i]), sumsq + float(sq[i] or 0.0))
+    return dict(sorted(out.items()))
+
+
+def check_sums(records: dict) -> tuple[float | None, float | None]:
+    """(logits + head bound violations, the largest LM-head identity error) of a probe step's records; None where
+    the records have no checks (or no finite error)."""
+    c = _columns(records, "checks")
+    if not c or not c["logits_violations"]:
+        return None, None
+    violations = float(sum(c["logits_violations"]) + sum(c["head_violations"]))
+    errors = [e for e in c["identity_max_rel_err"] if e is not None and e == e]
+    return violations, (float(max(errors)) if errors else None)
 
 
 def step_metrics(records: dict) -> dict[str, float]:
     """The live metrics of one probe step's records (kind -> columns): token shares per bin, bound violations and
     the identity error."""
     out: dict[str, float] = {}
-    counts = bin_counts(records)
+    counts = {k: c for k, (c, _) in final_point_sums(records).items()}
     total = sum(counts.values())
     if total:
         out.update({f"probe/token_share/bin{k}": c / total for k, c in counts.items()})
-    if "checks" in records:
-        c = _frame(records["checks"])
-        if c.height:
-            out["probe/bound_violations"] = float(c["logits_violations"].sum() + c["head_violations"].sum())
-            err = c["identity_max_rel_err"].drop_nulls().drop_nans()
-            if err.len():
-                out["probe/identity_max_rel_err"] = float(err.max())
+    violations, err = check_sums(records)
+    if violations is not None:
+        out["probe/bound_violations"] = violations
+    if err is not None:
+        out["probe/identity_max_rel_err"] = err
     return out
 
 

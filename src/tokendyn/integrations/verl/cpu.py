@@ -335,6 +335,13 @@ def build_worker(model_path: str | os.PathLike, loss_fn: Callable, **engine_opti
     return worker
 
 
+def _wants_entropy(loss_fn) -> bool:
+    """Whether the engine must compute entropies for this loss, as verl's trainer `_update_actor` decides it (the
+    actor's ``calculate_entropy`` or an entropy bonus); the engine computes them only when asked."""
+    config = getattr(loss_fn, "keywords", {}).get("config")
+    return bool(config is not None and (config.calculate_entropy or config.entropy_coeff))
+
+
 def update_actor(worker, data: TensorDict, *, mini_batch_size: int | None = None, epochs: int = 1) -> dict:
     """`worker.train_mini_batch` as `ActorRolloutRefWorker.update_actor` calls it: the batch split into
     mini-batches of `mini_batch_size` sequences (default the whole batch), `epochs` passes, no shuffling, the
@@ -342,14 +349,13 @@ def update_actor(worker, data: TensorDict, *, mini_batch_size: int | None = None
     metrics (key -> list over mini-batches)."""
     from verl.utils import tensordict_utils as tu
 
-    config = getattr(worker.loss_fn, "keywords", {}).get("config")
     tu.assign_non_tensor(
         data,
         mini_batch_size=mini_batch_size or data.shape[0],
         epochs=epochs,
         seed=0,
         dataloader_kwargs={"shuffle": False},
-        calculate_entropy=bool(config is not None and (config.calculate_entropy or config.entropy_coeff)),
+        calculate_entropy=_wants_entropy(worker.loss_fn),
     )
     output = worker.train_mini_batch(data)
     return dict(output["metrics"]) if output is not None else {}
@@ -466,12 +472,10 @@ def train_step(
     clipping) and the loss function's own metrics, reduced over this rank's micro-batches (a verl `Metric` by its
     own aggregation, a list of numbers by its mean)."""
     _engine_defaults(engine, data, train=True)
-    config = getattr(loss_fn, "keywords", {}).get("config")
-    if config is not None and "calculate_entropy" not in data.keys():
+    if "calculate_entropy" not in data.keys():
         from verl.utils import tensordict_utils as tu
 
-        # as the trainer's _update_actor sets it: the engine computes entropies only when asked
-        tu.assign_non_tensor(data, calculate_entropy=bool(config.calculate_entropy or config.entropy_coeff))
+        tu.assign_non_tensor(data, calculate_entropy=_wants_entropy(loss_fn))
     with engine.train_mode(zero_grad_on_exit=zero_grad_on_exit):
         output = engine.train_batch(data, loss_function=loss_fn)
     loss = torch.tensor(float(sum(output["loss"])), dtype=torch.float64)

@@ -20,12 +20,13 @@ import torch
 
 @dataclass
 class ResponseLayout:
-    """The response tokens of one micro-batch, [B, W] like the loss's log_prob: sampled ids, positions o_t and rows
-    of the engine's forward."""
+    """The response tokens of one micro-batch, [B, W] like the loss's log_prob: sampled ids, positions o_t, rows
+    of the engine's forward, and which columns are real tokens."""
 
     completion_ids: torch.Tensor  # [B, W] long (0 past R_b)
     positions: torch.Tensor  # [B, W] long: o_t (clamped into the row past R_b)
     rows: torch.Tensor  # [B, W] long
+    valid: torch.Tensor  # [B, W] bool: t < R_b, the sequence's real response tokens
 
 
 def prompt_response_lengths(data) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,8 +60,9 @@ def response_layout(input_ids: torch.Tensor, data, width: int, packed: bool) -> 
     start = input_ids.offsets()[:-1].to(device).long()[:, None]
     flat = input_ids.values()
     ids = flat[start + local]
-    ids = torch.where(t < r_len[:, None], ids, torch.zeros_like(ids))
+    valid = t < r_len[:, None]
+    ids = torch.where(valid, ids, torch.zeros_like(ids))
     if packed:
-        return ResponseLayout(ids, start + local, torch.zeros_like(local))
+        return ResponseLayout(ids, start + local, torch.zeros_like(local), valid)
     rows = torch.arange(local.shape[0], device=device)[:, None].expand_as(local)
-    return ResponseLayout(ids, local, rows.contiguous())
+    return ResponseLayout(ids, local, rows.contiguous(), valid)

@@ -127,11 +127,10 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
         parts = [f"verl {self.base_loss_mode}"]
         if self.reweight_alpha:
             parts.append(f"Reweight(a={self.reweight_alpha:g})")
+        order = "" if self.lopti_order == "low_first" else ", high first"
         if self.lopti_eta is not None:
-            order = "" if self.lopti_order == "low_first" else ", high first"
             parts.append(f"Lopti(eta={self.lopti_eta:g}{order})")
         if self.lopti_quantile is not None:
-            order = "" if self.lopti_order == "low_first" else ", high first"
             parts.append(f"Lopti(q={self.lopti_quantile:g}{order})")
         return " + ".join(parts)
 

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from tokendyn.common import write_json
 from tokendyn.config import ProbeConfig
 from tokendyn.config import resolve as resolve_config
+from tokendyn.hooks.live import check_sums, final_point_sums
 from tokendyn.integrations.verl.layout import prompt_response_lengths, response_layout
 from tokendyn.integrations.verl.loss import LOSS_NAME, VerlConfigError, stage_advantages
 from tokendyn.probe.probe import GradientProbe
@@ -195,8 +196,7 @@ class EngineProbe:
         log_prob = no_padding_2_padding(model_output["log_probs"], data)  # [B, W] on the graph
         width = log_prob.shape[1]
         layout = response_layout(data["input_ids"], data, width, self.packed)
-        _, r_len = prompt_response_lengths(data)
-        valid = torch.arange(width, device=log_prob.device)[None] < r_len.to(log_prob.device)[:, None]
+        valid = layout.valid
         # the nested index of the log-prob of response token t: the position before o_t in the sequence's values
         start = 0 if self.packed else data["input_ids"].offsets()[:-1].to(log_prob.device)[:, None]
         flat_index = layout.positions - 1 + start
@@ -292,12 +292,12 @@ class EngineProbe:
         )  # token counts, then sum of norm^2, violations
         worst = torch.zeros(1, dtype=torch.float64)
         for rec in self._records:
-            for b, (count, sumsq) in _final_point_sums(rec).items():
+            for b, (count, sumsq) in final_point_sums(rec).items():
                 sums[b] += count
                 sums[n_bins + b] += sumsq
-            violations, err = _check_sums(rec)
-            sums[2 * n_bins] += violations
-            worst[0] = max(worst[0].item(), err)
+            violations, err = check_sums(rec)
+            sums[2 * n_bins] += violations or 0.0
+            worst[0] = max(worst[0].item(), err or 0.0)
         group = self.engine.get_data_parallel_group()
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
@@ -359,46 +359,6 @@ def probe_batch(data, rows: int, temperature: float):
         ref_logp=per_token("ref_log_prob").double() if has_ref else None,
         temperature=temperature,
     )
-
-
-def _columns(records: dict, kind: str) -> dict[str, list]:
-    cols = records.get(kind)
-    if cols is None:
-        return {}
-    return cols if isinstance(cols, dict) else cols.to_dict(as_series=False)
-
-
-def _final_point_sums(records: dict) -> dict[int, tuple[int, float]]:
-    """(scored tokens, sum of ||delta||^2) per bin at the deepest probe point of one micro-batch's records (plain
-    lists: this runs after every micro-batch, where a DataFrame's construction alone costs milliseconds)."""
-    b = _columns(records, "binstats")
-    if not b:
-        return {}
-    rows = [
-        (i, point, k)
-        for i, (q, k, point) in enumerate(zip(b["quantity"], b["bin"], b["point"], strict=True))
-        if q == "norm" and k >= 0
-    ]
-    if not rows:
-        return {}
-    depth = dict(zip(b["point"], b["point_index"], strict=True))
-    last = max((r[1] for r in rows), key=depth.__getitem__)
-    out: dict[int, tuple[int, float]] = {}
-    for i, point, k in rows:
-        if point == last:
-            count, sumsq = out.get(k, (0, 0.0))
-            out[k] = (count + int(b["count"][i]), sumsq + float(b["sumsq"][i] or 0.0))
-    return out
-
-
-def _check_sums(records: dict) -> tuple[float, float]:
-    """(logits + head bound violations, the largest LM-head identity error) of one micro-batch's records."""
-    c = _columns(records, "checks")
-    if not c:
-        return 0.0, 0.0
-    violations = sum(c["logits_violations"]) + sum(c["head_violations"])
-    errors = [e for e in c["identity_max_rel_err"] if e is not None and e == e]
-    return float(violations), float(max(errors, default=0.0))
 
 
 @contextmanager
