@@ -168,3 +168,77 @@ def lopti_masks(
         below = pi_old.to(torch.float64) < lopti_threshold(old_logp, completion_mask, quantile)
     low, high = valid & below, valid & ~below
     return (low, high) if order == "low_first" else (high, low)
+
+
+# ------------------------------------------------------------------------------------- covariance remedies
+# "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models" (Cui et al., 2025), as verl 0.9.1
+# defines them (`verl.trainer.ppo.core_algos`, policy loss modes "clip_cov" and "kl_cov"; defaults of
+# `verl.workers.config.actor.PolicyLossConfig`). Both pick tokens by the centred covariance of advantage and
+# log-probability over the micro-batch's valid tokens and act on those few alone.
+
+CLIP_COV_DEFAULTS = {"clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0}
+KL_COV_DEFAULTS = {"kl_cov_ratio": 2e-4, "ppo_kl_coef": 0.1}
+
+
+def token_covariance(advantages: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """cov_t = (A_t - mean_m A) (log pi_t - mean_m log pi), with mean_m x = sum_t m_t x_t / (sum_t m_t + 1e-8) (verl's
+    ``masked_mean``) over the valid tokens; detached, (B, T), the per-token summand of Cov(A, log pi)."""
+    m = mask.to(logp.dtype)
+    adv, lp = advantages.detach().to(logp.dtype), logp.detach()
+    mean_a = (adv * m).sum() / (m.sum() + 1e-8)
+    mean_l = (lp * m).sum() / (m.sum() + 1e-8)
+    return (adv - mean_a) * (lp - mean_l)
+
+
+def clip_cov_keep(
+    advantages: torch.Tensor,
+    logp: torch.Tensor,
+    ratio: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Clip-Cov's gradient mask (verl ``compute_policy_loss_clip_cov``): 0 on the detached tokens, 1 elsewhere, (B, T).
+
+    Candidates: valid tokens with lb < cov_t < ub (`token_covariance`) that PPO's clip does not already cut, i.e. not
+    -A_t clip(r_t, 1 - eps_low, 1 + eps_high) > -A_t r_t. Of those, n = max(floor(clip_cov_ratio * sum_t m_t), 1)
+    are drawn uniformly without replacement (``torch.randperm`` over the candidates in row-major order, on
+    ``generator``; None: torch's global generator, as verl), and their loss term is multiplied by 0. The training
+    loss is then  max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)) * keep_t."""
+    valid = mask.bool()
+    adv, r = advantages.detach().to(ratio.dtype), ratio.detach()
+    clipped = (-adv * torch.clamp(r, 1 - eps_low, 1 + eps_high) > -adv * r) & valid
+    cov = token_covariance(advantages, logp, mask)
+    candidates = torch.nonzero(valid & ~clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub))
+    keep = torch.ones_like(ratio)
+    if len(candidates):
+        n = max(int(clip_cov_ratio * int(valid.sum())), 1)
+        order = torch.randperm(len(candidates), generator=generator)
+        chosen = candidates[order[: min(n, len(candidates))].to(candidates.device)]
+        keep[chosen[:, 0], chosen[:, 1]] = 0
+    return keep
+
+
+def kl_cov_select(
+    advantages: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, kl_cov_ratio: float = 2e-4
+) -> torch.Tensor:
+    """KL-Cov's token set (verl ``compute_policy_loss_kl_cov``): the k = max(1, floor(kl_cov_ratio * n)) valid tokens
+    of largest covariance, cov_t = (A_t - mean A)(log pi_t - mean log pi) with plain means over the n valid tokens
+    (``torch.topk`` over them in row-major order). Bool (B, T). The training loss is -A_t r_t + ppo_kl_coef
+    |log r_t| on the selected tokens and -A_t r_t elsewhere (no clipping)."""
+    valid = mask.bool()
+    flat = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+    selected = torch.zeros_like(valid)
+    if flat.numel() == 0:
+        return selected
+    adv = advantages.detach().to(logp.dtype)[valid].reshape(-1).cpu()
+    lp = logp.detach()[valid].reshape(-1).cpu()
+    cov = (adv - adv.mean()) * (lp - lp.mean())
+    k = max(1, int(cov.numel() * kl_cov_ratio))
+    top = flat[torch.topk(cov, k, largest=True).indices.to(flat.device)]
+    selected.view(-1)[top] = True
+    return selected

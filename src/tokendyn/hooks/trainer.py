@@ -55,7 +55,23 @@ SAMPLE_KEYS = (
     "ref_per_token_logps",
     "lopti_stage1_mask",
     "lopti_stage2_mask",
+    "sampling_per_token_logps",  # vLLM's log-probs (the off-policy mask's)
+    "importance_sampling_ratio",  # vLLM's importance-sampling correction, (B, T) or (B, 1)
 )
+
+
+def step_objective(objective: Objective, trainer) -> Objective:
+    """The objective of the step about to run: with TRL's adaptive entropy, the coefficient it applies now
+    (``entropy_coef`` if the last window's entropy is <= ``entropy_target``, else 0; TRL 1.16 ``_compute_loss``);
+    with Clip-Cov, the seed of the step's random draw (`tokendyn.trainers.grpo.cov_seed`)."""
+    from dataclasses import replace
+
+    if getattr(trainer, "use_adaptive_entropy", False):
+        applied = trainer.entropy_coef if trainer._last_world_entropy <= trainer.args.entropy_target else 0.0
+        objective = replace(objective, entropy_coef=float(applied))
+    if objective.policy_loss == "clip_cov":
+        objective = replace(objective, cov_seed=trainer.cov_seed())
+    return objective
 
 
 class TrainerProbe(TrainerCallback):
@@ -175,7 +191,10 @@ class TrainerProbe(TrainerCallback):
             old_logp=sample.get("old_per_token_logps"),
             ref_logp=sample.get("ref_per_token_logps"),
             temperature=t.temperature,
+            sampling_logp=sample.get("sampling_per_token_logps"),
+            is_ratio=sample.get("importance_sampling_ratio") if self.objective.is_correction else None,
         )
+        self.objective = step_objective(self.objective, t)
         stage_masks = None
         if "lopti_stage1_mask" in sample:
             stage_masks = (sample["lopti_stage1_mask"], sample["lopti_stage2_mask"])

@@ -33,8 +33,14 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IS_LEVELS = ("token", "sequence")
+POLICY_LOSSES = (
+    "ppo",
+    "clip_cov",
+    "kl_cov",
+)  # the surrogate: TRL's, or a covariance remedy (verl's loss modes)
+PPO_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # loss types whose surrogate is PPO's clipped ratio
 
 
 @dataclass(frozen=True)
@@ -48,14 +54,27 @@ class Objective:
         pg_t = -r_t A_t                                                              (eps None: plain surrogate)
         pg_t = -sg[min(r_t, eps_high)] A_t log pi_t                                  (cispo; sg: stop-gradient)
         pg_t = -(4 / tau_t) sigmoid(tau_t (r_t - 1)) A_t,  tau_t = tau_+ if A_t > 0 else tau_-          (sapo)
-        pg_t = pg_t * e_t          e_t = 1 if H_t >= the (1 - top_entropy_quantile)-quantile of the batch's H
+        pg_t = -phi_i A_t log pi_t,  phi_i = exp(lam + k log W_i - lam W_i) (k, lam by the sign of A)    (vespo)
+                 log W_i = clamp(sum_t m_t clamp(log r_t, -20, 20) + sum_t log rho_t, log 1e-8, 20), detached
+        pg_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)) c_t     (policy_loss clip_cov, c_t in {0, 1})
+        pg_t = -A_t r_t + s_t ppo_kl_coef |log r_t|                              (policy_loss kl_cov, s_t in {0, 1})
+        pg_t = pg_t * o_i        o_i = 1 if A_i >= 0 or mean_t m_t (log pi_sampler - sg[log pi_t]) <= threshold
+        pg_t = pg_t * e_t        e_t = 1 if H_t >= the (1 - top_entropy_quantile)-quantile of the batch's H
+        pg_t = pg_t * rho_t      rho_t: vLLM's importance-sampling correction (batch.is_ratio), not for vespo
         kl_t = exp(ref_t - log pi_t) - (ref_t - log pi_t) - 1  (k3),  kl_t *= r_t if bias_correction_kl
+        kl_t = clamp(k3(clamp(ref_t - log pi_t, -5, 5)), -10, 10)                   (kl_clamp: the paper's code)
         p_t  = m_t (pg_t + beta kl_t)
 
-    and the aggregation of ``loss_type`` over the analysed batch (B rows, n_i tokens in row i, N tokens in all):
+    c_t and s_t are Clip-Cov's and KL-Cov's token choices (`tokendyn.remedies.clip_cov_keep`, `kl_cov_select`, over
+    the analysed batch; Clip-Cov's random draw on a generator seeded with ``cov_seed``); o_i is TRL's off-policy
+    sequence mask (``off_policy_mask_threshold``; pi_sampler = batch.sampling_logp, else pi_old); rho_t (B, C) or
+    rho_i (B, 1) is the ratio TRL computes from vLLM's sampling log-probs (``importance_sampling_ratio`` in its
+    batch) when ``is_correction``. The aggregation of ``loss_type`` over the analysed batch (B rows, n_i tokens in
+    row i, N tokens in all):
     grpo, sapo  l_t = p_t / (n_i B);   bnpo  l_t = p_t / N;   dr_grpo  l_t = p_t / (B max_completion_length);
-    dapo, cispo  l_t = p_t / N (N = batch.normalizer when given);   luspo  l_t = p_t / B. An entropy bonus (``entropy_coef`` c, H_t the entropy
-    of pi at position p(t), at the temperature) adds  -c m_t e_t H_t / sum_u m_u e_u.  L = sum_t l_t.
+    dapo, cispo, vespo  l_t = p_t / N (N = batch.normalizer when given);   luspo  l_t = p_t / B. An entropy bonus
+    (``entropy_coef`` c, H_t the entropy of pi at position p(t), at the temperature; with adaptive entropy the
+    coefficient TRL applies at that step) adds  -c m_t e_t H_t / sum_u m_u e_u.  L = sum_t l_t.
 
     The batch is taken as one micro-batch on one process: TRL's 1/gradient_accumulation_steps (and DAPO's
     accumulation-window normalizer) is a constant factor and left out, so with gradient_accumulation_steps = 1
@@ -76,6 +95,20 @@ class Objective:
     max_completion_length: int | None = None
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
+    is_correction: bool = False
+    kl_clamp: bool = False
+    policy_loss: str = "ppo"
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    ppo_kl_coef: float = 0.1
+    cov_seed: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("eps_low", "eps_high"):
@@ -107,6 +140,37 @@ class Objective:
             raise ValueError(
                 f"objective: top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile!r}"
             )
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            raise ValueError("objective: loss_type vespo needs importance_sampling_level 'token' (as TRL)")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(
+                f"objective: policy_loss must be one of {', '.join(POLICY_LOSSES)}, got {self.policy_loss!r}"
+            )
+        if self.policy_loss != "ppo":
+            if (
+                self.loss_type not in PPO_FAMILY
+                or self.importance_sampling_level != "token"
+                or self.delta is not None
+            ):
+                raise ValueError(
+                    f"objective: policy_loss {self.policy_loss} replaces PPO's surrogate: it needs loss_type one of "
+                    f"{', '.join(PPO_FAMILY)}, importance_sampling_level 'token' and delta None, got "
+                    f"loss_type={self.loss_type!r}, importance_sampling_level={self.importance_sampling_level!r}, "
+                    f"delta={self.delta!r}"
+                )
+            if self.policy_loss == "clip_cov" and self.eps_low is None:
+                raise ValueError("objective: policy_loss clip_cov needs eps_low and eps_high (PPO's clip)")
+            for name in ("clip_cov_ratio", "kl_cov_ratio"):
+                if not 0.0 < float(getattr(self, name)) <= 1.0:
+                    raise ValueError(f"objective: {name} must be in (0, 1], got {getattr(self, name)!r}")
+            if not float(self.clip_cov_lb) < float(self.clip_cov_ub):
+                raise ValueError(
+                    f"objective: clip_cov_lb must be < clip_cov_ub, got {self.clip_cov_lb!r}, {self.clip_cov_ub!r}"
+                )
+        if self.off_policy_mask_threshold is not None and not float(self.off_policy_mask_threshold) >= 0.0:
+            raise ValueError(
+                f"objective: off_policy_mask_threshold must be None or >= 0, got {self.off_policy_mask_threshold!r}"
+            )
         if self.loss_type == "dr_grpo" and not (
             isinstance(self.max_completion_length, int) and self.max_completion_length > 0
         ):
@@ -120,25 +184,20 @@ class Objective:
 
     @classmethod
     def from_config(cls, args) -> Objective:
-        """The objective a TRL `GRPOConfig` (or `TokendynGRPOConfig`) trains. An option the analyses cannot
-        reproduce raises ValueError naming it (checked when a trainer with analyses starts)."""
-        unsupported = []
+        """The objective a TRL `GRPOConfig` (or `TokendynGRPOConfig`) trains: every TRL 1.16 loss option, and
+        tokendyn's ``policy_loss`` (Clip-Cov, KL-Cov) and ``kl_clamp``. A loss type it does not know raises
+        ValueError naming it (checked when a trainer with analyses starts). With ``use_adaptive_entropy`` the
+        coefficient is the configured start; the trainer's probe sets the one TRL applies at each analysed step."""
         loss_type = getattr(args, "loss_type", "dapo")
         if loss_type not in LOSS_TYPES:
-            unsupported.append(f"loss_type={loss_type!r} (supported: {', '.join(LOSS_TYPES)})")
-        if getattr(args, "off_policy_mask_threshold", None) is not None:
-            unsupported.append("off_policy_mask_threshold")
-        if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
-            unsupported.append("vllm_importance_sampling_correction with use_vllm (set it False)")
-        if getattr(args, "use_adaptive_entropy", False):
-            unsupported.append("use_adaptive_entropy (a fixed entropy_coef is supported)")
-        if unsupported:
             raise ValueError(
-                "probe analyses: the loss option(s) " + "; ".join(unsupported) + " are not reproduced by the "
-                "analyses' loss; switch them off or run with probe_analyses='none'"
+                f"probe analyses: loss_type={loss_type!r} is not reproduced by the analyses' loss (supported: "
+                f"{', '.join(LOSS_TYPES)}); switch it or run with probe_analyses='none'"
             )
         eps = args.epsilon
         eps_high = args.epsilon_high if getattr(args, "epsilon_high", None) is not None else eps  # as TRL
+        policy_loss = getattr(args, "policy_loss", "ppo")
+        cov = {k: float(getattr(args, k)) for k in COV_FIELDS if getattr(args, k, None) is not None}
         return cls(
             eps_low=eps,
             eps_high=eps_high,
@@ -152,7 +211,22 @@ class Objective:
             max_completion_length=getattr(args, "max_completion_length", None),
             sapo_temperature_pos=float(getattr(args, "sapo_temperature_pos", 1.0)),
             sapo_temperature_neg=float(getattr(args, "sapo_temperature_neg", 1.05)),
+            vespo_k_pos=float(getattr(args, "vespo_k_pos", 2.0)),
+            vespo_lambda_pos=float(getattr(args, "vespo_lambda_pos", 3.0)),
+            vespo_k_neg=float(getattr(args, "vespo_k_neg", 3.0)),
+            vespo_lambda_neg=float(getattr(args, "vespo_lambda_neg", 2.0)),
+            off_policy_mask_threshold=getattr(args, "off_policy_mask_threshold", None),
+            is_correction=bool(
+                getattr(args, "use_vllm", False)
+                and getattr(args, "vllm_importance_sampling_correction", False)
+            ),
+            kl_clamp=bool(getattr(args, "kl_clamp", False)),
+            policy_loss=policy_loss,
+            **cov,
         )
+
+
+COV_FIELDS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
 
 
 @runtime_checkable
@@ -187,6 +261,8 @@ class ProbeBatch:
     ref_logp: (B, C) log pi_ref, needed only for an objective with beta > 0.
     temperature: T > 0, the logits are divided by T.
     normalizer: N of the token mean; None: the number of completion tokens in this batch.
+    sampling_logp: (B, C) log pi of the sampling engine (vLLM's), for the off-policy mask; None: pi_old's.
+    is_ratio: (B, C) or (B, 1) the importance-sampling correction TRL computes from them (``is_correction``).
     """
 
     input_ids: torch.Tensor
@@ -197,6 +273,8 @@ class ProbeBatch:
     ref_logp: torch.Tensor | None = None
     temperature: float = 1.0
     normalizer: float | None = None
+    sampling_logp: torch.Tensor | None = None
+    is_ratio: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         ids = self.input_ids
@@ -230,14 +308,24 @@ class ProbeBatch:
         if not bool(torch.isfinite(adv[self.completion_mask]).all()):
             raise ValueError("batch: advantages must be finite on the completion tokens")
         object.__setattr__(self, "advantages", adv)
-        for name in ("old_logp", "ref_logp"):
+        for name in ("old_logp", "ref_logp", "sampling_logp"):
             v = getattr(self, name)
             if v is not None:
                 v = _as_2d(name, v, (b, c)).detach()
-                bad = torch.isnan(v) | (v > 1e-6)
+                bad = (
+                    v > 1e-6 if name == "sampling_logp" else torch.isnan(v) | (v > 1e-6)
+                )  # vLLM: NaN unscored
                 if bool(bad[self.completion_mask].any()):
                     raise ValueError(f"batch: {name} must be log-probabilities <= 0 on the completion tokens")
                 object.__setattr__(self, name, v)
+        if self.is_ratio is not None:
+            r = self.is_ratio
+            if not torch.is_tensor(r) or tuple(r.shape) not in ((b, c), (b, 1)):
+                raise ValueError(f"batch: is_ratio must have shape [{b}, {c}] or [{b}, 1]")
+            r = r.detach()
+            if not bool((torch.isfinite(r) & (r >= 0)).all()):
+                raise ValueError("batch: is_ratio must hold finite numbers >= 0")
+            object.__setattr__(self, "is_ratio", r)
         try:
             t = float(self.temperature)
         except (TypeError, ValueError) as exc:
@@ -284,6 +372,8 @@ class ProbeBatch:
             advantages=self.advantages[rows],
             old_logp=pick(self.old_logp),
             ref_logp=pick(self.ref_logp),
+            sampling_logp=pick(self.sampling_logp),
+            is_ratio=pick(self.is_ratio),
         )
 
 
@@ -612,40 +702,42 @@ def loss_terms(
         return objective.terms(logp, batch, entropy)
     mask = batch.completion_mask.to(logp.device)
     m = mask.to(logp.dtype)
+    zero = torch.zeros_like(logp)
     adv = batch.advantages.to(device=logp.device, dtype=logp.dtype)
     old = logp.detach() if batch.old_logp is None else batch.old_logp.to(device=logp.device, dtype=logp.dtype)
-    log_ratio = torch.where(mask, logp - old, torch.zeros_like(logp))
+    token_log_ratio = torch.where(mask, logp - old, zero)
+    log_ratio = token_log_ratio
     if objective.importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
-    capped = ratio if objective.delta is None else torch.clamp(ratio, max=objective.delta)
-    if objective.loss_type == "cispo":
-        weight = ratio if objective.eps_high is None else torch.clamp(ratio, max=objective.eps_high)
-        pg = -weight.detach() * adv * torch.where(mask, logp, torch.zeros_like(logp))
-    elif objective.loss_type == "sapo":
-        tau = torch.where(
-            adv > 0,
-            torch.full_like(adv, objective.sapo_temperature_pos),
-            torch.full_like(adv, objective.sapo_temperature_neg),
-        )
-        pg = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
-    elif objective.eps_low is None:
-        pg = -capped * adv
-    else:
-        clipped = torch.clamp(ratio, 1.0 - objective.eps_low, 1.0 + objective.eps_high)
-        pg = -torch.minimum(capped * adv, clipped * adv)
+    is_ratio = None
+    if objective.is_correction:
+        if batch.is_ratio is None:
+            raise ValueError(
+                "objective: is_correction needs batch.is_ratio (TRL's importance_sampling_ratio)"
+            )
+        is_ratio = batch.is_ratio.to(device=logp.device, dtype=logp.dtype)
+    pg = _surrogate(objective, logp, ratio, token_log_ratio, adv, mask, is_ratio)
+    if objective.off_policy_mask_threshold is not None:
+        pg = pg * _off_policy_mask(objective, logp, old, batch, adv, mask)
     keep = m
     if objective.top_entropy_quantile < 1.0:
         keep = m * _high_entropy_mask(entropy.detach(), mask, objective.top_entropy_quantile).to(m.dtype)
         pg = pg * keep
+    if is_ratio is not None and objective.loss_type != "vespo":
+        pg = pg * is_ratio
     if objective.beta > 0:
         if batch.ref_logp is None:
             raise ValueError("objective: beta > 0 needs batch.ref_logp (log pi_ref of the completion tokens)")
         ref = batch.ref_logp.to(device=logp.device, dtype=logp.dtype)
-        d = torch.where(mask, ref - logp, torch.zeros_like(logp))
-        kl = torch.exp(d) - d - 1.0
+        d = torch.where(mask, ref - logp, zero)
+        if objective.kl_clamp:
+            d = torch.clamp(d, -5.0, 5.0)
+            kl = torch.clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)
+        else:
+            kl = torch.exp(d) - d - 1.0
         pg = pg + objective.beta * (kl * ratio if objective.bias_correction_kl else kl)
-    per_token = torch.where(mask, pg, torch.zeros_like(pg))
+    per_token = torch.where(mask, pg, zero)
     b = logp.size(0)
     if objective.loss_type in ("grpo", "sapo"):
         terms = per_token / (m.sum(-1, keepdim=True).clamp(min=1.0) * b)
@@ -655,11 +747,92 @@ def loss_terms(
         terms = per_token / m.sum().clamp(min=1.0)
     elif objective.loss_type == "dr_grpo":
         terms = per_token / (b * objective.max_completion_length)
-    else:  # dapo
+    else:  # dapo, cispo, vespo
         terms = per_token / batch.norm
     if objective.entropy_coef:
         terms = terms - objective.entropy_coef * keep * entropy / keep.sum().clamp(min=1.0)
     return terms
+
+
+def _surrogate(objective, logp, ratio, token_log_ratio, adv, mask, is_ratio) -> torch.Tensor:
+    """pg_t before the masks, by ``loss_type`` and ``policy_loss`` (formulas: `Objective`)."""
+    from tokendyn.remedies import clip_cov_keep, kl_cov_select
+
+    masked_logp = torch.where(mask, logp, torch.zeros_like(logp))
+    if objective.policy_loss == "clip_cov":
+        generator = None
+        if objective.cov_seed is not None:
+            generator = torch.Generator().manual_seed(int(objective.cov_seed))
+        keep = clip_cov_keep(
+            adv,
+            logp,
+            ratio,
+            mask,
+            objective.eps_low,
+            objective.eps_high,
+            objective.clip_cov_ratio,
+            objective.clip_cov_lb,
+            objective.clip_cov_ub,
+            generator=generator,
+        )
+        clipped = torch.clamp(ratio, 1.0 - objective.eps_low, 1.0 + objective.eps_high)
+        return torch.maximum(-adv * ratio, -adv * clipped) * keep
+    if objective.policy_loss == "kl_cov":
+        chosen = kl_cov_select(adv, logp, mask, objective.kl_cov_ratio)
+        penalty = objective.ppo_kl_coef * torch.where(chosen, token_log_ratio.abs(), torch.zeros_like(logp))
+        return -adv * ratio + penalty
+    if objective.loss_type == "cispo":
+        weight = ratio if objective.eps_high is None else torch.clamp(ratio, max=objective.eps_high)
+        return -weight.detach() * adv * masked_logp
+    if objective.loss_type == "sapo":
+        tau = torch.where(
+            adv > 0,
+            torch.full_like(adv, objective.sapo_temperature_pos),
+            torch.full_like(adv, objective.sapo_temperature_neg),
+        )
+        return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+    if objective.loss_type == "vespo":
+        return -_vespo_weights(objective, token_log_ratio, adv, mask, is_ratio) * adv * masked_logp
+    capped = ratio if objective.delta is None else torch.clamp(ratio, max=objective.delta)
+    if objective.eps_low is None:
+        return -capped * adv
+    clipped = torch.clamp(ratio, 1.0 - objective.eps_low, 1.0 + objective.eps_high)
+    return -torch.minimum(capped * adv, clipped * adv)
+
+
+def _vespo_weights(objective, token_log_ratio, adv, mask, is_ratio) -> torch.Tensor:
+    """phi_i = exp(lam + k log W_i - lam W_i), detached (B, 1), with (k, lam) = (k_+, lam_+) where A >= 0 else
+    (k_-, lam_-), and log W_i = clamp(sum_t m_t clamp(log r_t, -20, 20) + sum_t clamp(log rho_t, log 1e-8, 20),
+    log 1e-8, 20) (VESPO's gamma weight, normalised so phi(1) = 1; a non-finite phi is 0); (B, C)."""
+    import math
+
+    m = mask.to(token_log_ratio.dtype)
+    lower = math.log(1e-8)
+    log_w = (torch.clamp(token_log_ratio.detach(), -20.0, 20.0) * m).sum(-1, keepdim=True)
+    if is_ratio is not None:
+        log_w = log_w + torch.clamp(torch.log(is_ratio), lower, 20.0).sum(-1, keepdim=True)
+    log_w = torch.clamp(log_w, lower, 20.0)
+    nonneg = adv >= 0  # per token, as TRL's where() on (B, 1) or per-token (B, T) advantages
+    k = torch.where(nonneg, objective.vespo_k_pos, objective.vespo_k_neg).to(log_w.dtype)
+    lam = (
+        torch.where(nonneg, objective.vespo_lambda_pos, objective.vespo_lambda_neg)
+        .to(log_w.dtype)
+        .clamp(min=1e-4)
+    )
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _off_policy_mask(objective, logp, old, batch, adv, mask) -> torch.Tensor:
+    """o_t = 1 where A_t >= 0 or the sequence's mean of (log pi_sampler - sg[log pi_t]) over its tokens is <= the
+    threshold (TRL's get_off_policy_mask, DeepSeek-V3.2; NaN sampler log-probs count 0), else 0. (B, C)."""
+    sampler = (
+        old if batch.sampling_logp is None else batch.sampling_logp.to(device=logp.device, dtype=logp.dtype)
+    )
+    m = mask.to(logp.dtype)
+    kl = torch.nan_to_num(sampler - logp.detach(), nan=0.0)
+    mean_kl = (kl * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((adv >= 0) | (mean_kl <= objective.off_policy_mask_threshold)).to(logp.dtype)
 
 
 def _high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top: float) -> torch.Tensor:

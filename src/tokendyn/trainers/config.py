@@ -15,8 +15,8 @@ from functools import partial
 from trl import GRPOConfig
 
 from tokendyn.config import ProbeConfig, ProbeConfigError
-from tokendyn.probe.tokenloss import Objective
-from tokendyn.remedies import LOPTI_ORDERS
+from tokendyn.probe.tokenloss import POLICY_LOSSES, PPO_FAMILY, Objective
+from tokendyn.remedies import CLIP_COV_DEFAULTS, KL_COV_DEFAULTS, LOPTI_ORDERS
 
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp")
 
@@ -91,12 +91,26 @@ class TokendynGRPOConfig(GRPOConfig):
             `"grpo"` (TRL's group-normalised advantages) or `"reinforce_pp"` (batch-whitened returns, no group
             baseline).
 
-    The paper's K&K setting (PAPER.md §1.2) in TRL terms: `loss_type="dapo"`, `epsilon=0.2`, `epsilon_high=0.24`,
-    `delta=10.0` (TRL's ratio cap is exactly the official dual-clip constant c), `beta=0.001` with
-    `use_bias_correction_kl=False` (TRL 1.16 defaults to the ratio-corrected KL; the official code uses plain k3),
-    `temperature=0.7`, `learning_rate=1e-6`, `weight_decay=0.01`, `lr_scheduler_type="constant"`, `max_grad_norm=1.0`,
-    `num_iterations=1`, `num_generations=8`. Differences left: TRL's group std epsilon is 1e-4 (official 1e-6) and
-    TRL does not clamp the KL (official clamps log-ratio to [-5, 5] and k3 to [-10, 10]).
+        policy_loss (`str`, *optional*, defaults to `"ppo"`):
+            `"ppo"` (TRL's surrogate of `loss_type`), `"clip_cov"` or `"kl_cov"` (the covariance remedies of Cui et
+            al. 2025 as verl defines them; `tokendyn.remedies.clip_cov_keep`, `kl_cov_select`), with
+            `clip_cov_ratio` (2e-4), `clip_cov_lb` (1.0), `clip_cov_ub` (5.0), `kl_cov_ratio` (2e-4), `ppo_kl_coef`
+            (0.1), verl's defaults (`PolicyLossConfig`).
+        kl_clamp (`bool`, *optional*, defaults to `False`):
+            The paper's code's KL: log-ratio clamped to [-5, 5], k3 to [-10, 10].
+        advantage_std_eps (`float` or `None`, *optional*, defaults to `None`):
+            Group-normalised advantages (r - mean) / (std + eps) with this eps and the unbiased std (the paper's
+            code: 1e-6); `None` keeps TRL's (1e-4).
+
+    The paper's K&K setting (PAPER.md §1.2) is `PRESETS["ar_lopti"]` (`tokendyn train --preset ar_lopti`,
+    `TokendynGRPOConfig.from_preset("ar_lopti", ...)`): `loss_type="bnpo"` (the token mean of each micro-batch),
+    `advantage_std_eps=1e-6`, `delta=10.0` (TRL's ratio cap on the unclipped branch equals the official dual clip
+    min(., -10 A) for A < 0 and never binds for A > 0, where the clipped branch is at most 1 + eps_high),
+    `kl_clamp=True`, `beta=0.001` with `use_bias_correction_kl=False` (plain k3), `epsilon=0.2`,
+    `epsilon_high=0.24`, `temperature=0.7`, AdamW with `weight_decay=0.01`, `lr_scheduler_type="constant"`,
+    `max_grad_norm=1.0`, `advantage_reweight_alpha=0.3`, `lopti_eta=0.5`, low first. Without a preset the fields
+    keep TRL's defaults (and `tokendyn train` the embedded defaults of `runner.EMBEDDED_DEFAULTS`: no dual clip, no
+    KL clamp, weight decay 0.0, TRL's token mean over the generation batch).
     """
 
     advantage_reweight_alpha: float = field(
@@ -140,6 +154,59 @@ class TokendynGRPOConfig(GRPOConfig):
         },
     )
 
+    policy_loss: str = field(
+        default="ppo",
+        metadata={
+            "help": "The surrogate: 'ppo' (TRL's, by loss_type), 'clip_cov' (Clip-Cov: detach the gradient of a few "
+            "random tokens of high advantage/log-prob covariance) or 'kl_cov' (KL-Cov: an |log ratio| penalty on "
+            "the tokens of largest covariance); Cui et al. 2025, as verl's policy loss modes.",
+            "choices": list(POLICY_LOSSES),
+        },
+    )
+    clip_cov_ratio: float = field(
+        default=CLIP_COV_DEFAULTS["clip_cov_ratio"],
+        metadata={
+            "help": "Clip-Cov: fraction of the micro-batch's tokens detached (verl's default 2e-4). (0, 1]."
+        },
+    )
+    clip_cov_lb: float = field(
+        default=CLIP_COV_DEFAULTS["clip_cov_lb"],
+        metadata={
+            "help": "Clip-Cov: lower bound of the covariance of a candidate token (verl's default 1.0)."
+        },
+    )
+    clip_cov_ub: float = field(
+        default=CLIP_COV_DEFAULTS["clip_cov_ub"],
+        metadata={
+            "help": "Clip-Cov: upper bound of the covariance of a candidate token (verl's default 5.0)."
+        },
+    )
+    kl_cov_ratio: float = field(
+        default=KL_COV_DEFAULTS["kl_cov_ratio"],
+        metadata={
+            "help": "KL-Cov: fraction of the micro-batch's tokens penalised (verl's default 2e-4). (0, 1]."
+        },
+    )
+    ppo_kl_coef: float = field(
+        default=KL_COV_DEFAULTS["ppo_kl_coef"],
+        metadata={"help": "KL-Cov: coefficient of the |log ratio| penalty (verl's default 0.1). >= 0."},
+    )
+    kl_clamp: bool = field(
+        default=False,
+        metadata={
+            "help": "Clamp the KL term as the paper's code does: log(pi_ref / pi) to [-5, 5], k3 to [-10, 10] "
+            "(no gradient where a clamp binds). Default False (TRL's unclamped k3)."
+        },
+    )
+    advantage_std_eps: float | None = field(
+        default=None,
+        metadata={
+            "help": "Epsilon of the group-normalised advantages (r - mean) / (std + eps), unbiased std; the paper's "
+            "code uses 1e-6. None (default): TRL's own advantages (eps 1e-4). Needs advantage_estimator grpo, "
+            "scale_rewards group and multi_objective_aggregation sum_then_normalize."
+        },
+    )
+
     probe_every: int = field(
         default=0,
         metadata={
@@ -155,6 +222,12 @@ class TokendynGRPOConfig(GRPOConfig):
             "(OUTPUT_DIR/rollouts/step-NNNNNN.parquet) that `tokendyn probe` reads."
         },
     )
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> TokendynGRPOConfig:
+        """A config with `PRESETS` [name]'s values, ``overrides`` winning (learning rate, sizes, output_dir: the
+        user's)."""
+        return cls(**{**preset_values(name), **overrides})
 
     def __post_init__(self):
         self._validate_tokendyn_fields()
@@ -208,10 +281,66 @@ class TokendynGRPOConfig(GRPOConfig):
             Objective.from_config(
                 self
             )  # the analyses must reproduce the trained loss: else fail now, naming it
+        self._validate_objective_fields()
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"advantage_estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}; got {self.advantage_estimator!r}"
             )
+
+    def _validate_objective_fields(self) -> None:
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(
+                f"policy_loss must be one of {', '.join(POLICY_LOSSES)}; got {self.policy_loss!r}"
+            )
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+        if not (
+            _is_number(self.clip_cov_lb)
+            and _is_number(self.clip_cov_ub)
+            and self.clip_cov_lb < self.clip_cov_ub
+        ):
+            raise ValueError(
+                f"clip_cov_lb, clip_cov_ub: two numbers with lb < ub, got {self.clip_cov_lb!r}, {self.clip_cov_ub!r}"
+            )
+        if not _is_number(self.ppo_kl_coef) or self.ppo_kl_coef < 0:
+            raise ValueError(f"ppo_kl_coef must be a number >= 0, got {self.ppo_kl_coef!r}")
+        if self.policy_loss != "ppo":
+            if (
+                self.loss_type not in PPO_FAMILY
+                or self.importance_sampling_level != "token"
+                or self.delta is not None
+            ):
+                raise ValueError(
+                    f"policy_loss {self.policy_loss} replaces PPO's surrogate: it needs loss_type one of "
+                    f"{', '.join(PPO_FAMILY)}, importance_sampling_level token and delta None; got "
+                    f"loss_type={self.loss_type!r}, importance_sampling_level={self.importance_sampling_level!r}, "
+                    f"delta={self.delta!r}"
+                )
+            if (
+                self.entropy_coef != 0.0
+                or self.use_adaptive_entropy
+                or self.off_policy_mask_threshold is not None
+            ):
+                raise ValueError(
+                    f"policy_loss {self.policy_loss} takes no entropy bonus and no off-policy mask: set "
+                    f"entropy_coef=0.0, use_adaptive_entropy=False, off_policy_mask_threshold=None"
+                )
+        eps = self.advantage_std_eps
+        if eps is not None:
+            if not _is_number(eps) or eps < 0:
+                raise ValueError(f"advantage_std_eps must be None (TRL's) or a number >= 0, got {eps!r}")
+            if (
+                self.advantage_estimator != "grpo"
+                or self.scale_rewards != "group"
+                or self.multi_objective_aggregation != "sum_then_normalize"
+            ):
+                raise ValueError(
+                    "advantage_std_eps needs advantage_estimator grpo, scale_rewards group and "
+                    "multi_objective_aggregation sum_then_normalize; got "
+                    f"{self.advantage_estimator!r}, {self.scale_rewards!r}, {self.multi_objective_aggregation!r}"
+                )
 
     def _validate_lopti_schedule(self) -> None:
         if not self.lopti_enabled:
@@ -229,3 +358,50 @@ class TokendynGRPOConfig(GRPOConfig):
                 f"and use_adaptive_entropy=False, got entropy_coef={self.entropy_coef!r}, "
                 f"use_adaptive_entropy={self.use_adaptive_entropy!r}"
             )
+
+
+# The paper's training scripts (PAPER.md §1.2, scripts/train_kklogic_{baseline,AR,Lopti,AR-Lopti}_4x80GB.sh) in this
+# trainer's fields: the official base loss and optimizer; learning rate, batch sizes and lengths stay the user's.
+PAPER_BASE = dict(
+    loss_type="bnpo",  # token-mean of each micro-batch (core_algos.py:213-214), divided by the accumulation steps
+    advantage_std_eps=1e-6,  # (s - mean) / (std + 1e-6), unbiased std (core_algos.py:111-155)
+    delta=10.0,  # dual clip: min(clip_pg, -10 A) for A < 0 (core_algos.py:259-324)
+    kl_clamp=True,  # log-ratio in [-5, 5], k3 in [-10, 10] (core_algos.py:393-398)
+    beta=0.001,
+    use_bias_correction_kl=False,  # plain k3 (low_var_kl)
+    epsilon=0.2,
+    epsilon_high=0.24,
+    temperature=0.7,
+    top_p=1.0,
+    top_k=0,
+    optim="adamw_torch",
+    adam_beta1=0.9,
+    adam_beta2=0.999,
+    weight_decay=0.01,
+    lr_scheduler_type="constant",
+    warmup_steps=0,
+    max_grad_norm=1.0,
+    num_iterations=1,
+)
+PRESETS = {
+    "baseline": dict(PAPER_BASE),
+    "ar": dict(PAPER_BASE, advantage_reweight_alpha=0.3),
+    "lopti": dict(PAPER_BASE, lopti_eta=0.5, lopti_order="low_first"),
+    "ar_lopti": dict(PAPER_BASE, advantage_reweight_alpha=0.3, lopti_eta=0.5, lopti_order="low_first"),
+    # other remedies by their authors' settings, on top of the run's own base loss
+    "gspo": dict(
+        importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4, beta=0.0
+    ),
+    "80_20": dict(
+        top_entropy_quantile=0.2
+    ),  # "Beyond the 80/20 rule" (Wang et al. 2025): top-20 % entropy tokens
+    "clip_cov": dict(policy_loss="clip_cov", **CLIP_COV_DEFAULTS),
+    "kl_cov": dict(policy_loss="kl_cov", **KL_COV_DEFAULTS),
+}
+
+
+def preset_values(name: str) -> dict:
+    """The field values of preset ``name`` (a copy); an unknown name raises ValueError listing the presets."""
+    if name not in PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)}; got {name!r}")
+    return dict(PRESETS[name])

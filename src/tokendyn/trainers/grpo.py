@@ -15,6 +15,13 @@ only where it plugs into TRL's loop:
   denominator) is left alone, so all completion tokens are still counted. The KL term is masked per stage by
   replacing pi_ref with the (detached) current pi on the other stage's tokens, right after the forward pass
   (``_get_per_token_logps_and_entropies``): k3(x, x) = 0 with zero gradient, exactly.
+* The KL clamp of the paper's code (``kl_clamp``): where it binds (log-ratio outside [-5, 5] or k3 above 10) the
+  clamped KL term is a constant, so pi_ref is replaced there by the detached current pi, in the same place: the
+  gradient is the clamped loss's exactly; the loss value TRL logs lacks those constants.
+* ``advantage_std_eps``: the group-normalised advantages recomputed from TRL's gathered rewards with that epsilon
+  (`tokendyn.remedies.grpo_advantages`, the official code's unbiased std; TRL's own is 1e-4).
+* ``policy_loss`` clip_cov / kl_cov: the loss of the micro-batch is `tokendyn.probe.tokenloss.loss_terms` with TRL's
+  aggregation (``_cov_loss``), on TRL's forward; Clip-Cov draws on a generator seeded per micro-step (``cov_seed``).
 * ``_issue_warnings_after_load`` (resuming): the keys tied to a key the checkpoint held (a tied LM head) are not
   reported as missing.
 
@@ -26,11 +33,14 @@ rollouts as plain GRPO; give the training length in epochs (or double ``max_step
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from ..remedies import lopti_masks, reinforce_pp_advantages, reweight_advantages
+from ..probe.tokenloss import Objective, ProbeBatch, loss_terms
+from ..remedies import grpo_advantages, lopti_masks, reinforce_pp_advantages, reweight_advantages
 
 STAGE_MASK_KEYS = {1: "lopti_stage1_mask", 2: "lopti_stage2_mask"}
 
@@ -60,7 +70,11 @@ class TokendynGRPOTrainer(GRPOTrainer):
         self._last_loss_inputs: dict | None = None
         self._last_loss_stage = 0
         self._last_rewards_per_func: torch.Tensor | None = None
-        self._kl_stage_pending: tuple[torch.Tensor, dict] | None = None
+        self._kl_stage_pending: tuple[torch.Tensor | None, dict] | None = None
+        self.kl_clamp = bool(getattr(cfg, "kl_clamp", False))
+        self.advantage_std_eps = getattr(cfg, "advantage_std_eps", None)
+        self.policy_loss = getattr(cfg, "policy_loss", "ppo")
+        self._objective = Objective.from_config(cfg) if self.policy_loss != "ppo" else None
         self.probe = None
         if getattr(cfg, "probe_every", 0):
             from tokendyn.hooks.trainer import TrainerProbe
@@ -70,7 +84,17 @@ class TokendynGRPOTrainer(GRPOTrainer):
 
     @property
     def _modifies_batch(self) -> bool:
-        return self.advantage_reweight_alpha > 0 or self.lopti_enabled or self.advantage_estimator != "grpo"
+        return (
+            self.advantage_reweight_alpha > 0
+            or self.lopti_enabled
+            or self.advantage_estimator != "grpo"
+            or self.advantage_std_eps is not None
+        )
+
+    def cov_seed(self) -> int:
+        """Seed of Clip-Cov's random draw in micro-step ``_step`` (a function of the run's seed and the micro-step,
+        so a resumed run draws as an uninterrupted one)."""
+        return int(self.args.seed) * 1_000_003 + int(self._step)
 
     def current_stage(self, step: int | None = None) -> int:
         """Lopti stage of micro-step ``step`` (default: the one about to run or running, ``self._step``):
@@ -100,6 +124,8 @@ class TokendynGRPOTrainer(GRPOTrainer):
         advantages = output["advantages"]
         if self.advantage_estimator == "reinforce_pp":
             advantages = self._reinforce_pp_local(mask)
+        elif self.advantage_std_eps is not None:
+            advantages = self._grpo_local(advantages)
         output["raw_advantages"] = advantages
         needs_pi_old = self.advantage_reweight_alpha > 0 or self.lopti_enabled
         if needs_pi_old and output.get("old_per_token_logps") is None:
@@ -161,6 +187,17 @@ class TokendynGRPOTrainer(GRPOTrainer):
         advantages = reinforce_pp_advantages(rewards, global_mask)
         return self._local_rows(advantages, like=mask)
 
+    def _grpo_local(self, like: torch.Tensor) -> torch.Tensor:
+        """Group-normalised advantages (B_local,) with ``advantage_std_eps`` (unbiased std), from the gathered
+        rewards; an unscorable completion (NaN rewards) gets 0, as in TRL."""
+        rewards_per_func = self._last_rewards_per_func
+        weights = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        advantages = torch.nan_to_num(grpo_advantages(rewards, self.num_generations, self.advantage_std_eps))
+        start = self.accelerator.process_index * like.size(0)
+        return advantages[start : start + like.size(0)].to(like.dtype)
+
     def _stage_masks(self, old_logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.lopti_quantile is None:  # fixed eta: a per-token rule, no communication needed
             return lopti_masks(old_logp, mask, eta=self.lopti_eta, order=self.lopti_order)
@@ -212,14 +249,55 @@ class TokendynGRPOTrainer(GRPOTrainer):
             inputs["advantages"] = advantages * keep
             if self.beta != 0.0:
                 self._kl_stage_pending = (keep, inputs)
+        if self.beta != 0.0 and self.kl_clamp and self._kl_stage_pending is None:
+            inputs = dict(inputs)
+            self._kl_stage_pending = (None, inputs)
         self._last_loss_inputs = inputs
         self._last_loss_stage = stage
         if self.probe is not None:
             self.probe.begin(inputs, stage)
         try:
+            if self.policy_loss != "ppo":
+                return self._cov_loss(model, inputs)
             return super()._compute_loss(model, inputs)
         finally:
             self._kl_stage_pending = None
+
+    def _cov_loss(self, model, inputs):
+        """The micro-batch's Clip-Cov / KL-Cov loss: TRL's forward, the per-token terms of `loss_terms` (the rule
+        the analyses differentiate), TRL's aggregation: dapo's normalizer spans the accumulation window, the other
+        loss types are divided by the accumulation steps."""
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=False
+        )
+        objective = replace(self._objective, cov_seed=self.cov_seed())
+        accumulation = self.current_gradient_accumulation_steps
+        normalizer = None
+        if objective.loss_type == "dapo":
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            normalizer = float(normalizer * accumulation / self.args.steps_per_generation)
+        batch = ProbeBatch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            completion_mask=mask,
+            advantages=inputs["advantages"],
+            old_logp=inputs.get("old_per_token_logps"),
+            ref_logp=inputs.get("ref_per_token_logps") if objective.beta else None,
+            normalizer=normalizer,
+            sampling_logp=inputs.get("sampling_per_token_logps"),
+            is_ratio=inputs.get("importance_sampling_ratio") if objective.is_correction else None,
+        )
+        loss = loss_terms(logps, batch, objective).sum()
+        if objective.loss_type != "dapo":
+            loss = loss / accumulation
+        self._metrics["train"]["policy_loss"].append(
+            float(loss.detach()) * (1 if normalizer else accumulation)
+        )
+        return loss
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
@@ -227,9 +305,23 @@ class TokendynGRPOTrainer(GRPOTrainer):
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
-        if self._kl_stage_pending is not None:  # the policy forward of a Lopti-stage loss with beta != 0
+        if (
+            self._kl_stage_pending is not None
+        ):  # the policy forward of a loss with beta != 0 (Lopti stage, clamp)
             keep, inputs = self._kl_stage_pending
             self._kl_stage_pending = None
-            ref = inputs["ref_per_token_logps"]
-            inputs["ref_per_token_logps"] = torch.where(keep.bool(), ref, logps.detach())
+            ref, current = inputs["ref_per_token_logps"], logps.detach()
+            if keep is not None:
+                ref = torch.where(keep.bool(), ref, current)
+            if self.kl_clamp:
+                ref = torch.where(kl_clamp_binds(ref - current), current, ref)
+            inputs["ref_per_token_logps"] = ref
         return logps, entropies, aux_loss
+
+
+def kl_clamp_binds(d: torch.Tensor) -> torch.Tensor:
+    """Where the official KL clamp makes the KL term constant (zero gradient): d = log pi_ref - log pi outside
+    [-5, 5], or k3 = exp(d) - d - 1 above 10 (kld = clamp(k3(clamp(d, -5, 5)), -10, 10); k3 >= 0, so the lower
+    bound never binds). Bool, d's shape."""
+    c = torch.clamp(d, -5.0, 5.0)
+    return (d != c) | (torch.exp(c) - c - 1.0 > 10.0)

@@ -61,6 +61,14 @@ class RunArguments:
         },
     )
 
+    preset: str | None = field(
+        default=None,
+        metadata={
+            "help": "A set of trainer fields (flags and --config win): baseline, ar, lopti, ar_lopti (the paper's "
+            "scripts: official base loss and optimizer), gspo, 80_20, clip_cov, kl_cov "
+            "(`tokendyn.trainers.config.PRESETS`).",
+        },
+    )
     threads: int | None = field(
         default=None, metadata={"help": "CPU threads of torch and polars (default: every core)."}
     )
@@ -75,6 +83,11 @@ class RunArguments:
             bad = [k for k in sizes if not MIN_PEOPLE <= int(k) <= MAX_PEOPLE]
             if bad or not sizes:
                 raise ValueError(f"{name}: every size must be in {MIN_PEOPLE}..{MAX_PEOPLE}, got {sizes}")
+        if self.preset is not None:
+            from .config import PRESETS
+
+            if self.preset not in PRESETS:
+                raise ValueError(f"preset: must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         if self.task != "kk":
             raise ValueError(f"task: must be kk, got {self.task!r}")
         if self.train_split not in TRAIN_SPLITS:
@@ -138,8 +151,28 @@ def kk_accuracy(prompts, completions, ground_truth, **_) -> list[float]:
     ]
 
 
+LOSS_NAMES = {"cispo": "CISPO", "sapo": "SAPO", "vespo": "VESPO", "luspo": "LUSPO"}
+
+
 def method_name(cfg) -> str:
-    parts = ["GRPO" if getattr(cfg, "advantage_estimator", "grpo") == "grpo" else "REINFORCE++"]
+    """The run's name in records and figures: the estimator or loss (GRPO, REINFORCE++, GSPO, CISPO, SAPO, VESPO,
+    LUSPO), then each remedy on top."""
+    loss_type = getattr(cfg, "loss_type", "dapo")
+    if getattr(cfg, "advantage_estimator", "grpo") != "grpo":
+        base = "REINFORCE++"
+    elif loss_type in LOSS_NAMES:
+        base = LOSS_NAMES[loss_type]
+    elif getattr(cfg, "importance_sampling_level", "token") == "sequence":
+        base = "GSPO"
+    else:
+        base = "GRPO"
+    parts = [base]
+    top = getattr(cfg, "top_entropy_quantile", 1.0)
+    if top < 1.0:
+        parts.append("80/20" if top == 0.2 else f"top-entropy(q={top:g})")
+    policy_loss = getattr(cfg, "policy_loss", "ppo")
+    if policy_loss != "ppo":
+        parts.append({"clip_cov": "Clip-Cov", "kl_cov": "KL-Cov"}[policy_loss])
     if getattr(cfg, "advantage_reweight_alpha", 0.0):
         parts.append(f"Reweight(a={cfg.advantage_reweight_alpha:g})")
     if getattr(cfg, "lopti_eta", None) is not None:

@@ -102,6 +102,14 @@ def parse(argv: list[str]):
         del argv[i : i + 2]
         known = {a.dest for a in parser._actions}
         argv = config_flags(path, known) + argv
+    preset = given_preset(argv)
+    if preset is not None:
+        from .config import preset_values
+
+        try:
+            parser.set_defaults(**preset_values(preset))  # the preset's values; flags and --config win
+        except ValueError as exc:
+            _fail(str(exc))
     if "--help-all" not in argv:
         short_help(parser)
     else:
@@ -119,6 +127,19 @@ def parse(argv: list[str]):
         _fail(text)
     resolve_length(run_args, cfg, given_fields(parser, argv, ("max_steps", "rollouts")))
     return run_args, cfg
+
+
+def given_preset(argv: list[str]) -> str | None:
+    """The value of the last ``--preset NAME`` / ``--preset=NAME`` in argv (None when absent)."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == "--preset":
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                _fail("preset: --preset needs a name (`tokendyn train --help` lists them)")
+            found = argv[i + 1]
+        elif arg.startswith("--preset="):
+            found = arg.split("=", 1)[1]
+    return found
 
 
 def given_fields(parser, argv: list[str], names: tuple[str, ...]) -> set[str]:
