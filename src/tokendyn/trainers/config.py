@@ -107,7 +107,7 @@ class TokendynGRPOConfig(GRPOConfig):
     `advantage_std_eps=1e-6`, `delta=10.0` (TRL's ratio cap on the unclipped branch equals the official dual clip
     min(., -10 A) for A < 0 and never binds for A > 0, where the clipped branch is at most 1 + eps_high),
     `kl_clamp=True`, `beta=0.001` with `use_bias_correction_kl=False` (plain k3), `epsilon=0.2`,
-    `epsilon_high=0.24`, `temperature=0.7`, AdamW with `weight_decay=0.01`, `lr_scheduler_type="constant"`,
+    `epsilon_high=0.24`, `temperature=0.7`, AdamW with `weight_decay=0.01` on every parameter (`weight_decay_all`), `lr_scheduler_type="constant"`,
     `max_grad_norm=1.0`, `advantage_reweight_alpha=0.3`, `lopti_eta=0.5`, low first. Without a preset the fields
     keep TRL's defaults (and `tokendyn train` the embedded defaults of `runner.EMBEDDED_DEFAULTS`: no dual clip, no
     KL clamp, weight decay 0.0, TRL's token mean over the generation batch).
@@ -196,6 +196,13 @@ class TokendynGRPOConfig(GRPOConfig):
         metadata={
             "help": "Clamp the KL term as the paper's code does: log(pi_ref / pi) to [-5, 5], k3 to [-10, 10] "
             "(no gradient where a clamp binds). Default False (TRL's unclamped k3)."
+        },
+    )
+    weight_decay_all: bool = field(
+        default=False,
+        metadata={
+            "help": "Apply weight_decay to every parameter, biases and norm weights included, as the paper's code "
+            "(torch AdamW over all parameters). Default False: transformers' groups (no decay on biases and norms)."
         },
     )
     advantage_std_eps: float | None = field(
@@ -378,6 +385,7 @@ PAPER_BASE = dict(
     adam_beta1=0.9,
     adam_beta2=0.999,
     weight_decay=0.01,
+    weight_decay_all=True,  # AdamW over actor_module.parameters() (fsdp_workers.py:237-263): no exempt groups
     lr_scheduler_type="constant",
     warmup_steps=0,
     max_grad_norm=1.0,

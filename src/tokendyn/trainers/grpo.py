@@ -228,6 +228,12 @@ class TokendynGRPOTrainer(GRPOTrainer):
             SimpleNamespace(missing_keys=missing, unexpected_keys=list(load_result.unexpected_keys))
         )
 
+    def get_decay_parameter_names(self, model) -> list[str]:
+        """transformers' decayed parameters (not biases, not norms), or every parameter with ``weight_decay_all``."""
+        if getattr(self.args, "weight_decay_all", False):
+            return [name for name, _ in model.named_parameters()]
+        return super().get_decay_parameter_names(model)
+
     def training_step(self, *args, **kwargs):
         """TRL's micro-step (forward, loss, backward); the probe then reduces that micro-batch at once, so the last
         one of a run (or of a Lopti stage) is recorded like every other."""
