@@ -391,7 +391,8 @@ def test_probe_cli_takes_the_trained_loss_options_and_names_a_bad_one(tmp_path, 
     _, objective = offline_cli._check_args(args)
     assert (objective.loss_type, objective.importance_sampling_level, objective.bias_correction_kl) == (
         "grpo", "sequence", True)  # fmt: skip
-    for flags, name in ((["--loss_type", "vespo"], "--loss_type"), (["--loss_type", "dr_grpo"], "--loss_type"),
+    for flags, name in ((["--loss_type", "vespo", "--importance_sampling_level", "sequence"], "--loss_type"),
+                        (["--loss_type", "dr_grpo"], "--loss_type"),
                         (["--loss_type", "sapo", "--sapo_temperature_neg", "0"], "--sapo_temperature_neg"),
                         (["--top_entropy_quantile", "0"], "--top_entropy_quantile"),
                         (["--lr_sweep", "0"], "--lr_sweep")):  # fmt: skip

@@ -212,6 +212,7 @@ def test_the_analysis_loss_has_the_training_steps_gradient(tiny_model_dir, tmp_p
     num = sum(float((p.grad - want[n]).double().pow(2).sum()) for n, p in model.named_parameters())
     den = sum(float(g.double().pow(2).sum()) for g in want.values())
     assert den > 0
+    print(f"{name}: relative gradient error {(num / den) ** 0.5:.2e}")  # pytest -s: the figures
     assert (num / den) ** 0.5 < 1e-5, f"{name}: relative gradient error {(num / den) ** 0.5:.2e}"
 
 

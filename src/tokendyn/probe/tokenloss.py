@@ -146,18 +146,12 @@ class Objective:
             raise ValueError(
                 f"objective: policy_loss must be one of {', '.join(POLICY_LOSSES)}, got {self.policy_loss!r}"
             )
+        problem = surrogate_problem(
+            self.policy_loss, self.loss_type, self.importance_sampling_level, self.delta
+        )
+        if problem:
+            raise ValueError(f"objective: {problem}")
         if self.policy_loss != "ppo":
-            if (
-                self.loss_type not in PPO_FAMILY
-                or self.importance_sampling_level != "token"
-                or self.delta is not None
-            ):
-                raise ValueError(
-                    f"objective: policy_loss {self.policy_loss} replaces PPO's surrogate: it needs loss_type one of "
-                    f"{', '.join(PPO_FAMILY)}, importance_sampling_level 'token' and delta None, got "
-                    f"loss_type={self.loss_type!r}, importance_sampling_level={self.importance_sampling_level!r}, "
-                    f"delta={self.delta!r}"
-                )
             if self.policy_loss == "clip_cov" and self.eps_low is None:
                 raise ValueError("objective: policy_loss clip_cov needs eps_low and eps_high (PPO's clip)")
             for name in ("clip_cov_ratio", "kl_cov_ratio"):
@@ -227,6 +221,20 @@ class Objective:
 
 
 COV_FIELDS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+
+
+def surrogate_problem(policy_loss: str, loss_type: str, importance_sampling_level: str, delta) -> str | None:
+    """Why a covariance remedy cannot replace this loss's surrogate (None: it can, or policy_loss is "ppo"):
+    Clip-Cov and KL-Cov are PPO-family token-ratio rules without a ratio cap."""
+    if policy_loss == "ppo" or (
+        loss_type in PPO_FAMILY and importance_sampling_level == "token" and delta is None
+    ):
+        return None
+    return (
+        f"policy_loss {policy_loss} replaces PPO's surrogate: it needs loss_type one of {', '.join(PPO_FAMILY)}, "
+        f"importance_sampling_level token and delta None; got loss_type={loss_type!r}, "
+        f"importance_sampling_level={importance_sampling_level!r}, delta={delta!r}"
+    )
 
 
 @runtime_checkable

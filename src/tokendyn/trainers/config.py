@@ -15,7 +15,7 @@ from functools import partial
 from trl import GRPOConfig
 
 from tokendyn.config import ProbeConfig, ProbeConfigError
-from tokendyn.probe.tokenloss import POLICY_LOSSES, PPO_FAMILY, Objective
+from tokendyn.probe.tokenloss import POLICY_LOSSES, Objective, surrogate_problem
 from tokendyn.remedies import CLIP_COV_DEFAULTS, KL_COV_DEFAULTS, LOPTI_ORDERS
 
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp")
@@ -313,18 +313,12 @@ class TokendynGRPOConfig(GRPOConfig):
             )
         if not _is_number(self.ppo_kl_coef) or self.ppo_kl_coef < 0:
             raise ValueError(f"ppo_kl_coef must be a number >= 0, got {self.ppo_kl_coef!r}")
+        problem = surrogate_problem(
+            self.policy_loss, self.loss_type, self.importance_sampling_level, self.delta
+        )
+        if problem:
+            raise ValueError(problem)
         if self.policy_loss != "ppo":
-            if (
-                self.loss_type not in PPO_FAMILY
-                or self.importance_sampling_level != "token"
-                or self.delta is not None
-            ):
-                raise ValueError(
-                    f"policy_loss {self.policy_loss} replaces PPO's surrogate: it needs loss_type one of "
-                    f"{', '.join(PPO_FAMILY)}, importance_sampling_level token and delta None; got "
-                    f"loss_type={self.loss_type!r}, importance_sampling_level={self.importance_sampling_level!r}, "
-                    f"delta={self.delta!r}"
-                )
             if (
                 self.entropy_coef != 0.0
                 or self.use_adaptive_entropy
