@@ -281,11 +281,14 @@ class TokendynGRPOTrainer(GRPOTrainer):
             model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=False
         )
         objective = replace(self._objective, cov_seed=self.cov_seed())
-        accumulation = self.current_gradient_accumulation_steps
+        train = self.model.training  # in eval TRL neither accumulates nor splits the batch
+        accumulation = self.current_gradient_accumulation_steps if train else 1
         normalizer = None
         if objective.loss_type == "dapo":
             normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-            normalizer = float(normalizer * accumulation / self.args.steps_per_generation)
+            if train:
+                normalizer = normalizer * accumulation / self.args.steps_per_generation
+            normalizer = float(normalizer)
         batch = ProbeBatch(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -300,7 +303,7 @@ class TokendynGRPOTrainer(GRPOTrainer):
         loss = loss_terms(logps, batch, objective).sum()
         if objective.loss_type != "dapo":
             loss = loss / accumulation
-        self._metrics["train"]["policy_loss"].append(
+        self._metrics["train" if train else "eval"]["policy_loss"].append(
             float(loss.detach()) * (1 if normalizer else accumulation)
         )
         return loss
@@ -311,9 +314,8 @@ class TokendynGRPOTrainer(GRPOTrainer):
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
-        if (
-            self._kl_stage_pending is not None
-        ):  # the policy forward of a loss with beta != 0 (Lopti stage, clamp)
+        # the policy forward of a loss with beta != 0 in a Lopti stage or with the KL clamp
+        if self._kl_stage_pending is not None:
             keep, inputs = self._kl_stage_pending
             self._kl_stage_pending = None
             ref, current = inputs["ref_per_token_logps"], logps.detach()
