@@ -38,6 +38,8 @@ BAD = {
     "lr": (0.0, "lr: must be a number > 0"),
     "lr_sweep": ((1e-3, -1.0), "lr_sweep: must be a list of numbers > 0"),
     "share_method": ("fast", "share_method: must be one of stream, loop, batched, got 'fast'"),
+    "compare_rules": ("lopti,ppo2", "compare_rules: unknown ['ppo2']; allowed: base, reweight, lopti"),
+    "compare_modes": ("adam", "compare_modes: unknown ['adam']; allowed: equal_norm, optimizer"),
 }
 
 

@@ -362,19 +362,23 @@ def test_cli_end_to_end_then_analyze(tiny_model_dir, tmp_path, capsys):
     path = _write_jsonl(tmp_path / "rollouts.jsonl", rows)
     out = tmp_path / "probe_run"
     argv = ["probe", "--model", str(tiny_model_dir), "--rollouts", str(path), "--out", str(out)]
-    rc = main(argv + ["--batch_size", "4", "--sample_sequences", "4", "--device", "cpu"])
+    extra = ["--compare_rules", "reweight,lopti"]  # the paired comparison too (equal_norm: no run optimizer)
+    rc = main(argv + ["--batch_size", "4", "--sample_sequences", "4", "--device", "cpu", *extra])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert f"to {out / 'records'}" in captured.out and f"tokendyn analyze {out}" in captured.out
     assert "ignored columns: source" in captured.err
     kinds = {p.name.split("-rank")[0] for p in (out / "records").glob("*.parquet")}
-    assert {"binstats", "checks", "shares", "token_shares", "prob_change", "influence"} <= kinds
+    assert {"binstats", "checks", "shares", "token_shares", "prob_change", "influence", "paired"} <= kinds
+    paired = _frame(out / "records", "paired")
+    assert set(paired["rule"]) == {"base", "reweight", "lopti"} and set(paired["mode"]) == {"equal_norm"}
     assert _frame(out / "records", "binstats")["micro"].unique().sort().to_list() == [0, 1, 2]
     meta = json.loads((out / "run.json").read_text())
     assert meta["options"]["temperature"] == 0.7 and meta["advantages"] == "grpo(reward, group)"
     assert not [p for p in tmp_path.iterdir() if "staging" in p.name]
     assert main(["analyze", str(out)]) == 0
-    assert (out / "analysis" / "bins.parquet").is_file()
+    assert (out / "analysis" / "bins.parquet").is_file() and (out / "analysis" / "paired.parquet").is_file()
+    assert "Paired comparison" in capsys.readouterr().out
 
 
 def test_probe_cli_takes_the_trained_loss_options_and_names_a_bad_one(tmp_path, capsys):

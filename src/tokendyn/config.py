@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
-from tokendyn.vocab import ALL_POINTS, ANALYSES
+from tokendyn.vocab import ALL_POINTS, ANALYSES, COMPARE_MODES, COMPARE_RULES
 
 DEFAULT_EDGES: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
 SHARE_METHODS = ("stream", "loop", "batched")
@@ -193,6 +193,21 @@ class ProbeConfig:
         "Step sizes of an extra counterfactual SGD sweep (with prob_change), e.g. 1e-3 1e-2 1e-1 1: the correct "
         "ratio per bin as a curve of the step size (update 'sweep'); each > 0.",
     )
+    compare_rules: tuple[str, ...] = _opt(
+        (),
+        "Paired comparison: the update rules compared on the analysis sample from the same state (the base rule, "
+        "the run's loss, always first), from: "
+        + ", ".join(COMPARE_RULES)
+        + "; comma-separated or a list; empty "
+        "or 'none' = off. Record kind `paired`, `tokendyn analyze` table `paired`.",
+        choices=list(COMPARE_RULES),
+    )
+    compare_modes: tuple[str, ...] = _opt(
+        COMPARE_MODES,
+        "Step sizes of the paired comparison: equal_norm (plain SGD, every rule's step at the norm of the base "
+        "rule's SGD step at lr) and optimizer (one step of a copy of the run's optimizer, its state and lr).",
+        choices=list(COMPARE_MODES),
+    )
     share_method: str = _opt(
         "stream",
         "How the per-bin gradients are taken: 'stream' (g, then one g_b at a time: two parameter-sized buffers), "
@@ -227,6 +242,11 @@ class ProbeConfig:
         _number("lr", self.lr, "a number > 0", lo=0.0)
         set_(self, "lr", float(self.lr))
         set_(self, "analyses", _analyses(self.analyses))
+        rules = _choices("compare_rules", self.compare_rules, COMPARE_RULES)
+        set_(self, "compare_rules", ("base", *[r for r in rules if r != "base"]) if rules else ())
+        set_(self, "compare_modes", _choices("compare_modes", self.compare_modes, COMPARE_MODES))
+        if self.compare_rules and not self.compare_modes:
+            raise ProbeConfigError("compare_modes", f"give at least one of {', '.join(COMPARE_MODES)}")
         sweep = self.lr_sweep
         if sweep is None:
             sweep = ()
@@ -292,18 +312,24 @@ def _points(value) -> tuple[str, ...] | None:
 
 
 def _analyses(value) -> tuple[str, ...]:
+    return _choices("analyses", value, ANALYSES)
+
+
+def _choices(name: str, value, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A list of names from ``allowed`` (a list, or one comma-separated string; None, [] or 'none': empty), in
+    ``allowed``'s order."""
     if value is None:
         return ()
     raw = [value] if isinstance(value, str) else list(value)
     items = [a.strip() for part in raw for a in str(part).split(",") if a.strip()]
     if items in (["none"], []):
         return ()
-    unknown = sorted(set(items) - set(ANALYSES))
+    unknown = sorted(set(items) - set(allowed))
     if unknown:
         raise ProbeConfigError(
-            "analyses", f"unknown {unknown}; allowed: {', '.join(ANALYSES)} (comma-separated) or 'none'"
+            name, f"unknown {unknown}; allowed: {', '.join(allowed)} (comma-separated) or 'none'"
         )
-    return tuple(a for a in ANALYSES if a in items)
+    return tuple(a for a in allowed if a in items)
 
 
 def _int(name: str, value, lo: int, prefix: str = "") -> None:

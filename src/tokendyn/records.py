@@ -212,6 +212,32 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "lr": pl.Float64,
         **_DELTA,
     },
+    # paired counterfactual comparison (tokendyn.probe.compare): sums over one sequence's tokens of one bin of pi_old
+    # after each rule's update from the same state; rule base | reweight | lopti | ...; mode equal_norm | optimizer
+    "paired": {
+        "step": pl.Int64,
+        "rule": pl.Utf8,
+        "mode": pl.Utf8,
+        "seq": pl.Int32,
+        "bin": pl.Int32,
+        "bin_lo": pl.Float64,
+        "bin_hi": pl.Float64,
+        "count": pl.Int64,
+        "n_pos": pl.Int64,
+        "n_neg": pl.Int64,
+        "up_pos": pl.Int64,
+        "down_neg": pl.Int64,
+        "tie_pos": pl.Int64,
+        "tie_neg": pl.Int64,
+        "sum_dpi": pl.Float64,
+        "sum_dpi_ref": pl.Float64,
+        "sum_diff": pl.Float64,
+        "sum_diff2": pl.Float64,
+        "sum_share": pl.Float64,
+        "lr": pl.Float64,
+        "param_step": pl.Float64,
+        "norm_ratio": pl.Float64,
+    },
 }
 KINDS = tuple(SCHEMAS)
 _NAME = re.compile(r"^(?P<kind>[a-z_]+)-rank(?P<rank>\d+)-(?P<seq>\d+)\.parquet$")

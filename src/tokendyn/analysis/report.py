@@ -37,8 +37,9 @@ def analyze_run(
     out_dir: str | os.PathLike | None = None,
 ) -> dict[str, pl.DataFrame]:
     """{"bins": per-bin table, "bound": per-layer bound report, "checks": the must-hold exact checks, "diagnostics":
-    their unscaled errors, and "correct": the correct ratios with tie counts when the run has `prob_change`
-    records}, from the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError`
+    their unscaled errors, "correct": the correct ratios with tie counts when the run has `prob_change`
+    records, and "paired": the paired comparison of update rules with bootstrap intervals when it has `paired`
+    records (`tokendyn.analysis.paired`)}, from the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError`
     naming what the run holds. With write=True each non-empty table is also written (atomically) to OUT_DIR/{name}.parquet, OUT_DIR defaulting
     to RUN_DIR/analysis (an empty table is not written: an earlier file of that name is left as it was)."""
     path = check_run_dir(run_dir)
@@ -53,6 +54,10 @@ def analyze_run(
     }
     if "prob_change" in run.kinds:
         tables["correct"] = correct_summary(select_steps(run["prob_change"], steps))
+    if "paired" in run.kinds:
+        from tokendyn.analysis.paired import paired_summary
+
+        tables["paired"] = paired_summary(select_steps(run["paired"], steps))
     if "notes" in run.kinds:
         tables["notes"] = notes_table(run["notes"])
     if write:
@@ -184,6 +189,9 @@ def print_report(
     correct = tables.get("correct")
     if correct is not None and correct.height:
         print_correct(console, correct)
+    paired = tables.get("paired")
+    if paired is not None and paired.height:
+        print_paired(console, paired)
 
 
 def _print_by_stage(console: Console, frame: pl.DataFrame, title: str) -> None:
@@ -214,4 +222,34 @@ def print_correct(console: Console, correct: pl.DataFrame) -> None:
             f"{r['tie_neg']}/{r['n_neg']}",
             _fmt(r["correct_pooled"]),
         )
+    console.print(table)
+
+
+def print_paired(console: Console, paired: pl.DataFrame) -> None:
+    """The paired comparison: per rule, step size and bin, the mean change of pi, the paired difference from the
+    base rule, the correct ratio and its difference, the bin's share of the update, each with its 95 % interval."""
+    table = Table(title="Paired comparison from the same state: rule - base per token, 95 % bootstrap intervals over "
+                  "(step, sequence)", header_style="bold")  # fmt: skip
+    for col in (
+        "rule",
+        "mode",
+        "interval",
+        "tokens",
+        "dpi",
+        "dpi - base",
+        "correct",
+        "correct - base",
+        "share",
+    ):
+        table.add_column(col, justify="right", no_wrap=True)
+
+    def ci(r, name):
+        return f"{_fmt(r[name])} [{_fmt(r[name + '_lo'])}, {_fmt(r[name + '_hi'])}]"
+
+    for r in paired.iter_rows(named=True):
+        interval = "all" if r["bin"] < 0 else f"[{r['bin_lo']:g}, {r['bin_hi']:g})"
+        table.add_row(
+            r["rule"], r["mode"], interval, str(r["tokens"]), ci(r, "dpi"), ci(r, "diff"), ci(r, "correct"),
+            ci(r, "correct_diff"), ci(r, "share"),
+        )  # fmt: skip
     console.print(table)

@@ -197,7 +197,10 @@ def probe_rollouts(
     run_dir = check_run_dir(run_dir)
     rollouts = rollouts.encode(tokenizer)
     _check_ids(rollouts, model)
-    n_analysed = min(cfg.sample_sequences, rollouts.n) if set(wanted) - {"real_change"} else 0
+    if cfg.compare_rules and cfg.compare_modes == ("optimizer",):
+        raise ValueError("compare_modes: an offline probe has no run optimizer; use equal_norm")
+    analysing = set(wanted) - {"real_change"} or (cfg.compare_rules and cfg.sample_sequences)
+    n_analysed = min(cfg.sample_sequences, rollouts.n) if analysing else 0
     analyses = rebalance_options(cfg, seed)
     if analyses.token_shares and n_analysed:
         jvp_attention(model)  # raises for attention kernels forward-mode AD cannot go through
@@ -248,7 +251,13 @@ def probe_rollouts(
                 sample = rollouts.batch(range(n_analysed), pad_id, device)
                 with positions_from_masks(model, positions):
                     _analyse(
-                        model, _probe_batch(sample, temperature, None), probe, analyses, objective, staging
+                        model,
+                        _probe_batch(sample, temperature, None),
+                        probe,
+                        analyses,
+                        objective,
+                        staging,
+                        cfg,
                     )
         files = [p.relative_to(staging) for p in sorted((staging / "records").glob("*.parquet"))]
         info = {
@@ -288,19 +297,25 @@ def probe_rollouts(
     return OfflineResult(run_dir, [run_dir / f for f in files], rollouts.n, n_tokens, len(chunks), n_analysed)
 
 
-def _analyse(model, batch: ProbeBatch, probe: GradientProbe, options, objective, out: Path) -> None:
+def _analyse(model, batch: ProbeBatch, probe: GradientProbe, options, objective, out: Path, cfg) -> None:
     """The rebalancing analyses on the sample, as the trainer runs them on its own (token mean over the sample,
-    pi_old fixed once); bins: the probe's fixed edges (quantile bins: the paper's)."""
+    pi_old fixed once); bins: the probe's fixed edges (quantile bins: the paper's). With ``compare_rules``, the
+    paired comparison in equal_norm mode (no run optimizer here)."""
     edges = probe.bins.edges
-    frames = analyze_batch(
-        model,
-        batch,
-        step=0,
-        stage=TRAIN,
-        edges=list(edges) if edges is not None else None,
-        options=options,
-        objective=objective,
-    )
+    edges = list(edges) if edges is not None else None
+    frames = {}
+    if cfg.active_analyses:
+        frames = analyze_batch(
+            model, batch, step=0, stage=TRAIN, edges=edges, options=options, objective=objective
+        )
+    if cfg.compare_rules:
+        from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
+        from tokendyn.probe.shares import as_edges
+        from tokendyn.probe.tokenloss import pi_old
+
+        rules = [make_rule(name, objective, seed=options.seed) for name in cfg.compare_rules]
+        results = compare_rules(model, batch, rules, modes=("equal_norm",), lr=cfg.lr)
+        frames["paired"] = paired_frame(results, batch, pi_old(model, batch), as_edges(edges), step=0)
     write_frames(out, frames, rank=0)
 
 

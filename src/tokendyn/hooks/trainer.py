@@ -51,6 +51,7 @@ SAMPLE_KEYS = (
     "completion_mask",
     "tool_mask",
     "advantages",
+    "raw_advantages",  # before Reweight (the paired comparison's base rule)
     "old_per_token_logps",
     "ref_per_token_logps",
     "lopti_stage1_mask",
@@ -72,6 +73,12 @@ def step_objective(objective: Objective, trainer) -> Objective:
     if objective.policy_loss == "clip_cov":
         objective = replace(objective, cov_seed=trainer.cov_seed())
     return objective
+
+
+FSDP_NO_OPTIMIZER_COMPARE = (
+    "the paired comparison's optimizer mode is off under FSDP2 (a copy of a sharded optimizer's state is not "
+    "made); equal_norm runs"
+)
 
 
 class TrainerProbe(TrainerCallback):
@@ -211,6 +218,8 @@ class TrainerProbe(TrainerCallback):
                 stage_masks=stage_masks,
                 lopti_order=self.order,
             )
+            if self.config.compare_rules:
+                frames["paired"] = self._paired(model, batch, sample, step)
             if "real_change" in self.analyses:
                 self._pending_real = (completion_probs(model, batch), batch, step)
             if stage_masks is not None and self.options.shares:
@@ -221,6 +230,32 @@ class TrainerProbe(TrainerCallback):
         finally:
             self.probe.enabled = True
         self._write(frames)
+
+    def _paired(self, model, batch: ProbeBatch, sample: dict, step: int):
+        """The paired comparison of ``compare_rules`` on the analysis sample (`tokendyn.probe.compare`): the base rule
+        is the run's loss on the advantages before Reweight; Reweight's alpha and Lopti's eta are the run's, else the
+        paper's 0.3 and 0.5; the optimizer mode steps a copy of the run's optimizer (not under FSDP2)."""
+        from dataclasses import replace
+
+        from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
+        from tokendyn.probe.shares import as_edges
+        from tokendyn.probe.tokenloss import pi_old
+
+        t, cfg = self.trainer, self.config
+        if sample.get("raw_advantages") is not None:
+            batch = replace(batch, advantages=sample["raw_advantages"])
+        alpha = float(getattr(t.args, "advantage_reweight_alpha", 0.0) or 0.3)
+        eta = getattr(t.args, "lopti_eta", None) or 0.5
+        seed = t.cov_seed() if hasattr(t, "cov_seed") else int(t.args.seed)
+        rules = [
+            make_rule(name, self.objective, alpha=alpha, eta=eta, seed=seed) for name in cfg.compare_rules
+        ]
+        modes = cfg.compare_modes
+        if is_fully_sharded(model) and "optimizer" in modes:
+            modes = tuple(m for m in modes if m != "optimizer")
+            self.probe.note("fsdp_no_optimizer_compare", FSDP_NO_OPTIMIZER_COMPARE, step=step)
+        results = compare_rules(model, batch, rules, modes=modes, lr=cfg.lr, optimizer=t.optimizer)
+        return paired_frame(results, batch, pi_old(model, batch), as_edges(self.edges), step=step)
 
     def _stage2_start(self) -> int:
         """Micro-step (modulo the rollout period) at which Lopti's stage 2 begins."""

@@ -209,6 +209,10 @@ class InPlaceUpdate:
             return Saved(self.start, self._fresh_state)
         return Saved(HostSnapshot(self.params), _state_to_host(self.optimizer.state_dict()))
 
+    def initial(self) -> Saved:
+        """theta_0 and the analysis optimizer's state at entry (`load` it to start over)."""
+        return Saved(self.start, self._fresh_state)
+
     def load(self, saved: Saved) -> None:
         """Back to a saved point: parameters copied in place, the optimizer's state loaded (as a copy)."""
         saved.params.restore(self.params)

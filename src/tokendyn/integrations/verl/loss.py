@@ -154,9 +154,15 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
                 f"policy_loss.probe_options.{unknown[0]}: not a probe option (one of {', '.join(sorted(known))})"
             )
         try:
-            return resolve_probe_config(None, options)
+            config = resolve_probe_config(None, options)
         except ProbeConfigError as exc:
             raise VerlConfigError(f"policy_loss.probe_options.{exc}") from None
+        if config.compare_rules:
+            raise VerlConfigError(
+                "policy_loss.probe_options.compare_rules: the paired comparison runs in tokendyn's TRL trainer and "
+                "`tokendyn probe` (e.g. on a saved verl batch), not inside verl's worker yet; leave it empty"
+            )
+        return config
 
 
 def _unit(name: str, value, *, closed: bool) -> None:

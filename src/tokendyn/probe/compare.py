@@ -1,0 +1,294 @@
+"""Paired counterfactual comparison: what each update rule would do, from the same state, to each group of tokens.
+
+At one parameter state theta_0, on one batch with pi_old fixed, every rule r of `RULES` makes its update (its
+loss, its advantages, its stages), in place and undone exactly (`tokendyn.probe.change.InPlaceUpdate`), and the
+probability change of every sampled token is measured in float64::
+
+    dpi_t(r) = pi_t(theta_r) - pi_t(theta_0),        paired difference  dpi_t(r) - dpi_t(base)
+
+Two step sizes (``modes``):
+
+* ``equal_norm``: plain SGD at the norm of the base rule's step at the paper's lr:  T = lr ||g_base||, and every
+  rule's update has ||theta_r - theta_0|| = T (a one-stage rule: lr_r = T / ||g_r||, exact; Lopti's two stages: one
+  lr for both, set to T / ||g_r|| and corrected once by T / ||achieved||, the achieved norm recorded), so no rule
+  is credited for a smaller step.
+* ``optimizer``: one step of a copy of the run's optimizer (its state and learning rate, e.g. AdamW's moments) per
+  stage; the run's optimizer itself is never touched.
+
+Per rule: the update share of each token, s_t = <grad l_t(r), dtheta_r> / <grad L(r), dtheta_r> (its part of the
+first-order change of the rule's loss along the rule's own update, summing to 1; one JVP of the per-token loss at
+theta_0, `tokendyn.probe.shares.token_shares`). Records: `paired`, one row per
+(rule, mode, sequence, bin), sums that add up over sequences and steps, so intervals can be bootstrapped over
+(step, sequence) (`tokendyn.analysis.paired`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from tokendyn.probe.bins import bin_bounds
+from tokendyn.probe.change import InPlaceUpdate, OptimizerFactory, _state_to_host, fix_pi_old, sgd
+from tokendyn.probe.parallel import gradients, local
+from tokendyn.probe.shares import dot64, token_shares
+from tokendyn.probe.tokenloss import (
+    PPO_FAMILY,
+    Objective,
+    ProbeBatch,
+    analysis_forward,
+    bin_index,
+    eval_mode,
+    token_loss,
+)
+from tokendyn.records import to_frame
+from tokendyn.remedies import lopti_masks
+from tokendyn.vocab import COMPARE_MODES, COMPARE_RULES
+
+RULES, MODES = COMPARE_RULES, COMPARE_MODES
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One update rule: its objective, Reweight's alpha (0: off) and Lopti's eta (None: one stage)."""
+
+    name: str
+    objective: Objective
+    alpha: float = 0.0
+    eta: float | None = None
+    order: str = "low_first"
+
+
+def make_rule(name: str, base: Objective, *, alpha: float = 0.3, eta: float = 0.5, seed: int = 0) -> Rule:
+    """The rule ``name`` on top of the run's loss ``base``: reweight (A <- (alpha pi_old + 1 - alpha) A), lopti (two
+    stages at eta, low first), reweight_lopti, clip_cov / kl_cov (`Objective.policy_loss`, verl's defaults), 80_20
+    (top 20 % entropy tokens), gspo (sequence ratio, clip 3e-4 / 4e-4). Clip-Cov draws on a generator seeded with
+    ``seed`` (never torch's global one: the comparison must not move the run's random stream). A rule the base loss
+    cannot take raises ValueError naming it."""
+    if name not in RULES:
+        raise ValueError(f"compare: rule must be one of {', '.join(RULES)}, got {name!r}")
+    if name in ("clip_cov", "kl_cov"):
+        if (
+            base.loss_type not in PPO_FAMILY
+            or base.importance_sampling_level != "token"
+            or base.eps_low is None
+        ):
+            raise ValueError(
+                f"compare: rule {name} needs a clipped PPO-family base loss (loss_type one of "
+                f"{', '.join(PPO_FAMILY)}, token ratios), got loss_type={base.loss_type!r}"
+            )
+        seed = base.cov_seed if base.cov_seed is not None else seed
+        return Rule(name, replace(base, policy_loss=name, delta=None, entropy_coef=0.0, cov_seed=seed))
+    if name == "80_20":
+        return Rule(name, replace(base, top_entropy_quantile=0.2))
+    if name == "gspo":
+        return Rule(
+            name,
+            replace(
+                base,
+                importance_sampling_level="sequence",
+                loss_type="grpo",
+                eps_low=3e-4,
+                eps_high=4e-4,
+                delta=None,
+            ),
+        )
+    return Rule(
+        name,
+        base,
+        alpha=alpha if name in ("reweight", "reweight_lopti") else 0.0,
+        eta=eta if name in ("lopti", "reweight_lopti") else None,
+    )
+
+
+def rule_batch(rule: Rule, batch: ProbeBatch) -> ProbeBatch:
+    """The batch the rule trains on: Reweight's advantages A_t (alpha pi_old,t + 1 - alpha) (pi_old fixed)."""
+    if not rule.alpha:
+        return batch
+    weight = rule.alpha * torch.exp(batch.old_logp.to(torch.float64)) + 1.0 - rule.alpha
+    return replace(batch, advantages=batch.advantages * weight.to(batch.advantages.device))
+
+
+def rule_stages(rule: Rule, batch: ProbeBatch) -> list[torch.Tensor | None]:
+    """The rule's update stages as token masks (None: every token): Lopti's two groups of pi_old, in its order."""
+    if rule.eta is None:
+        return [None]
+    first, second = lopti_masks(batch.old_logp, batch.completion_mask, eta=rule.eta, order=rule.order)
+    return [first, second]
+
+
+def optimizer_copy(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
+    """A factory of copies of ``optimizer`` (unwrapped from accelerate's wrapper): same class, same parameter groups
+    and hyperparameters (the current learning rate included), its state copied, so that its steps leave the original
+    and its state untouched."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+
+    def make(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+        ids = {id(p) for p in params}
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [p for p in g["params"] if id(p) in ids],
+            }
+            for g in inner.param_groups
+        ]
+        copy = type(inner)(groups)
+        copy.load_state_dict(_state_to_host(inner.state_dict()))
+        return copy
+
+    return make
+
+
+def _grad_norm(
+    model: nn.Module, batch: ProbeBatch, objective: Objective, params: list[torch.Tensor]
+) -> float:
+    """||g|| of L = sum_t l_t at the current parameters (float64 sums)."""
+    with eval_mode(model):
+        loss = token_loss(model, batch, objective).loss
+        grads = gradients(model, loss, params)
+    return sum(dot64(local(g), local(g)) for g in grads if g is not None) ** 0.5
+
+
+def _apply(update: InPlaceUpdate, batch: ProbeBatch, objective: Objective, stages) -> None:
+    update.objective = objective
+    for mask in stages:
+        update.step(batch, mask)
+
+
+def _displacement(update: InPlaceUpdate) -> dict[str, torch.Tensor]:
+    return {n: local(p).detach() - update.start.tensors[n].to(p.device) for n, p in update.params.items()}
+
+
+@dataclass
+class RuleResult:
+    """One rule in one mode: dpi (B, C) float64, the update shares s_t (B, C), ||dtheta|| / ||theta_0||, the lr,
+    and the achieved norm over the target (equal_norm; 1 for one-stage rules)."""
+
+    delta: torch.Tensor
+    shares: torch.Tensor | None
+    param_step: float
+    lr: float | None
+    norm_ratio: float | None
+
+
+@analysis_forward
+def compare_rules(
+    model: nn.Module,
+    batch: ProbeBatch,
+    rules: Sequence[Rule],
+    *,
+    modes: Sequence[str] = ("equal_norm",),
+    lr: float = 1e-3,
+    optimizer: torch.optim.Optimizer | None = None,
+    shares: bool = True,
+) -> dict[tuple[str, str], RuleResult]:
+    """(rule name, mode) -> `RuleResult`, every rule from the same theta_0 and pi_old (module docstring). The model's
+    parameters (bitwise), ``.grad`` and ``optimizer`` (and its state) are left as they were. The first rule is
+    the reference of the paired differences and of equal_norm's target (usually "base")."""
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"compare: mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if "optimizer" in modes and optimizer is None:
+        raise ValueError("compare: mode 'optimizer' needs the run's optimizer")
+    batch, pi0 = fix_pi_old(model, batch)
+    mask = batch.completion_mask
+    out: dict[tuple[str, str], RuleResult] = {}
+    for mode in modes:
+        factory = sgd(lr) if mode == "equal_norm" else optimizer_copy(optimizer)
+        with InPlaceUpdate(model, factory) as update:
+            params = list(update.params.values())
+            theta0 = update.start_norm2**0.5
+            target = None
+            for rule in rules:
+                rb, stages = rule_batch(rule, batch), rule_stages(rule, batch)
+                step_lr, ratio = None, None
+                if mode == "equal_norm":
+                    if target is None:
+                        target = lr * _grad_norm(model, rb, rule.objective, params)
+                    step_lr = target / max(_grad_norm(model, rb, rule.objective, params), 1e-300)
+                    for g in update.optimizer.param_groups:
+                        g["lr"] = step_lr
+                _apply(update, rb, rule.objective, stages)
+                if mode == "equal_norm" and len(stages) > 1:  # one correction of the common lr
+                    achieved = update.relative_step() * theta0
+                    update.load(update.initial())
+                    step_lr *= target / max(achieved, 1e-300)
+                    for g in update.optimizer.param_groups:
+                        g["lr"] = step_lr
+                    _apply(update, rb, rule.objective, stages)
+                pi = update.probs(batch)
+                step = update.relative_step()
+                if mode == "equal_norm":
+                    ratio = step * theta0 / target if target else float("nan")
+                direction = _displacement(update) if shares else None
+                update.load(update.initial())
+                s = None
+                if direction is not None and any(dot64(v, v) > 0 for v in direction.values()):
+                    s = token_shares(model, rb, direction, objective=rule.objective)
+                    total = float(s.sum())
+                    s = s / total if total != 0 else None
+                    del direction
+                delta = torch.where(mask.to(pi.device), pi - pi0.to(pi.device), torch.zeros_like(pi))
+                out[(rule.name, mode)] = RuleResult(delta, s, step, step_lr, ratio)
+    return out
+
+
+def paired_frame(
+    results: dict[tuple[str, str], RuleResult],
+    batch: ProbeBatch,
+    pi_old: torch.Tensor,
+    edges: torch.Tensor,
+    *,
+    step: int,
+    reference: str = "base",
+):
+    """The `paired` record: one row per (rule, mode, sequence, bin of pi_old) with sums over that sequence's tokens
+    of the bin: count, the signs of A, correct / tie counts of dpi, sum dpi, sum dpi(reference), sum of the paired
+    difference and its square, the sum of the update shares; and the rule's lr, ||dtheta|| / ||theta||, norm ratio."""
+    mask = batch.completion_mask
+    bins = bin_index(pi_old.to(mask.device), mask, edges)
+    adv = batch.advantages.to(mask.device)
+    rows: dict[str, list] = {}
+    k = edges.numel() - 1
+    for (rule, mode), res in results.items():
+        ref = results.get((reference, mode))
+        d = res.delta.to(mask.device)
+        d_ref = ref.delta.to(mask.device) if ref is not None else torch.zeros_like(d)
+        s = res.shares.to(mask.device) if res.shares is not None else None
+        for i in range(mask.size(0)):
+            for b in range(k):
+                m = bins[i] == b
+                n = int(m.sum())
+                if n == 0:
+                    continue
+                a, x, diff = adv[i][m], d[i][m], (d[i] - d_ref[i])[m]
+                lo, hi = bin_bounds(edges, b)
+                values = {
+                    "step": step,
+                    "rule": rule,
+                    "mode": mode,
+                    "seq": i,
+                    "bin": b,
+                    "bin_lo": lo,
+                    "bin_hi": hi,
+                    "count": n,
+                    "n_pos": int((a > 0).sum()),
+                    "n_neg": int((a < 0).sum()),
+                    "up_pos": int(((a > 0) & (x > 0)).sum()),
+                    "down_neg": int(((a < 0) & (x < 0)).sum()),
+                    "tie_pos": int(((a > 0) & (x == 0)).sum()),
+                    "tie_neg": int(((a < 0) & (x == 0)).sum()),
+                    "sum_dpi": float(x.sum()),
+                    "sum_dpi_ref": float(d_ref[i][m].sum()),
+                    "sum_diff": float(diff.sum()),
+                    "sum_diff2": float((diff * diff).sum()),
+                    "sum_share": float(s[i][m].sum()) if s is not None else None,
+                    "lr": res.lr,
+                    "param_step": res.param_step,
+                    "norm_ratio": res.norm_ratio,
+                }
+                for c, v in values.items():
+                    rows.setdefault(c, []).append(v)
+    return to_frame("paired", rows)

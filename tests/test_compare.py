@@ -1,0 +1,196 @@
+"""The paired comparison (`tokendyn.probe.compare`) against a plain-torch computation written here, on a float64
+model: each rule's update applied to a copy of the model (its own loss, gradient, step size), pi read before and
+after. The undo leaves the parameters and the run's optimizer state bitwise as they were."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
+from tokendyn.probe.shares import as_edges
+from tokendyn.probe.tokenloss import Objective, ProbeBatch
+
+torch.set_num_threads(1)
+T, LR, ALPHA, ETA = 0.7, 1e-2, 0.3, 0.5
+BASE = Objective(eps_low=0.2, eps_high=0.24, loss_type="dapo")
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    b, p, c = 6, 5, 9
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (b, p + c), generator=g)
+    lengths = torch.tensor([9, 7, 5, 9, 3, 8])
+    cmask = torch.arange(c).unsqueeze(0) < lengths.unsqueeze(1)
+    attn = torch.cat([torch.ones(b, p, dtype=torch.long), cmask.long()], 1)
+    adv = torch.tensor([1.2, -0.7, 0.4, -1.5, 0.9, -0.3])
+    batch = ProbeBatch(ids, attn, cmask, adv, temperature=T)
+    return model, batch
+
+
+def logp_of(model, batch):
+    c = batch.n_completion
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, -c - 1 : -1] / T
+    return torch.log_softmax(logits.double(), -1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def plain_loss(model, batch, adv, old, keep):
+    """The run's loss written out: -min(r A, clip(r, 0.8, 1.24) A) over the batch's token count (dapo)."""
+    m = batch.completion_mask.double() * keep
+    r = torch.exp(logp_of(model, batch) - old)
+    pg = -torch.minimum(r * adv, torch.clamp(r, 0.8, 1.24) * adv)
+    return (pg * m).sum() / batch.completion_mask.sum()
+
+
+def grads(model, loss):
+    return torch.autograd.grad(loss, list(model.parameters()))
+
+
+def norm(gs):
+    return sum(float((x.double() ** 2).sum()) for x in gs) ** 0.5
+
+
+def sgd_step(model, gs, lr):
+    with torch.no_grad():
+        for p, x in zip(model.parameters(), gs, strict=True):
+            p.sub_(lr * x)
+
+
+def plain_rule(model, batch, rule: str) -> torch.Tensor:
+    """dpi of every token after the rule's equal-norm SGD update, on a copy of the model."""
+    model.eval()
+    with torch.no_grad():
+        old = logp_of(model, batch)
+    pi0 = torch.exp(old)
+    ones = torch.ones_like(old)
+    adv = batch.advantages.double()
+    target = LR * norm(grads(model, plain_loss(model, batch, adv, old, ones)))
+    if rule in ("reweight", "reweight_lopti"):
+        adv = adv * (ALPHA * pi0 + 1 - ALPHA)
+    work = copy.deepcopy(model)
+    g_all = grads(work, plain_loss(work, batch, adv, old, ones))
+    lr = target / norm(g_all)
+    if rule in ("base", "reweight"):
+        sgd_step(work, g_all, lr)
+    else:
+        low = ((pi0 < ETA) & batch.completion_mask).double()
+        theta0 = [p.detach().clone() for p in work.parameters()]
+
+        def two_stages(lr):
+            for keep in (low, batch.completion_mask.double() - low):
+                sgd_step(work, grads(work, plain_loss(work, batch, adv, old, keep)), lr)
+            return (
+                sum(float(((p - q) ** 2).sum()) for p, q in zip(work.parameters(), theta0, strict=True))
+                ** 0.5
+            )
+
+        achieved = two_stages(lr)
+        with torch.no_grad():
+            for p, q in zip(work.parameters(), theta0, strict=True):
+                p.copy_(q)
+        two_stages(lr * target / achieved)
+    with torch.no_grad():
+        return (torch.exp(logp_of(work, batch)) - pi0) * batch.completion_mask
+
+
+def test_paired_dpi_equal_a_plain_torch_update_of_a_copy(setup):
+    model, batch = setup
+    names = ("base", "reweight", "lopti")
+    rules = [make_rule(n, BASE, alpha=ALPHA, eta=ETA) for n in names]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    results = compare_rules(model, batch, rules, modes=("equal_norm",), lr=LR)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    for name in names:
+        want = plain_rule(model, batch, name)
+        got = results[(name, "equal_norm")].delta
+        scale = float(want.abs().max())
+        assert scale > 1e-6
+        err = float((got - want).abs().max()) / scale
+        print(f"{name}: max |dpi - plain| / max |dpi| = {err:.1e}")
+        assert err < 1e-8, (name, err)
+    # equal norm: every rule's step has the base rule's norm (one-stage exactly, Lopti after one correction)
+    steps = {n: results[(n, "equal_norm")].param_step for n in names}
+    assert (
+        abs(steps["reweight"] / steps["base"] - 1) < 1e-9 and abs(steps["lopti"] / steps["base"] - 1) < 1e-3
+    )
+    # the paired record sums the same numbers
+    with torch.no_grad():
+        pi_old = torch.exp(logp_of(model, batch))
+    frame = paired_frame(results, batch, pi_old, as_edges(None), step=0)
+    for name in names:
+        rows = frame.filter(frame["rule"] == name)
+        assert int(rows["count"].sum()) == int(batch.completion_mask.sum())
+        assert abs(float(rows["sum_dpi"].sum()) - float(results[(name, "equal_norm")].delta.sum())) < 1e-12
+        diff = results[(name, "equal_norm")].delta - results[("base", "equal_norm")].delta
+        assert abs(float(rows["sum_diff"].sum()) - float(diff.sum())) < 1e-12
+    shares = frame.filter(frame["rule"] == "base")["sum_share"].sum()
+    assert abs(shares - 1.0) < 1e-9  # s_t along the rule's own update sums to 1
+
+
+def test_the_run_optimizer_is_copied_and_the_undo_is_bitwise(setup):
+    model, batch = setup
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    for _ in range(2):  # a state with moments, as mid-run
+        opt.zero_grad()
+        (model(input_ids=batch.input_ids).logits.double() ** 2).mean().backward()
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = copy.deepcopy(opt.state_dict())
+    rules = [make_rule(n, BASE) for n in ("base", "reweight", "lopti", "clip_cov", "80_20")]
+    results = compare_rules(model, batch, rules, modes=("equal_norm", "optimizer"), lr=LR, optimizer=opt)
+    assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
+    assert all(p.grad is None for p in model.parameters())
+    now = opt.state_dict()
+    for k, v in state["state"].items():
+        for name, t in v.items():
+            assert torch.equal(torch.as_tensor(now["state"][k][name]), torch.as_tensor(t)), (k, name)
+    assert now["param_groups"] == state["param_groups"]
+    # the optimizer mode is the run's step: its delta equals one AdamW step of a copy on the base loss
+    work, wopt = copy.deepcopy(model), torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    wopt = torch.optim.AdamW(work.parameters(), lr=1e-3, weight_decay=0.01)
+    wopt.load_state_dict(copy.deepcopy(state))
+    work.eval()
+    with torch.no_grad():
+        old = logp_of(work, batch)
+    loss = plain_loss(work, batch, batch.advantages.double(), old, torch.ones_like(old))
+    loss.backward()
+    wopt.step()
+    with torch.no_grad():
+        want = (torch.exp(logp_of(work, batch)) - torch.exp(old)) * batch.completion_mask
+    got = results[("base", "optimizer")].delta
+    assert float((got - want).abs().max()) / float(want.abs().max()) < 1e-8
+    assert not torch.allclose(results[("base", "equal_norm")].delta, got)
+
+
+def test_the_trainer_records_the_comparison_and_analyze_tables_it(tiny_model_dir, tmp_path):
+    """A Reweight run with `probe_compare_rules`: `paired` records per rule and mode, the base rule trained on the
+    advantages before Reweight, and `tokendyn analyze`'s table with intervals; training is unchanged."""
+    from test_trainer import _config, _trainer
+
+    from tokendyn.analysis import analyze_run
+
+    options = dict(max_steps=2, advantage_reweight_alpha=0.3, probe_every=1, probe_sample_sequences=4)
+    cfg = _config(tmp_path, probe_compare_rules=["lopti", "reweight", "clip_cov"], **options)
+    assert cfg.probe_config().compare_rules == ("base", "reweight", "lopti", "clip_cov")
+    trainer = _trainer(tiny_model_dir, cfg)
+    trainer.train()
+    plain = _trainer(tiny_model_dir, _config(tmp_path / "plain", **options))
+    plain.train()
+    for (n, p), (_, q) in zip(trainer.model.named_parameters(), plain.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), n  # the comparison is undone exactly: training is bitwise the same
+    table = analyze_run(tmp_path / "run", write=True)["paired"]
+    assert set(table["rule"]) == {"base", "reweight", "lopti", "clip_cov"}
+    assert set(table["mode"]) == {"equal_norm", "optimizer"}
+    every = table.filter(table["bin"] == -1)
+    base = every.filter(every["rule"] == "base")
+    assert (base["diff"].abs() == 0).all() and (base["correct_diff"] == 0).all()
+    assert (every["dpi_lo"] <= every["dpi"]).all() and (every["dpi"] <= every["dpi_hi"]).all()
+    assert ((every["share"] - 1).abs() < 1e-6).all()  # the bins' shares of each rule's update add up to 1
+    assert (tmp_path / "run" / "analysis" / "paired.parquet").is_file()
