@@ -270,6 +270,38 @@ def correct_frame(lf: pl.LazyFrame, update: str = "counterfactual") -> pl.DataFr
     )
 
 
+PAIRED_RULES = (
+    "base",
+    "reweight",
+    "lopti",
+)  # the rules the study's GRPO runs compare (`tokendyn.probe.compare`)
+PAIRED_MODE = "equal_norm"
+
+
+def paired_correct_frame(lf: pl.LazyFrame) -> pl.DataFrame:
+    """Per (step, bin) of the `paired` records (equal_norm): for each rule r, A > 0 tokens that rose (up_pos_r)
+    and were decided (d_pos_r = n_pos - ties), summed over the analysed sequences: the same tokens for every rule."""
+    frame = lf.filter((pl.col("mode") == PAIRED_MODE) & (pl.col("bin") >= 0)).collect()
+    if frame.height == 0:
+        return frame
+    wide = None
+    for rule in PAIRED_RULES:
+        part = (
+            frame.filter(pl.col("rule") == rule)
+            .group_by("step", "bin", "bin_lo", "bin_hi")
+            .agg(
+                pl.col("up_pos").sum().cast(pl.Float64).alias(f"up_pos_{rule}"),
+                (pl.col("n_pos") - pl.col("tie_pos")).sum().cast(pl.Float64).alias(f"d_pos_{rule}"),
+            )
+        )
+        wide = (
+            part
+            if wide is None
+            else wide.join(part, on=["step", "bin", "bin_lo", "bin_hi"], how="full", coalesce=True)
+        )
+    return wide
+
+
 def isolation_frame(lf: pl.LazyFrame) -> pl.DataFrame:
     """Per step: mean |delta pi| of the top-bin tokens after an update with only the lowest (low_to_top) or only
     the highest (high_to_top) source bin (the paper's Fig. 1e/f); first update stage of a Lopti run skipped."""
@@ -351,6 +383,10 @@ def load_units(run_dirs_by_seed: dict[int, str]) -> dict[str, Unit | None]:
         "correct": _units(frames("prob_change", correct_frame), ["up_pos", "d_pos", "ties", "n_pos"]),
         "isolation": _units(frames("influence", isolation_frame), ["low_to_top", "high_to_top"]),
         "bound": _units(frames("bound", bound_frame), ["spearman"]),
+        "paired": _units(
+            frames("paired", paired_correct_frame),
+            [f"{k}_{r}" for r in PAIRED_RULES for k in ("up_pos", "d_pos")],
+        ),
     }
 
 
@@ -417,6 +453,12 @@ CLAIMS = (
           PAPER_CORRECT["reweight"][3] - PAPER_CORRECT["grpo"][3], "0.526 vs 0.497"),
     Claim("Fig. 2b: Lopti raises the top-bin correct ratio", "correct[.75,1]: Lopti - GRPO",
           PAPER_CORRECT["lopti"][3] - PAPER_CORRECT["grpo"][3], "0.534 vs 0.497"),
+    Claim("Fig. 2b (paired): Reweight raises the top-bin correct ratio, same state",
+          "correct[.75,1]: Reweight - GRPO update from GRPO's states, equal ||dtheta||", PAPER_CORRECT["reweight"][3]
+          - PAPER_CORRECT["grpo"][3], "0.526 vs 0.497 (across runs)"),
+    Claim("Fig. 2b (paired): Lopti raises the top-bin correct ratio, same state",
+          "correct[.75,1]: Lopti - GRPO update from GRPO's states, equal ||dtheta||", PAPER_CORRECT["lopti"][3]
+          - PAPER_CORRECT["grpo"][3], "0.534 vs 0.497 (across runs)"),
     Claim("Fig. 3: Reweight beats GRPO on K&K accuracy", "accuracy (greedy, sizes pooled): Reweight - GRPO",
           PAPER_ACCURACY_3B["reweight"] - PAPER_ACCURACY_3B["grpo"], "3B: 0.53 vs 0.39"),
     Claim("Fig. 3: Lopti beats GRPO on K&K accuracy", "accuracy (greedy, sizes pooled): Lopti - GRPO",
@@ -522,6 +564,15 @@ def reproduces_table(
         ours.append(
             _top_correct_difference(cr, other, n_boot) if cr is not None and other is not None else nan3
         )
+    pr = grpo.get("paired")
+    for m in ("reweight", "lopti"):
+
+        def paired_top(v, m=m):
+            rule = correct_stat({"up_pos": v[f"up_pos_{m}"], "d_pos": v[f"d_pos_{m}"]})[-1]
+            base = correct_stat({"up_pos": v["up_pos_base"], "d_pos": v["d_pos_base"]})[-1]
+            return float(rule - base)
+
+        ours.append(unit_stat(pr, paired_top))
     for m in ("reweight", "lopti"):
         has = evals is not None and evals.height and {m, "grpo"} <= set(evals["method"].unique().to_list())
         ours.append(paired_difference(evals, m, "grpo", "greedy", n_boot) if has else nan3)

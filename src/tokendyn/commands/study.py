@@ -43,7 +43,7 @@ class StudySize:
     people: tuple[int, ...]  # puzzle sizes trained on
     eval_people: tuple[int, ...]  # held-out sizes evaluated after training
     eval_n: int  # held-out puzzles per size (the official test split, first eval_n)
-    probe_every: int  # optimizer steps between probed steps (the records' statistics)
+    probe_every: int  # rollouts between probed rollouts (every method probed on as many rollouts)
     probe_sample_sequences: int  # sequences of a probed rollout used by the rebalancing analyses
     n_boot: int = 2000
 
@@ -51,7 +51,7 @@ class StudySize:
 # the full study: ~75-90 min on one thread (measured per rollout: GRPO ~6 s, Lopti ~15 s with the probes; evaluation
 # ~1 min per run), within the 2 hours on 2 cores the study issue allows
 FULL = StudySize(methods=("grpo", "reweight", "lopti"), seeds=(0, 1, 2), rollouts=60, people=(3, 4, 5),
-                 eval_people=(3, 4, 5, 6, 7), eval_n=100, probe_every=4, probe_sample_sequences=8)  # fmt: skip
+                 eval_people=(3, 4, 5, 6, 7), eval_n=100, probe_every=2, probe_sample_sequences=8)  # fmt: skip
 QUICK = StudySize(methods=("grpo", "reweight", "lopti"), seeds=(0, 1), rollouts=1, people=(3,), eval_people=(3,),
                   eval_n=3, probe_every=1, probe_sample_sequences=4, n_boot=200)  # fmt: skip
 
@@ -98,8 +98,9 @@ def _config(out: Path, method: str, seed: int, size: StudySize, model: str | Non
     """(RunArguments, TokendynGRPOConfig) of one run, the demo's defaults with the method's fields."""
     import torch
 
+    from tokendyn.analysis.study import PAIRED_MODE, PAIRED_RULES
     from tokendyn.trainers.config import TokendynGRPOConfig
-    from tokendyn.trainers.runner import EMBEDDED_DEFAULTS, RunArguments
+    from tokendyn.trainers.runner import EMBEDDED_DEFAULTS, RunArguments, optimizer_steps_per_rollout
 
     run = RunArguments(model_name_or_path=model, people=list(size.people), eval_n=0, rollouts=size.rollouts)
     fields = dict(EMBEDDED_DEFAULTS)
@@ -114,8 +115,12 @@ def _config(out: Path, method: str, seed: int, size: StudySize, model: str | Non
         save_strategy="no",
     )
     fields.update(METHODS[method])
+    if method == "grpo":  # the paired comparison on GRPO's own states: the Fig. 2b rows' paired verdicts
+        fields.update(probe_compare_rules=list(PAIRED_RULES), probe_compare_modes=[PAIRED_MODE])
     fields.update(overrides)
-    return run, TokendynGRPOConfig(**fields)
+    cfg = TokendynGRPOConfig(**fields)
+    cfg.probe_every = size.probe_every * optimizer_steps_per_rollout(cfg)  # probe cadence counted in rollouts
+    return run, cfg
 
 
 def evaluate_puzzles(model_dir: str, people: Sequence[int], n: int, seed: int, label: str, run_seed: int):

@@ -151,6 +151,11 @@ def _grad_norm(
     return sum(dot64(local(g), local(g)) for g in grads if g is not None) ** 0.5
 
 
+def _set_lr(update: InPlaceUpdate, lr: float) -> None:
+    for group in update.optimizer.param_groups:
+        group["lr"] = lr
+
+
 def _apply(update: InPlaceUpdate, batch: ProbeBatch, objective: Objective, stages) -> None:
     update.objective = objective
     for mask in stages:
@@ -204,20 +209,21 @@ def compare_rules(
             for rule in rules:
                 rb, stages = rule_batch(rule, batch), rule_stages(rule, batch)
                 step_lr, ratio = None, None
-                if mode == "equal_norm":
-                    if target is None:
-                        target = lr * _grad_norm(model, rb, rule.objective, params)
-                    step_lr = target / max(_grad_norm(model, rb, rule.objective, params), 1e-300)
-                    for g in update.optimizer.param_groups:
-                        g["lr"] = step_lr
-                _apply(update, rb, rule.objective, stages)
-                if mode == "equal_norm" and len(stages) > 1:  # one correction of the common lr
-                    achieved = update.relative_step() * theta0
-                    update.load(update.initial())
-                    step_lr *= target / max(achieved, 1e-300)
-                    for g in update.optimizer.param_groups:
-                        g["lr"] = step_lr
+                if mode == "optimizer":
                     _apply(update, rb, rule.objective, stages)
+                else:
+                    norm = _grad_norm(model, rb, rule.objective, params)
+                    target = lr * norm if target is None else target  # the first rule's SGD step sets it
+                    step_lr = target / norm if norm > 0 and target > 0 else 0.0  # no signal: no step
+                    if step_lr > 0:
+                        _set_lr(update, step_lr)
+                        _apply(update, rb, rule.objective, stages)
+                        achieved = update.relative_step() * theta0
+                        if len(stages) > 1 and achieved > 0:  # one correction of Lopti's common lr
+                            update.load(update.initial())
+                            step_lr *= target / achieved
+                            _set_lr(update, step_lr)
+                            _apply(update, rb, rule.objective, stages)
                 pi = update.probs(batch)
                 step = update.relative_step()
                 if mode == "equal_norm":
