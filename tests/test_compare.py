@@ -194,3 +194,7 @@ def test_the_trainer_records_the_comparison_and_analyze_tables_it(tiny_model_dir
     assert (every["dpi_lo"] <= every["dpi"]).all() and (every["dpi"] <= every["dpi_hi"]).all()
     assert ((every["share"] - 1).abs() < 1e-6).all()  # the bins' shares of each rule's update add up to 1
     assert (tmp_path / "run" / "analysis" / "paired.parquet").is_file()
+    from tokendyn.figures.report import build_report
+
+    report = build_report([tmp_path / "run"], tmp_path / "figures", strict=True)
+    assert "h_paired" in report.figures and "Paired comparison" in report.path.read_text()

@@ -19,7 +19,7 @@ from tokendyn.analysis.run import RunDirError, load_run
 from tokendyn.records import SCHEMAS, shard_files
 
 PROBE_KINDS = ("binstats", "hist", "bound", "checks", "tokens")
-ANALYSIS_KINDS = ("shares", "token_shares", "prob_change", "influence")
+ANALYSIS_KINDS = ("shares", "token_shares", "prob_change", "influence", "paired")
 METRICS = "metrics"  # the training log, RUN_DIR/metrics.parquet
 KINDS = (*PROBE_KINDS, *ANALYSIS_KINDS, METRICS)
 LOPTI_STAGES = ("low", "high")

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 import polars as pl
 from matplotlib.figure import Figure
 
-from tokendyn.figures import dynamics, gradients, readings, sweep, tokens, training
+from tokendyn.figures import dynamics, gradients, paired, readings, sweep, tokens, training
 from tokendyn.figures.data import ANALYSIS_KINDS, MissingRecords, Records, load_runs
 from tokendyn.figures.tables import TABLES
 
@@ -84,6 +84,10 @@ FIGURES: tuple[FigureSpec, ...] = (
                "Projection shares s_b of the update, per parameter group and over training steps; a Lopti run shows "
                "its two stages apart: each stage loss's gradient at the start of the stage.",
                lambda r: gradients.update_shares(_g(r, "shares")), readings.update_shares),
+    FigureSpec("h_paired", "Paired comparison of update rules", "new", ("paired",),
+               "Each compared rule's Δπ and correct ratio minus the base rule's, per interval, from the same states "
+               "(equal ‖Δθ‖ and/or the run's optimizer), with 95 % intervals over probed steps × sequences.",
+               lambda r: paired.paired_differences(_g(r, "paired")), paired.reading),
     FigureSpec("i_training", "Training curves", "Fig. 3", ("metrics",),
                "Training reward and held-out accuracy per puzzle size, per run.",
                lambda r: training.training_curves(_g(r, "metrics")), readings.training),
