@@ -20,6 +20,11 @@ first-order change of the rule's loss along the rule's own update, summing to 1;
 theta_0, `tokendyn.probe.shares.token_shares`). Records: `paired`, one row per
 (rule, mode, sequence, bin), sums that add up over sequences and steps, so intervals can be bootstrapped over
 (step, sequence) (`tokendyn.analysis.paired`).
+
+Cost per rule (equal_norm): one backward for ||g_r|| and one per stage for the step (Lopti: twice, for the norm
+correction), one forward for pi, one JVP for the shares. Memory: that of `InPlaceUpdate` (host snapshot, one gradient,
+the optimizer copy's state in optimizer mode) plus one parameter-sized displacement for the shares' JVP
+(``shares=False`` drops it).
 """
 
 from __future__ import annotations
