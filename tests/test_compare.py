@@ -75,7 +75,7 @@ def plain_rule(model, batch, rule: str) -> torch.Tensor:
         adv = adv * (ALPHA * pi0 + 1 - ALPHA)
     work = copy.deepcopy(model)
     g_all = grads(work, plain_loss(work, batch, adv, old, ones))
-    lr = target / norm(g_all)
+    lr = target / norm(g_all)  # one stage: exactly the target norm; Lopti: its first pass is at LR
     if rule in ("base", "reweight"):
         sgd_step(work, g_all, lr)
     else:
@@ -90,11 +90,11 @@ def plain_rule(model, batch, rule: str) -> torch.Tensor:
                 ** 0.5
             )
 
-        achieved = two_stages(lr)
+        achieved = two_stages(LR)
         with torch.no_grad():
             for p, q in zip(work.parameters(), theta0, strict=True):
                 p.copy_(q)
-        two_stages(lr * target / achieved)
+        two_stages(LR * target / achieved)
     with torch.no_grad():
         return (torch.exp(logp_of(work, batch)) - pi0) * batch.completion_mask
 

@@ -9,9 +9,9 @@ probability change of every sampled token is measured in float64::
 Two step sizes (``modes``):
 
 * ``equal_norm``: plain SGD at the norm of the base rule's step at the paper's lr:  T = lr ||g_base||, and every
-  rule's update has ||theta_r - theta_0|| = T (a one-stage rule: lr_r = T / ||g_r||, exact; Lopti's two stages: one
-  lr for both, set to T / ||g_r|| and corrected once by T / ||achieved||, the achieved norm recorded), so no rule
-  is credited for a smaller step.
+  rule's update has ||theta_r - theta_0|| = T (a one-stage rule: lr_r = T / ||g_r||, exact, `NormalizedSGD`; Lopti's
+  two stages: one lr for both, lr first, then corrected once by T / ||achieved||, the achieved norm recorded), so no
+  rule is credited for a smaller step.
 * ``optimizer``: one step of a copy of the run's optimizer (its state and learning rate, e.g. AdamW's moments) per
   stage; the run's optimizer itself is never touched.
 
@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from tokendyn.probe.bins import bin_bounds
-from tokendyn.probe.change import InPlaceUpdate, OptimizerFactory, _state_to_host, fix_pi_old, sgd
-from tokendyn.probe.parallel import gradients, local
+from tokendyn.probe.change import InPlaceUpdate, OptimizerFactory, _state_to_host, fix_pi_old
+from tokendyn.probe.parallel import local, sum_over_ranks
 from tokendyn.probe.shares import dot64, token_shares
 from tokendyn.probe.tokenloss import (
     PPO_FAMILY,
@@ -45,8 +45,6 @@ from tokendyn.probe.tokenloss import (
     ProbeBatch,
     analysis_forward,
     bin_index,
-    eval_mode,
-    token_loss,
 )
 from tokendyn.records import to_frame
 from tokendyn.remedies import lopti_masks
@@ -146,14 +144,28 @@ def optimizer_copy(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
     return make
 
 
-def _grad_norm(
-    model: nn.Module, batch: ProbeBatch, objective: Objective, params: list[torch.Tensor]
-) -> float:
-    """||g|| of L = sum_t l_t at the current parameters (float64 sums)."""
-    with eval_mode(model):
-        loss = token_loss(model, batch, objective).loss
-        grads = gradients(model, loss, params)
-    return sum(dot64(local(g), local(g)) for g in grads if g is not None) ** 0.5
+class NormalizedSGD(torch.optim.Optimizer):
+    """SGD whose step has a given norm: theta <- theta - (target / ||g||) g over all parameters (float64 norm, summed
+    over FSDP2 ranks), or plain SGD theta <- theta - lr g while ``target`` is None; ``grad_norm`` keeps the last
+    ||g||. No state: its steps are exactly undone by restoring the parameters."""
+
+    def __init__(self, params, model: nn.Module, lr: float) -> None:
+        super().__init__(params, {"lr": float(lr)})
+        self.model, self.target, self.grad_norm = model, None, float("nan")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        sq = torch.tensor([sum(dot64(local(x), local(x)) for x in grads)], dtype=torch.float64)
+        self.grad_norm = float(sum_over_ranks(sq, self.model)) ** 0.5
+        for group in self.param_groups:
+            if self.target is None:
+                scale = group["lr"]
+            else:
+                scale = self.target / self.grad_norm if self.grad_norm > 0 else 0.0
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-scale)
 
 
 def _set_lr(update: InPlaceUpdate, lr: float) -> None:
@@ -206,9 +218,11 @@ def compare_rules(
     mask = batch.completion_mask
     out: dict[tuple[str, str], RuleResult] = {}
     for mode in modes:
-        factory = sgd(lr) if mode == "equal_norm" else optimizer_copy(optimizer)
+        if mode == "equal_norm":
+            factory = lambda params: NormalizedSGD(params, model, lr)  # noqa: E731
+        else:
+            factory = optimizer_copy(optimizer)
         with InPlaceUpdate(model, factory) as update:
-            params = list(update.params.values())
             theta0 = update.start_norm2**0.5
             target = None
             for rule in rules:
@@ -216,19 +230,26 @@ def compare_rules(
                 step_lr, ratio = None, None
                 if mode == "optimizer":
                     _apply(update, rb, rule.objective, stages)
-                else:
-                    norm = _grad_norm(model, rb, rule.objective, params)
-                    target = lr * norm if target is None else target  # the first rule's SGD step sets it
-                    step_lr = target / norm if norm > 0 and target > 0 else 0.0  # no signal: no step
-                    if step_lr > 0:
+                elif len(stages) == 1:  # one step of norm `target` (the first rule: plain SGD at lr sets it)
+                    opt = update.optimizer
+                    opt.target = target
+                    _apply(update, rb, rule.objective, stages)
+                    norm = opt.grad_norm
+                    target = lr * norm if target is None else target
+                    step_lr = target / norm if norm > 0 else 0.0
+                else:  # Lopti's two stages at one lr: plain SGD at lr, then that lr corrected once to the target
+                    update.optimizer.target = None
+                    _set_lr(update, lr)
+                    _apply(update, rb, rule.objective, stages)
+                    achieved = update.relative_step() * theta0
+                    step_lr = lr
+                    if target is None:
+                        target = achieved
+                    elif achieved > 0:
+                        update.load(update.initial())
+                        step_lr = lr * target / achieved
                         _set_lr(update, step_lr)
                         _apply(update, rb, rule.objective, stages)
-                        achieved = update.relative_step() * theta0
-                        if len(stages) > 1 and achieved > 0:  # one correction of Lopti's common lr
-                            update.load(update.initial())
-                            step_lr *= target / achieved
-                            _set_lr(update, step_lr)
-                            _apply(update, rb, rule.objective, stages)
                 pi = update.probs(batch)
                 step = update.relative_step()
                 if mode == "equal_norm":
