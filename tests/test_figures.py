@@ -42,7 +42,8 @@ def run_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("figure_runs")
     out = {}
     for name, extra in METHODS.items():
-        cfg = _config(root / name, max_steps=4, probe_every=1, probe_lr_sweep=[1e-3, 1.0], **extra)
+        compare = dict(probe_compare_rules=["reweight", "lopti"], probe_compare_modes=["equal_norm"])
+        cfg = _config(root / name, max_steps=4, probe_every=1, probe_lr_sweep=[1e-3, 1.0], **compare, **extra)
         trainer = _trainer(tiny_model_dir, cfg)
         run_dir = Path(cfg.output_dir)
         trainer.add_callback(ParquetLogCallback(run_dir / "metrics.parquet", method=method_name(cfg)))
@@ -77,7 +78,7 @@ def test_runs_hold_every_record_kind(records):
     assert records.labels == ["GRPO", "GRPO + Reweight(a=0.3)", "GRPO + Lopti(eta=0.5)"]
     assert set(records.kinds()) == {
         "binstats", "hist", "bound", "checks", "tokens", "shares", "token_shares", "prob_change", "influence",
-        "metrics",
+        "paired", "metrics",
     }  # fmt: skip
 
 
@@ -112,6 +113,7 @@ def test_every_figure_renders_all_runs_named_by_method(records, spec):
         (F.bound, (None,)),
         (F.correct_ratio, (None,)),
         (F.update_shares, (None,)),
+        (F.paired_differences, (None,)),
         (F.training_curves, (None,)),
         (F.accuracy_table, (None,)),
     ],

@@ -22,11 +22,13 @@ adds it) and returning a matplotlib Figure, or raising `MissingRecords` when its
 from tokendyn.figures.data import MissingRecords, Records, RunDirError, load_runs
 from tokendyn.figures.dynamics import correct_ratio, influence_matrix, isolation, prob_change_by_bin
 from tokendyn.figures.gradients import gradient_norm_by_bin, layer_bin_heatmap, update_shares
+from tokendyn.figures.paired import paired_differences
 from tokendyn.figures.report import FIGURES, ReportResult, build_report
 from tokendyn.figures.tokens import advantage_by_bin, bound, token_share
 from tokendyn.figures.training import accuracy_table, training_curves
 
 __all__ = [
+    "paired_differences",
     "FIGURES",
     "MissingRecords",
     "Records",

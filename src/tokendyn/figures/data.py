@@ -19,9 +19,10 @@ from tokendyn.analysis.run import RunDirError, load_run
 from tokendyn.records import SCHEMAS, shard_files
 
 PROBE_KINDS = ("binstats", "hist", "bound", "checks", "tokens")
-ANALYSIS_KINDS = ("shares", "token_shares", "prob_change", "influence", "paired")
+ANALYSIS_KINDS = ("shares", "token_shares", "prob_change", "influence")
+COMPARISON_KINDS = ("paired",)  # the paired comparison of update rules, an option (--probe_compare_rules)
 METRICS = "metrics"  # the training log, RUN_DIR/metrics.parquet
-KINDS = (*PROBE_KINDS, *ANALYSIS_KINDS, METRICS)
+KINDS = (*PROBE_KINDS, *ANALYSIS_KINDS, *COMPARISON_KINDS, METRICS)
 LOPTI_STAGES = ("low", "high")
 
 

@@ -7,6 +7,7 @@ import polars as pl
 from matplotlib.figure import Figure
 
 from tokendyn.analysis.paired import paired_summary
+from tokendyn.figures.data import MissingRecords
 from tokendyn.figures.style import OKABE_ITO, finish, new_figure, offsets
 
 QUANTITIES = (("diff", "Δπ(rule) − Δπ(base) per token"), ("correct_diff", "correct ratio: rule − base"))
@@ -25,6 +26,8 @@ def summaries(paired: pl.DataFrame) -> pl.DataFrame:
 def paired_differences(paired: pl.DataFrame) -> Figure:
     """One row of panels per (run, mode): the paired difference of dpi and of the correct ratio per bin, one
     marker per rule with its interval; zero is the base rule."""
+    if paired is None or not paired.height:
+        raise MissingRecords("paired comparison", ["paired"])
     table = summaries(paired).filter(pl.col("rule") != "base")
     keys = table.select("run", "mode").unique(maintain_order=True).rows()
     fig, axes = new_figure(len(keys), 2, squeeze=False)

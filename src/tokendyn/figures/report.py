@@ -99,6 +99,8 @@ def hint(kinds: Iterable[str]) -> str:
     kinds = list(kinds)
     if "metrics" in kinds:
         return "metrics.parquet is written by `tokendyn train` (tokendyn.trainers.runner.train)"
+    if "paired" in kinds:
+        return "train with --probe_compare_rules reweight,lopti (or tokendyn probe --compare_rules)"
     if any(k in ANALYSIS_KINDS for k in kinds):
         return "train with --probe_every N and the rebalancing analyses on (--probe_analyses, --probe_sample_sequences)"
     return "train with --probe_every N (or record with tokendyn.hooks)"
