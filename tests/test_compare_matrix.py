@@ -1,0 +1,70 @@
+"""The paired comparison across the configuration matrix's architectures and adapters (`tests/_matrix.py`): the
+recorded dpi of the base and Reweight rules at equal ||dtheta||, on the float32 model and on its float64 copy, against
+a plain-torch update of the float64 copy (adapter included), written here. bf16 is not crossed: the comparison's steps are
+made in the model's dtype, and a bf16 copy has no float64 reference of the same update."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _matrix import ADAPTERS, ARCHS, PROMPT, T, build, sample_batch, token_logps, with_adapter
+
+from tokendyn.probe.compare import compare_rules, make_rule
+from tokendyn.probe.tokenloss import Objective, ProbeBatch
+
+torch.set_num_threads(1)
+LR, ALPHA = 1e-2, 0.3
+
+
+def plain_dpi(model64, b, rule: str) -> torch.Tensor:
+    """dpi after one SGD step of ||dtheta|| = LR ||g_base||, the on-policy token-mean surrogate, in float64."""
+    m = b.completion_mask.double()
+    with torch.no_grad():
+        old = token_logps(model64, b.input_ids)
+    adv = b.advantages.double().unsqueeze(1).expand_as(old)
+
+    def grad(model, a):
+        logp = token_logps(model, b.input_ids)
+        loss = -(a * torch.exp(logp - old) * m).sum() / m.sum()
+        return torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+
+    def norm(gs):
+        return sum(float((x**2).sum()) for x in gs) ** 0.5
+
+    target = LR * norm(grad(model64, adv))
+    a = adv * (ALPHA * torch.exp(old) + 1 - ALPHA) if rule == "reweight" else adv
+    work = copy.deepcopy(model64)
+    gs = grad(work, a)
+    with torch.no_grad():
+        for p, g in zip([p for p in work.parameters() if p.requires_grad], gs, strict=True):
+            p.sub_(target / norm(gs) * g)
+        return (torch.exp(token_logps(work, b.input_ids)) - torch.exp(old)) * m
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_paired_dpi_against_float64_on_every_architecture(arch, adapter):
+    if adapter == "lora":
+        pytest.importorskip("peft")
+    model = with_adapter(build(arch), adapter).eval()
+    b = sample_batch(model)
+    model64 = copy.deepcopy(model).double().eval()
+    c = b.completion_mask.size(1)
+    batch = ProbeBatch(
+        b.input_ids, torch.ones_like(b.input_ids), b.completion_mask.bool(), b.advantages, temperature=T
+    )
+    assert batch.n_completion == c and b.input_ids.size(1) == PROMPT + c
+    rules = [make_rule(n, Objective(eps_low=0.2, eps_high=0.24), alpha=ALPHA) for n in ("base", "reweight")]
+    want = {rule: plain_dpi(model64, b, rule) for rule in ("base", "reweight")}
+    # in float64 the comparison's own arithmetic is exact; the float32 model's pi resolves changes to ~1e-7 (the
+    # logits' rounding), so there the bound is relative to the change plus that resolution
+    for mdl, rel, floor in ((model64, 1e-8, 0.0), (model, 2e-3, 3e-7)):
+        results = compare_rules(mdl, batch, rules, lr=LR, shares=False)
+        for rule, w in want.items():
+            got = results[(rule, "equal_norm")].delta
+            scale = float(w.abs().max())
+            assert scale > 1e-8, (arch, adapter, rule)
+            err = float((got - w).abs().max())
+            assert err <= rel * scale + floor, (arch, adapter, rule, err, scale)
