@@ -137,7 +137,7 @@ def train(args) -> None:
 
 def predict(args) -> None:
     """The memory model's prediction for a run's size (from its JSON line) against the measured peak."""
-    import probe_memory as pm
+    import memory as pm
 
     runs = [json.loads(line) for line in open(args.runs) if line.startswith("{")]
     model = json.load(open(args.model))

@@ -2,8 +2,8 @@
 without it, at V = 32,000 and V = 152,064 (Qwen2's), hidden size and layers reduced so that a CPU fits (targets:
 <= 1.05x amortised over 30 steps, the first probed step <= 2x).
 
-The model is a random untied Qwen2 (`probe_memory.build_model`, float32), the batch `--rows` rows of `--prompt` +
-`--completion` random tokens (`probe_memory.make_batch`). One step is a custom loop's: forward with visible logits,
+The model is a random untied Qwen2 (`memory.build_model`, float32), the batch `--rows` rows of `--prompt` +
+`--completion` random tokens (`memory.make_batch`). One step is a custom loop's: forward with visible logits,
 log pi_t of the completion at T = 0.7, the clipped GRPO loss on-policy, backward, AdamW step (``--head fused``: TRL's
 fused LM head instead, which shows the probe no logits). The probed step is the same step inside
 `tokendyn.instrument` with the default `ProbeConfig` (at most 256 check tokens at the LM head and the direct
@@ -37,7 +37,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
-from probe_memory import DELTA, EPS_HIGH, EPS_LOW, Size, build_model, make_batch
+from memory import DELTA, EPS_HIGH, EPS_LOW, Size, build_model, make_batch
 
 T = 0.7
 VOCABS = (32_000, 152_064)  # a Llama-2-sized vocabulary and Qwen2's own
@@ -56,7 +56,7 @@ TIMED = [
 
 
 def clipped_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The clipped dapo loss on-policy (`probe_memory.grpo_step`): r = exp(logp - logp.detached),
+    """The clipped dapo loss on-policy (`memory.measure.grpo_step`): r = exp(logp - logp.detached),
     mean over the completion tokens of -min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A)."""
     ratio = torch.exp(logp - logp.detach())
     a = adv.to(logp.dtype).unsqueeze(1)

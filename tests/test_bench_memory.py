@@ -1,25 +1,28 @@
-"""Smoke test of bench/probe_memory.py: the allocator self-check is exact, and the quick path's measurement and fit
-machinery runs on three tiny sizes (two to fit, one held out) (no memory thresholds: the numbers are the bench's to report)."""
+"""Smoke test of bench/probe_memory.py (its package bench/memory/): the allocator self-check is exact, and the
+quick path's measurement and fit machinery runs on three tiny sizes (two to fit, one held out) (no memory
+thresholds: the numbers are the bench's to report)."""
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import math
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "probe_memory.py"
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
 def pm():
-    spec = importlib.util.spec_from_file_location("probe_memory", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["probe_memory"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    # bench/memory/, the package behind bench/probe_memory.py, found as that script finds it: bench/ on the path
+    sys.path.insert(0, str(BENCH))
+    try:
+        import memory
+    finally:
+        sys.path.remove(str(BENCH))
+    return memory
 
 
 def test_allocator_self_check_is_exact(pm):
@@ -30,8 +33,8 @@ def test_allocator_self_check_is_exact(pm):
 
 def test_quick_measure_and_fit(pm):
     tiny = pm.Size(layers=1, hidden=16, vocab=256, completion=16, rows=2, sample=2, heads=2, kv=1)
-    train = [tiny, pm.dataclasses.replace(tiny, hidden=32, completion=32)]
-    held = [pm.dataclasses.replace(tiny, layers=2)]
+    train = [tiny, dataclasses.replace(tiny, hidden=32, completion=32)]
+    held = [dataclasses.replace(tiny, layers=2)]
     res = pm.run(train, held, components=["probe", "change"], log=lambda *_: None)
     assert set(res["fits"]) == {"step", "probe", "probe_head", "probe_direct", "change"}
     for m in res["meas_train"] + res["meas_held"]:
