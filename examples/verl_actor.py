@@ -6,7 +6,7 @@
 This runs verl 0.9's `TrainingWorker` (the actor's FSDP2 engine, `train_mini_batch`: what `update_actor` runs in
 every worker of a `main_ppo` run) on the CPU without Ray (`tokendyn.integrations.verl.cpu`), on one rollout batch
 sampled from tokendyn's embedded default policy. The only tokendyn-specific part is the policy-loss config, the same
-fields a real run sets with `actor_rollout_ref.actor.policy_loss.*` overrides (README, "With verl"); the plugin that
+fields a real run sets with `actor_rollout_ref.actor.policy_loss.*` overrides (docs/verl.md); the plugin that
 `import verl` loads wraps the worker's update, so nothing else changes. Each update is Lopti's two full passes over
 the batch (low-probability tokens first), every micro-batch probed into RUN_DIR/records, and the rebalancing
 analyses run on the first 4 sequences before each stage, with verl's own loss as their objective.

@@ -97,3 +97,18 @@ def tiny_model_dir(tmp_path_factory):
         model.lm_head.weight[tok.eos_token_id].mul_(1.5)
     model.save_pretrained(out)
     return out
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say plainly when the browser test did not run (no Chromium or no Playwright here)."""
+    skipped = [
+        r for r in terminalreporter.stats.get("skipped", []) if "test_browser.py" in getattr(r, "nodeid", "")
+    ]
+    if skipped:
+        reason = (
+            skipped[0].longrepr[-1] if isinstance(skipped[0].longrepr, tuple) else str(skipped[0].longrepr)
+        )
+        terminalreporter.write_line(
+            f"browser tests: NOT RUN ({len(skipped)} skipped): {reason.removeprefix('Skipped: ')}",
+            yellow=True,
+        )

@@ -23,6 +23,7 @@ BAD = {
     "points": ([], "points: empty selection"),
     "bins": ("0,2", "bins: edges must start at 0 and end at 1"),
     "sample_tokens": (-1, "sample_tokens: must be an integer >= 0, got -1"),
+    "view_sequences": (-2, "view_sequences: must be an integer >= 0, got -2"),
     "direct_tokens": (1.5, "direct_tokens: must be an integer >= 0"),
     "direct_every": (0, "direct_every: must be an integer >= 1, got 0"),
     "direct_chunk": (0, "direct_chunk: must be an integer >= 1"),

@@ -78,7 +78,7 @@ def test_runs_hold_every_record_kind(records):
     assert records.labels == ["GRPO", "GRPO + Reweight(a=0.3)", "GRPO + Lopti(eta=0.5)"]
     assert set(records.kinds()) == {
         "binstats", "hist", "bound", "checks", "tokens", "shares", "token_shares", "prob_change", "influence",
-        "paired", "metrics",
+        "paired", "token_view", "token_view_rules", "metrics",
     }  # fmt: skip
 
 
@@ -214,7 +214,10 @@ def test_report_has_every_figure_and_table(records, tmp_path):
         section = html.split(f"<h3 id='table-{name}'>", 1)[1].split("<h3", 1)[0]
         assert "<table>" in section and "class='note'" not in section, name
         assert pl.read_csv(result.tables[name]).height > 0
-    assert "src='http" not in html and "<script" not in html  # self-contained
+    # self-contained: nothing is loaded from elsewhere; the only scripts are the token view's, inline
+    assert not re.search(r"""(src|href)=['"]?(https?:)?//""", html)
+    assert html.count("<script") == 2 and not re.search(r"<script[^>]*\ssrc=", html)
+    assert "id='token-view'" in html
     assert re.search(r"tokens below π = 0.25 are \d+% of tokens and carry \d+% of the update", html)
 
 

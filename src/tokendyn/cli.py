@@ -24,6 +24,7 @@ COMMANDS = {
     "train": "tokendyn.trainers.train_cli",
     "analyze": "tokendyn.analysis.cli",
     "figures": "tokendyn.figures.cli",
+    "view": "tokendyn.figures.view_cli",
     "probe": "tokendyn.hooks.offline_cli",
     "demo": "tokendyn.commands.demo_cli",
     "study": "tokendyn.commands.study_cli",
@@ -34,7 +35,7 @@ COMMANDS = {
 PASSTHROUGH = {"train"}
 
 # commands that compute (torch or polars): each takes --threads (train takes it as a RunArguments field)
-THREADED = ("warmstart", "eval", "train", "analyze", "figures", "probe", "demo", "study")
+THREADED = ("warmstart", "eval", "train", "analyze", "figures", "view", "probe", "demo", "study")
 
 # the environment variables read by the thread pools, at their import: torch (OpenMP, MKL) and polars
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "POLARS_MAX_THREADS")

@@ -19,6 +19,7 @@ from tokendyn.vocab import ALL_POINTS, ANALYSES, COMPARE_MODES, COMPARE_RULES
 
 DEFAULT_EDGES: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
 SHARE_METHODS = ("stream", "loop", "batched")
+VIEW_SEQUENCES = 4  # sequences of the analysis sample recorded token by token (the token view)
 TOKEN_SHARES_PER_BIN = 32  # token-share rows kept per bin (trainer, offline probe and RebalanceOptions alike)
 
 
@@ -208,6 +209,12 @@ class ProbeConfig:
         "rule's SGD step at lr) and optimizer (one step of a copy of the run's optimizer, its state and lr).",
         choices=list(COMPARE_MODES),
     )
+    view_sequences: int = _opt(
+        VIEW_SEQUENCES,
+        "Sequences of the analysis sample whose every token is recorded for the token view (record kind "
+        "`token_view`: text, pi_old, A, Lopti group, update share, counterfactual and real dpi, own-gradient ratio; "
+        "`tokendyn view`); at most sample_sequences are; 0 = off; >= 0.",
+    )
     share_method: str = _opt(
         "stream",
         "How the per-bin gradients are taken: 'stream' (g, then one g_b at a time: two parameter-sized buffers), "
@@ -223,7 +230,7 @@ class ProbeConfig:
         except ValueError as exc:
             raise ProbeConfigError("bins", str(exc).removeprefix("bins: ")) from None
         set_(self, "bins", f"intervals:{n}" if kind == "intervals" else describe_bins(kind, n, edges))
-        for name in ("sample_tokens", "direct_tokens", "sample_sequences", "token_shares"):
+        for name in ("sample_tokens", "direct_tokens", "sample_sequences", "token_shares", "view_sequences"):
             _int(name, getattr(self, name), 0)
         for name in ("direct_every", "direct_chunk", "sigma_every"):
             _int(name, getattr(self, name), 1)

@@ -238,6 +238,33 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "param_step": pl.Float64,
         "norm_ratio": pl.Float64,
     },
+    # per-token records of the view's sequences (tokendyn.probe.token_view): one row per scored token
+    "token_view": {
+        **_REBALANCE_KEY,
+        "seq": pl.Int32,
+        "pos": pl.Int32,
+        "token_id": pl.Int64,
+        "text": pl.Utf8,
+        "special": pl.Boolean,
+        "bin": pl.Int32,
+        "pi_old": pl.Float64,
+        "advantage": pl.Float64,
+        "group": pl.Utf8,
+        "share": pl.Float64,
+        "dpi_cf": pl.Float64,
+        "dpi_real": pl.Float64,
+        "head_ratio": pl.Float64,
+    },
+    # the paired comparison's rules at the view's tokens: one row per (token, rule, mode)
+    "token_view_rules": {
+        "step": pl.Int64,
+        "seq": pl.Int32,
+        "pos": pl.Int32,
+        "rule": pl.Utf8,
+        "mode": pl.Utf8,
+        "delta_pi": pl.Float64,
+        "share": pl.Float64,
+    },
 }
 KINDS = tuple(SCHEMAS)
 _NAME = re.compile(r"^(?P<kind>[a-z_]+)-rank(?P<rank>\d+)-(?P<seq>\d+)\.parquet$")

@@ -44,24 +44,28 @@ def default_out(run_dirs: list[str]) -> Path:
     return Path(os.path.commonpath(paths)) / "figures"
 
 
-def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+def check_inputs(command: str, run_dirs: list[str], out: str | os.PathLike) -> bool:
+    """Every run directory, then the output path, checked before any work; False (the error printed in one line,
+    naming the command) when one is bad."""
     from tokendyn.common import check_writable
     from tokendyn.figures.data import RunDirError, check_run_dir
 
-    for d in args.run_dirs:  # all of them, before any work
-        try:
+    try:
+        for d in run_dirs:
             check_run_dir(d)
-        except RunDirError as exc:
-            print(f"tokendyn figures: error: {exc}", file=sys.stderr)
-            return 2
+        check_writable(out, "--out")
+    except (RunDirError, ValueError) as exc:
+        print(f"tokendyn {command}: error: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     if args.out is None:
         args.out = str(default_out(args.run_dirs))
-    try:
-        check_writable(args.out, "--out")
-    except ValueError as exc:
-        print(f"tokendyn figures: error: {exc}", file=sys.stderr)
+    if not check_inputs("figures", args.run_dirs, args.out):
         return 2
 
     from tokendyn.common import progress_bar

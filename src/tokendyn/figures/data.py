@@ -21,8 +21,12 @@ from tokendyn.records import SCHEMAS, shard_files
 PROBE_KINDS = ("binstats", "hist", "bound", "checks", "tokens")
 ANALYSIS_KINDS = ("shares", "token_shares", "prob_change", "influence")
 COMPARISON_KINDS = ("paired",)  # the paired comparison of update rules, an option (--probe_compare_rules)
+VIEW_KINDS = (
+    "token_view",
+    "token_view_rules",
+)  # every token of the view's sequences (--probe_view_sequences)
 METRICS = "metrics"  # the training log, RUN_DIR/metrics.parquet
-KINDS = (*PROBE_KINDS, *ANALYSIS_KINDS, *COMPARISON_KINDS, METRICS)
+KINDS = (*PROBE_KINDS, *ANALYSIS_KINDS, *COMPARISON_KINDS, *VIEW_KINDS, METRICS)
 LOPTI_STAGES = ("low", "high")
 
 

@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 from tokendyn.figures import dynamics, gradients, paired, readings, sweep, tokens, training
 from tokendyn.figures.data import ANALYSIS_KINDS, MissingRecords, Records, load_runs
 from tokendyn.figures.tables import TABLES
+from tokendyn.figures.view import view_fragment
 
 FORMATS = ("png", "svg", "pdf")
 REPORT = "report.html"
@@ -99,6 +100,8 @@ def hint(kinds: Iterable[str]) -> str:
     kinds = list(kinds)
     if "metrics" in kinds:
         return "metrics.parquet is written by `tokendyn train` (tokendyn.trainers.runner.train)"
+    if "token_view" in kinds:
+        return "train with --probe_every N and --probe_view_sequences N (default 4; tokendyn probe --view_sequences)"
     if "paired" in kinds:
         return "train with --probe_compare_rules reweight,lopti (or tokendyn probe --compare_rules)"
     if any(k in ANALYSIS_KINDS for k in kinds):
@@ -191,7 +194,17 @@ def build_report(
             note = f"Not computed: {type(exc).__name__}: {exc}"
             result.notes[f"table:{name}"] = note
             tables.append((name, title, None, note))
-    result.path.write_text(render_html(records, sections, tables), encoding="utf-8")
+    say("token view")
+    view = None
+    if records.get("token_view") is None:
+        result.notes["token_view"] = _skip_note(MissingRecords("token view", ["token_view"]))
+    else:
+        view = _safe(lambda: view_fragment(records), strict, "token view")
+        if view is None:
+            result.notes["token_view"] = "Not drawn: the token view failed (see the warning)."
+    result.path.write_text(
+        render_html(records, sections, tables, view, result.notes.get("token_view")), encoding="utf-8"
+    )
     return result
 
 
@@ -267,7 +280,9 @@ def table_html(df: pl.DataFrame, max_rows: int = 200) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{more}"
 
 
-def render_html(records: Records, sections, tables) -> str:
+def render_html(
+    records: Records, sections, tables, view: str | None = None, view_note: str | None = None
+) -> str:
     esc = html.escape
     runs = "".join(
         f"<tr><td class='s'>{esc(r.label)}</td><td class='s'>{esc(str(r.path))}</td>"
@@ -275,6 +290,7 @@ def render_html(records: Records, sections, tables) -> str:
         for r in records.runs
     )
     toc = "".join(f"<li><a href='#{s.name}'>{esc(s.title)}</a> ({esc(s.paper)})</li>" for s, *_ in sections)
+    toc += "<li><a href='#token-view-section'>Token view</a></li>"
     toc += "".join(f"<li><a href='#table-{n}'>{esc(t)}</a></li>" for n, t, *_ in tables)
     body = []
     for spec, image, reading, note, partial in sections:
@@ -290,6 +306,12 @@ def render_html(records: Records, sections, tables) -> str:
         for n in (note, partial):
             if n:
                 body.append(f"<div class='note'>{esc(n)}</div>")
+    body.append(
+        "<h2 id='token-view-section'>Token view <span class='meta'>(every token of the recorded sequences)</span></h2>"
+    )
+    body.append(
+        view if view is not None else f"<div class='note'>{esc(view_note or 'No token_view records.')}</div>"
+    )
     body.append("<h2>Tables</h2>")
     for name, title, df, note in tables:
         body.append(f"<h3 id='table-{name}'>{esc(title)}</h3>")

@@ -258,6 +258,7 @@ def probe_rollouts(
                         objective,
                         staging,
                         cfg,
+                        tokenizer,
                     )
         files = [p.relative_to(staging) for p in sorted((staging / "records").glob("*.parquet"))]
         info = {
@@ -297,7 +298,9 @@ def probe_rollouts(
     return OfflineResult(run_dir, [run_dir / f for f in files], rollouts.n, n_tokens, len(chunks), n_analysed)
 
 
-def _analyse(model, batch: ProbeBatch, probe: GradientProbe, options, objective, out: Path, cfg) -> None:
+def _analyse(
+    model, batch: ProbeBatch, probe: GradientProbe, options, objective, out: Path, cfg, tokenizer=None
+) -> None:
     """The rebalancing analyses on the sample, as the trainer runs them on its own (token mean over the sample,
     pi_old fixed once); bins: the probe's fixed edges (quantile bins: the paper's). With ``compare_rules``, the
     paired comparison in equal_norm mode (no run optimizer here)."""
@@ -306,7 +309,14 @@ def _analyse(model, batch: ProbeBatch, probe: GradientProbe, options, objective,
     frames = {}
     if cfg.active_analyses:
         frames = analyze_batch(
-            model, batch, step=0, stage=TRAIN, edges=edges, options=options, objective=objective
+            model,
+            batch,
+            step=0,
+            stage=TRAIN,
+            edges=edges,
+            options=options,
+            objective=objective,
+            tokenizer=tokenizer,
         )
     if cfg.compare_rules:
         from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
@@ -316,6 +326,10 @@ def _analyse(model, batch: ProbeBatch, probe: GradientProbe, options, objective,
         rules = [make_rule(name, objective, seed=options.seed) for name in cfg.compare_rules]
         results = compare_rules(model, batch, rules, modes=("equal_norm",), lr=cfg.lr)
         frames["paired"] = paired_frame(results, batch, pi_old(model, batch), as_edges(edges), step=0)
+        if "token_view" in frames:
+            from tokendyn.probe.token_view import token_rules_frame
+
+            frames["token_view_rules"] = token_rules_frame(results, frames["token_view"])
     write_frames(out, frames, rank=0)
 
 

@@ -22,7 +22,7 @@ def register(subparsers) -> argparse.ArgumentParser:
         "probe",
         help="probe a rollouts file from any RL stack offline (same records as training)",
         description="Read a rollouts file (parquet or jsonl: prompt_ids + completion_ids or prompt + completion, "
-        "and advantage or reward + group; optional old_logp, ref_logp, masks, temperature; see the README) or a verl "
+        "and advantage or reward + group; optional old_logp, ref_logp, masks, temperature; see docs/records.md) or a verl "
         "rollout batch (a tensordict directory, or a DataProto.save_to_disk file with --allow_pickle; see "
         "docs/verl_dataproto.md), run "
         "one forward + backward of the token-mean loss per micro-batch under the gradient probe and the rebalancing "

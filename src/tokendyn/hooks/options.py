@@ -18,4 +18,5 @@ def rebalance_options(config: ProbeConfig, seed: int = 0) -> RebalanceOptions:
         lr_sweep=config.lr_sweep,
         share_method=config.share_method,
         seed=seed,
+        view_sequences=config.view_sequences if on else 0,
     )

@@ -34,11 +34,12 @@ from transformers import TrainerCallback
 
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.rollouts import dump_rollouts
-from tokendyn.probe.change import completion_probs, fix_pi_old
+from tokendyn.probe.change import completion_probs, fix_pi_old, real_change
 from tokendyn.probe.parallel import is_fully_sharded
 from tokendyn.probe.probe import GradientProbe
 from tokendyn.probe.rebalance import analyze_batch, real_change_frame, stage_shares_frame
 from tokendyn.probe.shares import FSDP_NO_TOKEN_SHARES
+from tokendyn.probe.token_view import token_rules_frame, with_real_change
 from tokendyn.probe.tokenloss import Objective, ProbeBatch
 from tokendyn.records import RecordWriter, write_frames
 from tokendyn.vocab import stage_name
@@ -217,11 +218,15 @@ class TrainerProbe(TrainerCallback):
                 objective=self.objective,
                 stage_masks=stage_masks,
                 lopti_order=self.order,
+                tokenizer=getattr(t, "processing_class", None),
             )
             if self.config.compare_rules:
-                frames["paired"] = self._paired(model, batch, sample, step)
+                frames["paired"], results = self._paired(model, batch, sample, step)
+                if "token_view" in frames:
+                    frames["token_view_rules"] = token_rules_frame(results, frames["token_view"])
             if "real_change" in self.analyses:
-                self._pending_real = (completion_probs(model, batch), batch, step)
+                view = frames.pop("token_view", None)  # written with its real dpi, after the optimizer step
+                self._pending_real = (completion_probs(model, batch), batch, step, view)
             if stage_masks is not None and self.options.shares:
                 if batch.old_logp is None:  # on-policy: fix pi_old now, it stays the rollout's for stage 2
                     batch, _ = fix_pi_old(model, batch)
@@ -232,7 +237,8 @@ class TrainerProbe(TrainerCallback):
         self._write(frames)
 
     def _paired(self, model, batch: ProbeBatch, sample: dict, step: int):
-        """The paired comparison of ``compare_rules`` on the analysis sample (`tokendyn.probe.compare`): the base rule
+        """The paired comparison of ``compare_rules`` on the analysis sample (`tokendyn.probe.compare`), as its
+        `paired` frame and the rules' results: the base rule
         is the run's loss on the advantages before Reweight; Reweight's alpha and Lopti's eta are the run's, else the
         paper's 0.3 and 0.5; the optimizer mode steps a copy of the run's optimizer (not under FSDP2)."""
         from dataclasses import replace
@@ -255,7 +261,8 @@ class TrainerProbe(TrainerCallback):
             modes = tuple(m for m in modes if m != "optimizer")
             self.probe.note("fsdp_no_optimizer_compare", FSDP_NO_OPTIMIZER_COMPARE, step=step)
         results = compare_rules(model, batch, rules, modes=modes, lr=cfg.lr, optimizer=t.optimizer)
-        return paired_frame(results, batch, pi_old(model, batch), as_edges(self.edges), step=step)
+        frame = paired_frame(results, batch, pi_old(model, batch), as_edges(self.edges), step=step)
+        return frame, results
 
     def _stage2_start(self) -> int:
         """Micro-step (modulo the rollout period) at which Lopti's stage 2 begins."""
@@ -289,15 +296,22 @@ class TrainerProbe(TrainerCallback):
         """After the rollout batch's last optimizer step: the real probability change of the sample."""
         if self._pending_real is None or self.trainer._step % self._generate_every():
             return
-        pi_before, batch, step = self._pending_real
+        pi_before, batch, step, view = self._pending_real
         self._pending_real = None
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         self.probe.enabled = False
         try:
-            frame = real_change_frame(pi_before, model, batch, step=step, edges=self.edges)
+            delta = real_change(pi_before, model, batch)
+            frames = {
+                "prob_change": real_change_frame(
+                    pi_before, model, batch, step=step, edges=self.edges, delta=delta
+                )
+            }
+            if view is not None:
+                frames["token_view"] = with_real_change(view, delta)
         finally:
             self.probe.enabled = True
-        self._write({"prob_change": frame})
+        self._write(frames)
 
     def due(self) -> bool:
         return self.every > 0 and self.trainer.state.global_step % self.every == 0

@@ -24,6 +24,7 @@ from tokendyn.probe.change import change_frame, counterfactual_change, fix_pi_ol
 from tokendyn.probe.influence import influence
 from tokendyn.probe.shares import METHODS, as_edges, gradient_shares
 from tokendyn.probe.token_sample import token_shares_frame
+from tokendyn.probe.token_view import head_ratios, token_view_frame, view_rows
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index
 from tokendyn.vocab import HIGH, LOPTI, LOW, TRAIN, stage_name
 
@@ -37,7 +38,8 @@ class RebalanceOptions:
     update per source bin (and per Lopti stage); lr_sweep: further step sizes of the counterfactual update (with
     prob_change), recorded as update "sweep" with the update's ||delta theta|| / ||theta||, to see where the
     first-order picture of the paper's lr = 1e-3 step stops holding (list the main lr too to have it on the same
-    curve)."""
+    curve); view_sequences: sequences of the sample whose every token is recorded (`token_view`: its share, its
+    counterfactual dpi, its own-gradient ratio; 0 = off)."""
 
     shares: bool = True
     token_shares: int = TOKEN_SHARES_PER_BIN
@@ -47,6 +49,7 @@ class RebalanceOptions:
     lr_sweep: tuple[float, ...] = ()
     share_method: str = "stream"
     seed: int = 0
+    view_sequences: int = 0
 
     def __post_init__(self) -> None:
         sweep = tuple(float(x) for x in (self.lr_sweep or ()))
@@ -59,6 +62,10 @@ class RebalanceOptions:
             )
         if not isinstance(self.token_shares, int) or self.token_shares < 0:
             raise ValueError(f"rebalance: token_shares must be an integer >= 0, got {self.token_shares!r}")
+        if not isinstance(self.view_sequences, int) or self.view_sequences < 0:
+            raise ValueError(
+                f"rebalance: view_sequences must be an integer >= 0, got {self.view_sequences!r}"
+            )
         if not float(self.lr) > 0:
             raise ValueError(f"rebalance: lr must be > 0, got {self.lr!r}")
 
@@ -81,13 +88,14 @@ def analyze_batch(
     objective: Objective | None = None,
     stage_masks: Sequence[torch.Tensor] | None = None,
     lopti_order: str = "low_first",
+    tokenizer=None,
 ) -> dict[str, pl.DataFrame]:
     """The `shares`, `token_shares`, `prob_change` (counterfactual, and "sweep" rows for ``options.lr_sweep``) and
     `influence` frames of one batch, for the analyses switched on. ``stage_masks``: the two Lopti stage masks in the
     run's order ``lopti_order`` (then the counterfactual update and the influence matrix run per stage, update stages
     low / high and lopti for both), or None (update stage train). The model is left bitwise as it was (the
     counterfactual updates are made in place and undone, `tokendyn.probe.change.InPlaceUpdate`); ``.grad`` and any
-    optimizer are untouched."""
+    optimizer are untouched. ``tokenizer``: decodes the `token_view` tokens (else their text is empty)."""
     opts = options or RebalanceOptions()
     edges_t = as_edges(edges)
     batch, _ = fix_pi_old(model, batch)  # pi_old fixed once for every analysis
@@ -128,6 +136,7 @@ def analyze_batch(
                              update_stage=full, lr=lr, param_step=res.param_step[full])
             )  # fmt: skip
         frames["prob_change"] = pl.concat(parts)
+    res = None
     if opts.shares or opts.token_shares:
         res = gradient_shares(
             model,
@@ -153,6 +162,21 @@ def analyze_batch(
                 seed=opts.seed + step,
                 delta_pi=all_delta,
             )
+    if opts.view_sequences:
+        n = view_rows(batch, opts.view_sequences)
+        frames["token_view"] = token_view_frame(
+            batch,
+            n,
+            step=step,
+            stage=stage,
+            pi_old=pi_old,
+            bins=bins,
+            tokenizer=tokenizer,
+            shares=res.tokens if res is not None else None,
+            dpi_cf=all_delta,
+            groups=[(name, m) for name, m in stages if m is not None],
+            head_ratio=head_ratios(model, batch.select(slice(0, n))),
+        )
     return frames
 
 
@@ -190,12 +214,14 @@ def real_change_frame(
     stage: str = "train",
     edges: torch.Tensor | Sequence[float] | None = None,
     pi_old: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
 ) -> pl.DataFrame:
     """The `prob_change` record (update "real") of a real training update: pi_before measured before the optimizer
     step (`tokendyn.probe.change.completion_probs`) or the model before; bins over pi_old (default:
-    exp(batch.old_logp), else pi_before)."""
+    exp(batch.old_logp), else pi_before). ``delta``: the real change already measured (`real_change`)."""
     edges_t = as_edges(edges)
-    delta = real_change(pi_before, model_after, batch)
+    if delta is None:
+        delta = real_change(pi_before, model_after, batch)
     if pi_old is None:
         if batch.old_logp is not None:
             pi_old = torch.exp(batch.old_logp.to(torch.float64))

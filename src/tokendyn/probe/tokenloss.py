@@ -438,6 +438,7 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
 # `chunk_tokens(V)` tokens, whose float64 logits [n, V] take at most CHUNK_BYTES (Qwen2.5's V = 152,064: 220 tokens).
 CHUNK_BYTES = 1 << 28
 _SPLIT_OK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_HEAD_OK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head_inputs' one check per model
 _ANALYSIS = contextvars.ContextVar("tokendyn_analysis_forward", default=False)
 
 
@@ -511,7 +512,7 @@ def _peft_base(model: nn.Module) -> nn.Module | None:
     return model
 
 
-def _split(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+def _split(model: nn.Module, softcap: bool = False) -> tuple[nn.Module, nn.Linear] | None:
     """(backbone, head) when logits = head(backbone(ids).last_hidden_state) with a plain `nn.Linear` head (a Hugging
     Face causal LM, also inside a PEFT wrapper (`_peft_base`): its ``base_model_prefix`` names the backbone), else
     None. Both are submodules of ``model``, so parameters substituted by their names in ``model`` reach them."""
@@ -526,7 +527,7 @@ def _split(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     head = get_head() if callable(get_head) else None
     if not isinstance(backbone, nn.Module) or backbone is lm or type(head) is not nn.Linear:
         return None
-    return (backbone, head) if head_transform_supported(lm) else None
+    return (backbone, head) if head_transform_supported(lm, softcap=softcap) else None
 
 
 def _split_checked(model: nn.Module, batch: ProbeBatch) -> tuple[nn.Module, nn.Linear] | None:
@@ -587,6 +588,45 @@ def _features(model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tenso
     logits = out.logits if hasattr(out, "logits") else out[0]
     logits = logits[:, -(c + 1) : -1, :]
     return _Features(logits.reshape(-1, logits.size(-1)), None, None)
+
+
+def head_inputs(
+    model: nn.Module, batch: ProbeBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(h, W, b): the LM head's input for every completion token (B * C, H), row-major over (B, C), with the head's
+    weight and bias, from one forward of the backbone (a soft-capped head included: the caller models the cap,
+    `tokendyn.probe.points.logit_softcap`); None where the head is not a plain affine map of the backbone's output
+    (checked once on the batch's first row as `_split_checked` does), or the model is sharded or hooked."""
+    from tokendyn.probe.parallel import fsdp_modules
+    from tokendyn.probe.points import logit_softcap
+
+    hooked = bool(model._forward_hooks or model._forward_pre_hooks) and not _ANALYSIS.get()
+    parts = (
+        None if hooked or fsdp_modules(model) or hasattr(model, "_hf_hook") else _split(model, softcap=True)
+    )
+    if parts is None:
+        return None
+    h, w, b = _Parts(model, *parts)(batch.input_ids, batch.attention_mask)
+    if h.dim() != 3 or h.size(-1) != w.size(1):
+        return None
+    ok = _HEAD_OK.get(model)
+    if ok is None:
+        with torch.no_grad():
+            want = model(
+                input_ids=batch.input_ids[:1], attention_mask=batch.attention_mask[:1], use_cache=False
+            )
+            want = (want.logits if hasattr(want, "logits") else want[0])[:, -1].double()
+            got = torch.nn.functional.linear(h[:1, -1], w, b).double()
+            cap = logit_softcap(model)
+            if cap is not None:
+                got = cap * torch.tanh(got / cap)
+            ok = bool(((got - want).abs().max() <= 1e-3 * want.abs().max() + 1e-6).item())
+        _HEAD_OK[model] = ok
+    if not ok:
+        return None
+    c = batch.n_completion
+    h = h[:, -(c + 1) : -1, :]
+    return h.reshape(-1, h.size(-1)), w, b
 
 
 def chunk_logits(

@@ -1,0 +1,152 @@
+"""The per-token records of the token view (`tokendyn.probe.token_view`): the own-gradient ratio against float64
+autograd on every architecture of the configuration matrix (full and LoRA), the decoded text against the tokenizer's
+own decode, and the trainer's `token_view` / `token_view_rules` records against the binned records of the same
+step (the same tokens summed must give the same numbers)."""
+
+from __future__ import annotations
+
+import copy
+
+import polars as pl
+import pytest
+import torch
+from _matrix import ADAPTERS, ARCHS, PROMPT, T, build, sample_batch, with_adapter
+
+from tokendyn.probe.token_view import head_ratios, token_texts
+from tokendyn.probe.tokenloss import ProbeBatch
+
+torch.set_num_threads(1)
+
+
+def reference_ratios(model64, b) -> torch.Tensor:
+    """||d log pi_t / d h_t|| / (1 - pi_t) by float64 autograd through the model's own forward: h_t is read at the
+    LM head's input by a hook (the head is per position, so d sum_t log pi_t / d h_t is token t's own gradient)."""
+    head = model64.get_output_embeddings()
+    seen = {}
+
+    def keep(module, args):
+        h = args[0].detach().requires_grad_()
+        seen["h"] = h
+        return (h, *args[1:])
+
+    handle = head.register_forward_pre_hook(keep)
+    try:
+        logits = model64(input_ids=b.input_ids).logits[:, PROMPT - 1 : -1]
+    finally:
+        handle.remove()
+    logp = torch.log_softmax(logits / T, -1).gather(-1, b.input_ids[:, PROMPT:, None]).squeeze(-1)
+    m = b.completion_mask.bool()
+    (g,) = torch.autograd.grad(logp[m].sum(), seen["h"])
+    g = g[:, PROMPT - 1 : -1]
+    ratio = torch.linalg.vector_norm(g, dim=-1) / (1 - logp.detach().exp())
+    return torch.where(m, ratio, torch.zeros_like(ratio))
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_head_ratio_equals_float64_autograd(arch, adapter):
+    model = with_adapter(build(arch), adapter)
+    b = sample_batch(model)
+    batch = ProbeBatch(
+        input_ids=b.input_ids,
+        attention_mask=torch.ones_like(b.input_ids),
+        completion_mask=b.completion_mask.bool(),
+        advantages=b.advantages,
+        old_logp=b.old_logp,
+        temperature=T,
+    )
+    got = head_ratios(model, batch)
+    assert got is not None, f"{arch}: no head ratio"
+    want = reference_ratios(copy.deepcopy(model).double(), b)
+    m = b.completion_mask.bool()
+    assert float(got[~m].abs().max()) == 0.0
+    rel = ((got - want).abs() / want)[m]
+    # the float32 model's forward against the float64 copy's: the ratio is a norm of the head's rows, well conditioned
+    assert float(rel.max()) < 1e-4, f"{arch} {adapter}: max rel err {float(rel.max()):.2e}"
+    assert float(want[m].min()) > 0
+
+
+def test_token_texts_join_to_the_decoded_sequence(tiny_model_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    text = "Zoey is a knight.\n  Tab\there, ünïcödé → 🙂 done.<|im_end|>"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    texts, special = token_texts(tok, ids)
+    assert len(texts) == len(ids) == len(special)
+    assert "".join(texts) == tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert special[-1] and texts[-1] == "<|im_end|>" and not any(special[:-1])
+    # a long sequence: the decoding window moves (CONTEXT_TOKENS) and the join still holds
+    long = tok(" ".join([text] * 12), add_special_tokens=False)["input_ids"]
+    assert "".join(token_texts(tok, long)[0]) == tok.decode(
+        long, skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
+    assert token_texts(None, [3, 4]) == (["", ""], [False, False])
+
+
+def test_the_trainer_records_every_token_of_the_view(tiny_model_dir, tmp_path):
+    """A run with the view on every sampled sequence, the comparison and the real change: every scored token once
+    per step; summed over a bin the view's dpi_cf and dpi_real give the `prob_change` records' means, its shares
+    the `shares` record's jvp_share, the base rule's dpi the `paired` record's sums."""
+    from test_trainer import _config, _trainer
+
+    from tokendyn import load_run
+
+    n = 4
+    options = dict(max_steps=2, probe_every=1, probe_sample_sequences=n, probe_view_sequences=n)
+    cfg = _config(tmp_path, probe_compare_rules=["reweight"], **options)
+    _trainer(tiny_model_dir, cfg).train()
+    run = load_run(tmp_path / "run")
+    view = run["token_view"].collect()
+    rules = run["token_view_rules"].collect()
+    assert sorted(set(view["step"])) == [1, 2] or sorted(set(view["step"])) == [0, 1]
+    assert view.select(pl.struct("step", "seq", "pos").is_unique().all()).item()
+    assert view["dpi_real"].null_count() == 0 and view["dpi_cf"].null_count() == 0
+    assert view["share"].null_count() == 0 and view["head_ratio"].null_count() == 0
+    assert set(view["seq"]) == set(range(n))
+    assert view["text"].str.len_chars().sum() > 0
+    assert rules.height == view.height * 2 * 2  # (base, reweight) x (equal_norm, optimizer)
+
+    change = run["prob_change"].collect()
+    for update, col in (("counterfactual", "dpi_cf"), ("real", "dpi_real")):
+        want = change.filter(
+            (pl.col("update") == update) & (pl.col("bin") >= 0) & (pl.col("source_bin") == -1)
+        ).select("step", "bin", "count", "mean")
+        got = view.group_by("step", "bin").agg(pl.len().alias("n"), pl.col(col).mean().alias("got"))
+        both = want.join(got, on=["step", "bin"], how="inner")
+        assert both.height == want.height > 0
+        assert (both["count"] == both["n"]).all(), update
+        assert ((both["mean"] - both["got"]).abs() <= 1e-12 + 1e-9 * both["mean"].abs()).all(), update
+
+    shares = run["shares"].collect().filter((pl.col("group") == "all") & (pl.col("bin") >= 0))
+    got = view.group_by("step", "bin").agg(pl.col("share").sum())
+    both = shares.join(got, on=["step", "bin"], suffix="_view")
+    assert both.height > 0 and ((both["jvp_share"] - both["share_view"]).abs() < 1e-9).all()
+
+    paired = run["paired"].collect().filter(pl.col("mode") == "equal_norm")
+    tokens = rules.filter(pl.col("mode") == "equal_norm").join(
+        view.select("step", "seq", "pos", "bin"), on=["step", "seq", "pos"]
+    )
+    got = tokens.group_by("step", "rule", "seq", "bin").agg(pl.col("delta_pi").sum())
+    both = paired.join(got, on=["step", "rule", "seq", "bin"])
+    assert both.height == paired.height > 0
+    assert ((both["sum_dpi"] - both["delta_pi"]).abs() < 1e-12).all()
+
+
+def test_view_command_names_a_bad_input_in_one_line(tmp_path, capsys):
+    from tokendyn.cli import main
+
+    run = tmp_path / "run"
+    (run / "records").mkdir(parents=True)
+    (run / "run.json").write_text('{"method": "GRPO"}')
+    cases = [
+        ([str(tmp_path / "missing")], "missing"),
+        ([str(run), "--out", str(tmp_path / "page.txt")], "--out must name an .html file"),
+        ([str(run)], "token view: needs `token_view` records"),
+    ]
+    for argv, message in cases:
+        code = main(["view", *argv])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and message in err, (argv, err)
+        assert err.startswith("tokendyn view: error:")
+    assert not (run / "view.html").exists()
