@@ -47,7 +47,7 @@ ANALYSES = ("probe", "analyses")
 VOCAB, HIDDEN, PROMPT, COMPLETION, ROWS, T = 61, 32, 5, 7, 4, 0.7
 ENTROPY = 1.0  # nats: the LM head scaled to this mean entropy, so that the sampled tokens' pi spans (0, 1)
 
-REFUSALS: dict[str, str] = {}  # arch -> "note code: reason" of a cell the probe refuses loudly (README)
+REFUSALS: dict[str, str] = {}  # arch -> "note code: reason" of a cell the probe refuses loudly (matrix.md)
 
 
 @dataclass(frozen=True)

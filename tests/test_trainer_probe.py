@@ -222,10 +222,10 @@ def test_an_entropy_bonus_is_part_of_the_identity(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_the_gpu_recipe_bf16_autocast_has_no_violations(tiny_model_dir, tmp_path, lora):
-    """The README's GPU recipe on CPU: ``bf16=True`` (float32 weights, bf16 autocast, TRL's fused head computing in
-    bf16), the probe and the analyses on every step, with and without a LoRA adapter. Before, the checks took their
-    tolerance from the float32 gradient while the head ran in bf16 (122 of 576 tokens reported as violations); now
-    they are told the head's dtype, round the prediction as the head does, and report none."""
+    """The GPU recipe (docs/gpus.md) on CPU: ``bf16=True`` (float32 weights, bf16 autocast, TRL's fused head
+    computing in bf16), the probe and the analyses on every step, with and without a LoRA adapter. Before, the checks
+    took their tolerance from the float32 gradient while the head ran in bf16 (122 of 576 tokens reported as
+    violations); now they are told the head's dtype, round the prediction as the head does, and report none."""
     from datasets import Dataset
     from test_trainer import PROMPTS, vowel_reward
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast

@@ -194,10 +194,10 @@ def test_verl_engine_builds_beside_trl_with_the_value_head_workaround():
     assert monkey_patch.is_trl_available() is False
 
 
-def test_the_readme_overrides_compose_with_verls_own_trainer_config():
-    """The overrides the README's "With verl" section gives a `main_ppo` run, read from the README itself, composed
-    with verl's own `ppo_trainer` config by Hydra and turned into verl's actor config: tokendyn's policy-loss class
-    with every field as written."""
+def test_the_documented_overrides_compose_with_verls_own_trainer_config():
+    """The overrides docs/verl.md gives a `main_ppo` run (and the README repeats, line for line), read from the docs
+    themselves, composed with verl's own `ppo_trainer` config by Hydra and turned into verl's actor config:
+    tokendyn's policy-loss class with every field as written."""
     import os
     import re
     from pathlib import Path
@@ -206,9 +206,16 @@ def test_the_readme_overrides_compose_with_verls_own_trainer_config():
     from hydra import compose, initialize_config_dir
     from verl.utils.config import omega_conf_to_dataclass
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## With verl\n", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    root = Path(__file__).parents[1]
+    blocks = {
+        doc: [b for b in re.findall(r"```bash\n(.*?)```", (root / doc).read_text(), re.S) if "main_ppo" in b]
+        for doc in ("docs/verl.md", "README.md")
+    }
+    assert all(len(found) == 1 for found in blocks.values()), {
+        doc: len(found) for doc, found in blocks.items()
+    }
+    block = blocks["docs/verl.md"][0]
+    assert blocks["README.md"][0] == block  # the README's example is the verl guide's, line for line
     overrides = re.findall(r"^\s+(\+?actor_rollout_ref\.\S+)", block, flags=re.M)
     assert len(overrides) >= 8
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
