@@ -150,3 +150,29 @@ def test_view_command_names_a_bad_input_in_one_line(tmp_path, capsys):
         assert code == 2 and len(err.splitlines()) == 1 and message in err, (argv, err)
         assert err.startswith("tokendyn view: error:")
     assert not (run / "view.html").exists()
+
+
+def test_an_offline_probe_records_the_view_with_its_text(tiny_model_dir, tmp_path):
+    """`tokendyn probe`'s path: text rollouts, the view's texts join to each completion's text, no real update."""
+    from test_offline_probe import _load
+
+    from tokendyn import load_run
+    from tokendyn.hooks.offline import probe_rollouts
+
+    model, tok = _load(tiny_model_dir)
+    completions = [" Oliver is a knave", " tell the truth", " lie\n\tdone", " count: one two"]
+    rows = [
+        {"prompt": "Zoey says that", "completion": c, "reward": float(k), "group": "a"}
+        for k, c in enumerate(completions)
+    ]
+    probe_rollouts(
+        model, tok, rows, tmp_path / "run", temperature=0.7, view_sequences=3, compare_rules=["reweight"]
+    )
+    view = load_run(tmp_path / "run")["token_view"].collect()
+    assert sorted(set(view["seq"])) == [0, 1, 2]
+    for seq in range(3):
+        text = "".join(view.filter(pl.col("seq") == seq).sort("pos")["text"])
+        assert text == completions[seq]
+    assert view["dpi_real"].null_count() == view.height and view["dpi_cf"].null_count() == 0
+    rules = load_run(tmp_path / "run")["token_view_rules"].collect()
+    assert rules.height == 2 * view.height and set(rules["mode"]) == {"equal_norm"}
