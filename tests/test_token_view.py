@@ -176,3 +176,21 @@ def test_an_offline_probe_records_the_view_with_its_text(tiny_model_dir, tmp_pat
     assert view["dpi_real"].null_count() == view.height and view["dpi_cf"].null_count() == 0
     rules = load_run(tmp_path / "run")["token_view_rules"].collect()
     assert rules.height == 2 * view.height and set(rules["mode"]) == {"equal_norm"}
+
+
+def test_shares_of_a_rounding_level_update_are_not_shown():
+    """Shares that do not add up to 1 over the sample (g at its rounding level) become nulls, the others stay."""
+    from tokendyn.probe.token_view import token_view_frame
+
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    batch = ProbeBatch(
+        input_ids=torch.arange(10).view(2, 5), attention_mask=torch.ones(2, 5, dtype=torch.long),
+        completion_mask=mask, advantages=torch.tensor([0.0, 0.0]), temperature=1.0,
+    )  # fmt: skip
+    pi = torch.full((2, 3), 0.5, dtype=torch.float64)
+    bins = torch.where(mask, 2, -1)
+    exact = torch.tensor([[0.5, 0.25, 9.0], [0.125, 0.0625, 0.0625]])  # 9.0 sits on padding
+    frame = token_view_frame(batch, 2, step=0, pi_old=pi, bins=bins, shares=exact)
+    assert frame["share"].to_list() == [0.5, 0.25, 0.125, 0.0625, 0.0625]
+    noise = token_view_frame(batch, 2, step=0, pi_old=pi, bins=bins, shares=exact * 0.83)
+    assert noise["share"].null_count() == noise.height == 5

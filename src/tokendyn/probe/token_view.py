@@ -6,7 +6,8 @@ left out) with every number the analyses already have for it:
     text          the token decoded on its own, in context (`token_texts`), special tokens marked
     pi_old, A     its probability under the sampling policy and its advantage; bin of pi_old
     group         Lopti's stage of the token (low / high; null for a one-stage run)
-    share         s_t = <grad l_t, g> / ||g||^2, its share of the update (one JVP; null without token_shares)
+    share         s_t = <grad l_t, g> / ||g||^2, its share of the update (one JVP; null without token_shares, and
+                  where the sample's shares do not add up to 1: g at its rounding level, `shares_add_up`)
     dpi_cf        pi(theta + dtheta) - pi(theta) after the counterfactual SGD update of every token (Lopti: both stages)
     dpi_real      the same after the run's real update (filled in after the optimizer step; null offline)
     head_ratio    ||d log pi_t / d h_t|| / (1 - pi_t) at the LM-head input: its own gradient over |w| (1 - pi), which
@@ -30,9 +31,10 @@ from tokendyn.probe.tokenloss import ProbeBatch, eval_mode, head_inputs
 from tokendyn.records import to_frame
 from tokendyn.vocab import TRAIN
 
-CONTEXT_TOKENS = (
-    8  # tokens decoded before each one, so that a decoder's rules at the text's start do not apply
-)
+# tokens decoded before each one, so that a decoder's rules at the text's start do not apply
+CONTEXT_TOKENS = 8
+# the view's shares are kept where the sample's add up to 1 within this (`shares_add_up`)
+SHARE_SUM_TOL = 1e-3
 
 
 def token_texts(tokenizer, ids: Sequence[int]) -> tuple[list[str], list[bool]]:
@@ -87,6 +89,14 @@ def head_ratios(model: nn.Module, batch: ProbeBatch) -> torch.Tensor | None:
     return out.view_as(batch.completion_mask).cpu()
 
 
+def shares_add_up(shares: torch.Tensor, mask: torch.Tensor, tol: float = SHARE_SUM_TOL) -> bool:
+    """Whether the per-token shares of the whole sample add up to 1 within ``tol``, as they do exactly in exact
+    arithmetic (sum_t <grad l_t, g> = ||g||^2). They do not where g is at its rounding level, e.g. every advantage
+    of the sample 0 and only a KL term at the reference policy left (measured: ||g|| = 5e-10, sum 0.83)."""
+    total = float(shares.detach().to(torch.float64)[mask.bool().to(shares.device)].sum())
+    return abs(total - 1.0) <= tol
+
+
 def view_rows(batch: ProbeBatch, n: int) -> int:
     """How many sequences the view keeps: the first min(n, B)."""
     return min(int(n), int(batch.completion_mask.size(0)))
@@ -109,6 +119,8 @@ def token_view_frame(
     """The `token_view` record of the first ``n`` sequences (module docstring): one row per scored token.
     ``groups``: (name, (B, C) mask) of Lopti's stages; the others are (B, C) tensors or None (column of nulls)."""
     rows = view_rows(batch, n)
+    if shares is not None and not shares_add_up(shares, batch.completion_mask):
+        shares = None  # g is at its rounding level: its shares are noise, not a decomposition
     mask = batch.completion_mask[:rows].bool().cpu()
     ids = batch.completion_ids[:rows].cpu()
     cols: dict[str, list] = {c: [] for c in ("seq", "pos", "token_id", "text", "special")}
