@@ -18,20 +18,10 @@ and writes the view's records once, printing the Parquet bytes per token and per
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
-
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from share_cost import timed  # median of repeats after one warm-up
 
 
 def main() -> None:

@@ -438,7 +438,7 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
 # `chunk_tokens(V)` tokens, whose float64 logits [n, V] take at most CHUNK_BYTES (Qwen2.5's V = 152,064: 220 tokens).
 CHUNK_BYTES = 1 << 28
 _SPLIT_OK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_HEAD_OK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head_inputs' one check per model
+_HEAD_OK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the same check with the soft cap modelled
 _ANALYSIS = contextvars.ContextVar("tokendyn_analysis_forward", default=False)
 
 
@@ -530,15 +530,20 @@ def _split(model: nn.Module, softcap: bool = False) -> tuple[nn.Module, nn.Linea
     return (backbone, head) if head_transform_supported(lm, softcap=softcap) else None
 
 
-def _split_checked(model: nn.Module, batch: ProbeBatch) -> tuple[nn.Module, nn.Linear] | None:
+def _split_checked(
+    model: nn.Module, batch: ProbeBatch, softcap: bool = False
+) -> tuple[nn.Module, nn.Linear] | None:
     """`_split`, confirmed once per model on the batch's first row: the head applied to the backbone's last hidden
-    state reproduces the model's own last logit within float rounding (a model that scales its hidden state or
-    logits in its forward, e.g. MiniCPM, falls back to the model's full forward, and so does a split whose
-    "backbone" output is not as wide as the head's input)."""
-    parts = _split(model)
+    state (and, with ``softcap``, the model's soft cap c tanh(z / c) after it) reproduces the model's own last logit
+    within float rounding (a model that scales its hidden state or logits in its forward, e.g. MiniCPM, falls back
+    to the model's full forward, and so does a split whose "backbone" output is not as wide as the head's input)."""
+    from tokendyn.probe.points import logit_softcap
+
+    parts = _split(model, softcap=softcap)
     if parts is None:
         return None
-    ok = _SPLIT_OK.get(model)
+    cache = _HEAD_OK if softcap else _SPLIT_OK
+    ok = cache.get(model)
     if ok is None:
         ids, mask = batch.input_ids[:1], batch.attention_mask[:1]
         with torch.no_grad(), eval_mode(model):
@@ -552,9 +557,22 @@ def _split_checked(model: nn.Module, batch: ProbeBatch) -> tuple[nn.Module, nn.L
             ok = h.dim() == 3 and h.size(-1) == parts[1].weight.size(1)
             if ok:
                 got = torch.nn.functional.linear(h[:, -1], parts[1].weight, parts[1].bias).float()
+                cap = logit_softcap(model) if softcap else None
+                if cap is not None:
+                    got = cap * torch.tanh(got / cap)
                 ok = bool(((got - want).abs().max() <= 1e-3 * want.abs().max() + 1e-6).item())
-        _SPLIT_OK[model] = ok
+        cache[model] = ok
     return parts if ok else None
+
+
+def _splittable(model: nn.Module) -> bool:
+    """Whether an analysis forward may stop at the backbone: not for a model with hooks on its own forward outside
+    `analysis_forward`, one sharded by FSDP2 (the root's hooks gather the embeddings, final norm and head: it is
+    called whole) or one dispatched by accelerate's hooks."""
+    from tokendyn.probe.parallel import fsdp_modules
+
+    hooked = bool(model._forward_hooks or model._forward_pre_hooks) and not _ANALYSIS.get()
+    return not (hooked or fsdp_modules(model) or hasattr(model, "_hf_hook"))
 
 
 def _features(model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tensor] | None) -> _Features:
@@ -564,10 +582,8 @@ def _features(model: nn.Module, batch: ProbeBatch, params: dict[str, torch.Tenso
     from tokendyn.probe.parallel import fsdp_modules, reshard
 
     c = batch.n_completion
-    hooked = bool(model._forward_hooks or model._forward_pre_hooks) and not _ANALYSIS.get()
-    # FSDP2: the root's hooks gather the embeddings, final norm and head: the model is called whole
     sharded = bool(fsdp_modules(model))
-    parts = None if hooked or sharded or hasattr(model, "_hf_hook") else _split_checked(model, batch)
+    parts = _split_checked(model, batch) if _splittable(model) else None
     if parts is not None:
         call = _Parts(model, *parts)
         args = (batch.input_ids, batch.attention_mask)
@@ -596,34 +612,11 @@ def head_inputs(
     """(h, W, b): the LM head's input for every completion token (B * C, H), row-major over (B, C), with the head's
     weight and bias, from one forward of the backbone (a soft-capped head included: the caller models the cap,
     `tokendyn.probe.points.logit_softcap`); None where the head is not a plain affine map of the backbone's output
-    (checked once on the batch's first row as `_split_checked` does), or the model is sharded or hooked."""
-    from tokendyn.probe.parallel import fsdp_modules
-    from tokendyn.probe.points import logit_softcap
-
-    hooked = bool(model._forward_hooks or model._forward_pre_hooks) and not _ANALYSIS.get()
-    parts = (
-        None if hooked or fsdp_modules(model) or hasattr(model, "_hf_hook") else _split(model, softcap=True)
-    )
+    (`_split_checked`), or the forward may not stop there (`_splittable`)."""
+    parts = _split_checked(model, batch, softcap=True) if _splittable(model) else None
     if parts is None:
         return None
     h, w, b = _Parts(model, *parts)(batch.input_ids, batch.attention_mask)
-    if h.dim() != 3 or h.size(-1) != w.size(1):
-        return None
-    ok = _HEAD_OK.get(model)
-    if ok is None:
-        with torch.no_grad():
-            want = model(
-                input_ids=batch.input_ids[:1], attention_mask=batch.attention_mask[:1], use_cache=False
-            )
-            want = (want.logits if hasattr(want, "logits") else want[0])[:, -1].double()
-            got = torch.nn.functional.linear(h[:1, -1], w, b).double()
-            cap = logit_softcap(model)
-            if cap is not None:
-                got = cap * torch.tanh(got / cap)
-            ok = bool(((got - want).abs().max() <= 1e-3 * want.abs().max() + 1e-6).item())
-        _HEAD_OK[model] = ok
-    if not ok:
-        return None
     c = batch.n_completion
     h = h[:, -(c + 1) : -1, :]
     return h.reshape(-1, h.size(-1)), w, b
