@@ -186,6 +186,54 @@ def test_influence_rows(model, batch):
     )
 
 
+@pytest.mark.parametrize(
+    "objective", [None, Objective(beta=0.04, loss_type="dapo", eps_low=0.2, eps_high=0.28)]
+)
+def test_influence_and_shares_from_one_set_of_gradients(model, batch, objective):
+    """The merged pass equals the two analyses run apart: every source's dpi bitwise (the same step from the same
+    theta_0), the per-bin and per-group norms and shares those of every g_b held at once (`bin_gradients`, K
+    backward passes of their own) to float32 rounding, the per-token shares those of `gradient_shares`; the model is
+    left bitwise as it was; with the fewer forward passes it exists for."""
+    from tokendyn.probe.influence import influence_and_shares
+    from tokendyn.probe.shares import bin_shares, gradient_shares
+
+    ref_batch = batch
+    if objective is not None:  # an off-policy batch with a reference policy near pi_old, for the KL term
+        from dataclasses import replace
+
+        old = completion_logp(model, batch).detach()
+        noise = 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1), dtype=old.dtype)
+        ref_batch = replace(batch.with_old_logp(old), ref_logp=old + noise)
+    snap = _snapshot(model)
+    backwards = []
+    layer = model.model.layers[-1]
+    hook = layer.register_full_backward_pre_hook(lambda *_: backwards.append(1))
+    try:
+        apart_inf = influence(model, ref_batch, lr=LR, objective=objective)
+        apart = gradient_shares(model, ref_batch, objective=objective)
+        n_apart = len(backwards)
+        backwards.clear()
+        inf, res = influence_and_shares(model, ref_batch, lr=LR, objective=objective)
+        n_merged = len(backwards)
+    finally:
+        hook.remove()
+    assert _unchanged(model, snap)
+    n_sources = sum(1 for _, b in apart_inf.deltas if b >= 0)
+    assert (n_apart, n_merged) == (2 * (n_sources + 1), n_sources + 1)  # the shares' backward passes are gone
+    assert set(inf.deltas) == set(apart_inf.deltas) and inf.source_counts == apart_inf.source_counts
+    for key, d in apart_inf.deltas.items():
+        assert torch.equal(inf.deltas[key], d), key
+    held = bin_shares(bin_gradients(model, ref_batch, objective=objective))
+    for name in ("grad_norm", "dot", "total_norm"):
+        got, want = getattr(res.bins, name), getattr(held, name)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-12), name
+    assert torch.allclose(res.bins.share, held.share, rtol=1e-5, atol=1e-7)
+    assert res.bins.groups == held.groups and res.bins.counts == held.counts
+    assert torch.allclose(res.tokens, apart.tokens, rtol=1e-5, atol=1e-9)
+    assert torch.allclose(res.bins.jvp_share, apart.bins.jvp_share, rtol=1e-5, atol=1e-9)
+    assert abs(float(res.tokens.sum()) - 1.0) < 1e-4
+
+
 def test_influence_per_lopti_stage(model, batch):
     low, high = lopti_stage_masks(batch, eta=0.5, pi_old=completion_probs(model, batch))
     res = influence(model, batch, stage_masks=(low, high), lr=LR)

@@ -133,6 +133,63 @@ def test_paired_dpi_equal_a_plain_torch_update_of_a_copy(setup):
     assert abs(shares - 1.0) < 1e-9  # s_t along the rule's own update sums to 1
 
 
+class Forwards:
+    """Counts the forward passes of the model's decoder (the LM head runs in chunks apart)."""
+
+    def __init__(self, model):
+        self.n = 0
+        self.handle = model.model.register_forward_hook(lambda *_: setattr(self, "n", self.n + 1))
+
+    def close(self):
+        self.handle.remove()
+
+
+@pytest.mark.parametrize("with_influence", [True, False])
+def test_the_analyses_full_step_is_the_base_rule_and_is_reused(setup, with_influence):
+    """The analyses' full step (`analyze_update`) handed to `compare_rules` as its base rule: every rule's dpi still
+    equals the plain-torch update of a copy, and with four forward passes fewer (pi at theta_0, the base step's
+    forward, its pi, its JVP); the base shares are the analyses' s_t along g. A Reweight run's step (other
+    advantages) or another lr is not reused."""
+    from dataclasses import replace
+
+    from tokendyn.probe.compare import reuses
+    from tokendyn.probe.rebalance import RebalanceOptions, analyze_update
+
+    model, batch = setup
+    opts = RebalanceOptions(lr=LR, influence=with_influence, token_shares=2)
+    frames, full = analyze_update(model, batch, step=0, options=opts, objective=BASE)
+    assert full is not None
+    names = ("base", "reweight", "lopti")
+    rules = [make_rule(n, BASE, alpha=ALPHA, eta=ETA) for n in names]
+    assert reuses(full, rules[0], batch, LR)
+    assert not reuses(full, rules[0], batch, LR * 2)
+    assert not reuses(full, rules[1], batch, LR)
+    assert not reuses(full, rules[0], replace(batch, advantages=batch.advantages * 1.5), LR)
+    counter = Forwards(model)
+    try:
+        fresh = compare_rules(model, batch, rules, modes=("equal_norm",), lr=LR)
+        n_fresh, counter.n = counter.n, 0
+        reused = compare_rules(model, batch, rules, modes=("equal_norm",), lr=LR, full=full)
+        n_reused = counter.n
+    finally:
+        counter.close()
+    print(f"forwards: {n_fresh} fresh, {n_reused} reusing the analyses' step")
+    assert n_fresh - n_reused == 4
+    for name in names:
+        want = plain_rule(model, batch, name)
+        got = reused[(name, "equal_norm")].delta
+        err = float((got - want).abs().max()) / float(want.abs().max())
+        assert err < 1e-8, (name, err)
+        a, b = reused[(name, "equal_norm")], fresh[(name, "equal_norm")]
+        assert abs(a.param_step / b.param_step - 1) < 1e-9, name
+        # a fresh base rule's shares are along the rounded displacement theta_r - theta_0 (float64 rounding of
+        # theta_0 - lr g, ~1e-16 |theta| against lr |g|), the reused ones along g itself: equal to ~1e-8
+        share_err = float((a.shares - b.shares).abs().max()) / float(b.shares.abs().max())
+        assert share_err < 1e-6, (name, share_err)
+    total = full.shares.sum()
+    assert torch.equal(reused[("base", "equal_norm")].shares, full.shares / total)
+
+
 def test_the_run_optimizer_is_copied_and_the_undo_is_bitwise(setup):
     model, batch = setup
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)

@@ -42,7 +42,7 @@ from tokendyn.hooks.model_fit import POSITIONS, check_fits, model_limits, positi
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.rollouts import Rollouts, read_rollouts
 from tokendyn.probe.probe import GradientProbe
-from tokendyn.probe.rebalance import analyze_batch
+from tokendyn.probe.rebalance import analyze_update
 from tokendyn.probe.shares import jvp_attention
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, eval_mode, token_loss
 from tokendyn.records import RecordWriter, write_frames
@@ -306,9 +306,9 @@ def _analyse(
     paired comparison in equal_norm mode (no run optimizer here)."""
     edges = probe.bins.edges
     edges = list(edges) if edges is not None else None
-    frames = {}
+    frames, full = {}, None
     if cfg.active_analyses:
-        frames = analyze_batch(
+        frames, full = analyze_update(
             model,
             batch,
             step=0,
@@ -324,7 +324,7 @@ def _analyse(
         from tokendyn.probe.tokenloss import pi_old
 
         rules = [make_rule(name, objective, seed=options.seed) for name in cfg.compare_rules]
-        results = compare_rules(model, batch, rules, modes=("equal_norm",), lr=cfg.lr)
+        results = compare_rules(model, batch, rules, modes=("equal_norm",), lr=cfg.lr, full=full)
         frames["paired"] = paired_frame(results, batch, pi_old(model, batch), as_edges(edges), step=0)
         if "token_view" in frames:
             from tokendyn.probe.token_view import token_rules_frame

@@ -37,7 +37,7 @@ from tokendyn.hooks.rollouts import dump_rollouts
 from tokendyn.probe.change import completion_probs, fix_pi_old, real_change
 from tokendyn.probe.parallel import is_fully_sharded
 from tokendyn.probe.probe import GradientProbe
-from tokendyn.probe.rebalance import analyze_batch, real_change_frame, stage_shares_frame
+from tokendyn.probe.rebalance import analyze_update, real_change_frame, stage_shares_frame
 from tokendyn.probe.shares import FSDP_NO_TOKEN_SHARES
 from tokendyn.probe.token_view import token_rules_frame, with_real_change
 from tokendyn.probe.tokenloss import Objective, ProbeBatch
@@ -209,7 +209,7 @@ class TrainerProbe(TrainerCallback):
         step = t.state.global_step
         self.probe.enabled = False  # the analyses' own forwards are not training passes
         try:
-            frames = analyze_batch(
+            frames, full = analyze_update(
                 model,
                 batch,
                 step=step,
@@ -221,7 +221,7 @@ class TrainerProbe(TrainerCallback):
                 tokenizer=getattr(t, "processing_class", None),
             )
             if self.config.compare_rules:
-                frames["paired"], results = self._paired(model, batch, sample, step)
+                frames["paired"], results = self._paired(model, batch, sample, step, full)
                 if "token_view" in frames:
                     frames["token_view_rules"] = token_rules_frame(results, frames["token_view"])
             if "real_change" in self.analyses:
@@ -236,11 +236,13 @@ class TrainerProbe(TrainerCallback):
             self.probe.enabled = True
         self._write(frames)
 
-    def _paired(self, model, batch: ProbeBatch, sample: dict, step: int):
+    def _paired(self, model, batch: ProbeBatch, sample: dict, step: int, full=None):
         """The paired comparison of ``compare_rules`` on the analysis sample (`tokendyn.probe.compare`), as its
         `paired` frame and the rules' results: the base rule
         is the run's loss on the advantages before Reweight; Reweight's alpha and Lopti's eta are the run's, else the
-        paper's 0.3 and 0.5; the optimizer mode steps a copy of the run's optimizer (not under FSDP2)."""
+        paper's 0.3 and 0.5; the optimizer mode steps a copy of the run's optimizer (not under FSDP2). ``full``: the
+        analyses' full step of the batch (`analyze_update`), reused as the base rule's equal_norm update when it is
+        that update (a GRPO run's; not Reweight's, whose analyses train on the reweighted advantages)."""
         from dataclasses import replace
 
         from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
@@ -260,7 +262,7 @@ class TrainerProbe(TrainerCallback):
         if is_fully_sharded(model) and "optimizer" in modes:
             modes = tuple(m for m in modes if m != "optimizer")
             self.probe.note("fsdp_no_optimizer_compare", FSDP_NO_OPTIMIZER_COMPARE, step=step)
-        results = compare_rules(model, batch, rules, modes=modes, lr=cfg.lr, optimizer=t.optimizer)
+        results = compare_rules(model, batch, rules, modes=modes, lr=cfg.lr, optimizer=t.optimizer, full=full)
         frame = paired_frame(results, batch, pi_old(model, batch), as_edges(self.edges), step=step)
         return frame, results
 

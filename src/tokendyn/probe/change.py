@@ -147,6 +147,7 @@ class InPlaceUpdate:
         self.optimizer_factory = optimizer
         self.start: HostSnapshot | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.last_gradient: HostSnapshot | None = None
         self._moved = False
 
     def __enter__(self) -> InPlaceUpdate:
@@ -162,20 +163,44 @@ class InPlaceUpdate:
         if self.start is not None:
             self.start.restore(self.params)
             reshard(self.model)
-        self.start, self.optimizer, self._moved = None, None, False
+        self.start, self.optimizer, self._moved, self.last_gradient = None, None, False, None
 
     def _sum_over_ranks(self, x: float) -> float:
         return float(sum_over_ranks(torch.tensor([x], dtype=torch.float64), self.model))
 
-    def step(self, batch: ProbeBatch, mask: torch.Tensor | None = None) -> float:
-        """One optimizer step on L_mask = sum_{t in mask} l_t (mask None: every token), in place. Returns L_mask."""
+    def step(
+        self,
+        batch: ProbeBatch,
+        mask: torch.Tensor | None = None,
+        *,
+        gradient: HostSnapshot | None = None,
+        keep_gradient: bool = False,
+        inspect: Callable[[list[torch.Tensor | None]], None] | None = None,
+    ) -> float:
+        """One optimizer step on L_mask = sum_{t in mask} l_t (mask None: every token), in place. Returns L_mask.
+        ``keep_gradient``: a host copy of the step's gradient is left in ``last_gradient`` (a `HostSnapshot`,
+        name -> tensor), for a later step from the same point: given as ``gradient``, that step skips the forward
+        and backward (Lopti's first stage from theta_0 again, at another learning rate) and returns NaN.
+        ``inspect``: called with the gradient (one tensor or None per trainable parameter, in `params` order; FSDP2:
+        this rank's shards) before the step, e.g. to reduce it to norms (`tokendyn.probe.influence`)."""
         tensors = list(self.params.values())
         reshard(self.model)
-        with eval_mode(self.model):
-            terms = token_loss(self.model, batch, self.objective).terms
-            loss = terms.sum() if mask is None else (terms * mask.to(terms.device, terms.dtype)).sum()
-            grads = gradients(self.model, loss, tensors)
-        del terms
+        loss = torch.tensor(float("nan"))
+        if gradient is not None:
+            grads = [gradient.tensors[n].to(local(p).device) for n, p in self.params.items()]
+        else:
+            with eval_mode(self.model):
+                terms = token_loss(self.model, batch, self.objective).terms
+                loss = terms.sum() if mask is None else (terms * mask.to(terms.device, terms.dtype)).sum()
+                grads = gradients(self.model, loss, tensors)
+            del terms
+        if inspect is not None:
+            inspect(grads)
+        if keep_gradient:
+            named = zip(self.params.items(), grads, strict=True)
+            self.last_gradient = HostSnapshot(
+                {n: torch.zeros_like(local(p)) if g is None else g for (n, p), g in named}
+            )
         kept = [p.grad for p in tensors]
         self._moved = True
         try:
@@ -236,11 +261,15 @@ class ChangeResult:
 
 
 @analysis_forward
-def fix_pi_old(model: nn.Module, batch: ProbeBatch) -> tuple[ProbeBatch, torch.Tensor]:
+def fix_pi_old(
+    model: nn.Module, batch: ProbeBatch, pi_before: torch.Tensor | None = None
+) -> tuple[ProbeBatch, torch.Tensor]:
     """(batch with old_logp set, pi_before): an on-policy batch gets pi_old = the current pi, fixed for every later
-    stage (as the trainer does: pi_old is not recomputed between Lopti stages)."""
+    stage (as the trainer does: pi_old is not recomputed between Lopti stages). ``pi_before``: pi at the current
+    parameters (`completion_probs`) when the caller measured it already, for a batch whose pi_old is fixed (no
+    forward then)."""
     if batch.old_logp is not None:
-        return batch, completion_probs(model, batch)
+        return batch, completion_probs(model, batch) if pi_before is None else pi_before
     logp, logp64 = loss_and_measured_logp(
         model, batch
     )  # pi_old: the loss's own log pi, ratio exactly 1 at start
@@ -256,6 +285,7 @@ def counterfactual_change(
     lr: float = 1e-3,
     optimizer: OptimizerFactory | None = None,
     objective: Objective | None = None,
+    pi_before: torch.Tensor | None = None,
 ) -> ChangeResult:
     """delta pi of every completion token after counterfactual update(s) of the parameters, made in place and
     undone exactly (`InPlaceUpdate`: the model is left bitwise as it was).
@@ -263,7 +293,7 @@ def counterfactual_change(
     ``stages``: (name, token mask or None for all tokens), applied in order with the same optimizer, each one
     step on L_mask = sum_{t in mask} l_t; default ``[("train", None)]``, the paper's one-step diagnostic. Lopti:
     ``[("low", low), ("high", high)]`` (`tokendyn.vocab`). ``optimizer``: params -> torch.optim.Optimizer; default
-    plain SGD(lr).
+    plain SGD(lr). ``pi_before``: as in `fix_pi_old`.
     """
     stages = [(TRAIN, None)] if stages is None else list(stages)
     if not stages:
@@ -271,7 +301,7 @@ def counterfactual_change(
     names = [s[0] for s in stages]
     if len(set(names)) != len(names) or LOPTI in names:
         raise ValueError(f"change: stage names must be distinct and not {LOPTI!r}, got {names}")
-    batch, pi0 = fix_pi_old(model, batch)
+    batch, pi0 = fix_pi_old(model, batch, pi_before)
     result = ChangeResult(pi0)
     before = pi0
     with InPlaceUpdate(model, optimizer or sgd(lr), objective) as update:

@@ -21,10 +21,12 @@ theta_0, `tokendyn.probe.shares.token_shares`). Records: `paired`, one row per
 (rule, mode, sequence, bin), sums that add up over sequences and steps, so intervals can be bootstrapped over
 (step, sequence) (`tokendyn.analysis.paired`).
 
-Cost per rule (equal_norm): one backward for ||g_r|| and one per stage for the step (Lopti: twice, for the norm
-correction), one forward for pi, one JVP for the shares. Memory: that of `InPlaceUpdate` (host snapshot, one gradient,
-the optimizer copy's state in optimizer mode) plus one parameter-sized displacement for the shares' JVP
-(``shares=False`` drops it).
+Cost per rule (equal_norm): one forward and backward per stage for the step (Lopti: its second stage twice, for the
+norm correction; its first stage's gradient at theta_0 is kept in host memory and reused), one forward for pi, one
+JVP for the shares. The base rule's equal_norm step is the analyses' own full counterfactual step (plain SGD at lr on
+the whole loss): handed over as a `FullUpdate`, it costs nothing more. Memory: that of `InPlaceUpdate` (host
+snapshot, one gradient, the optimizer copy's state in optimizer mode; Lopti: one gradient more in host memory) plus
+one parameter-sized displacement for the shares' JVP (``shares=False`` drops it).
 """
 
 from __future__ import annotations
@@ -173,14 +175,65 @@ def _set_lr(update: InPlaceUpdate, lr: float) -> None:
         group["lr"] = lr
 
 
-def _apply(update: InPlaceUpdate, batch: ProbeBatch, objective: Objective, stages) -> None:
+def _apply(update: InPlaceUpdate, batch: ProbeBatch, objective: Objective, stages, *, first=None, keep=False):
+    """The rule's stages, in place. ``keep``: the first stage's gradient at theta_0 is kept in
+    ``update.last_gradient``; ``first``: such a gradient from an earlier pass (that stage's forward and backward
+    skipped)."""
     update.objective = objective
-    for mask in stages:
-        update.step(batch, mask)
+    for i, mask in enumerate(stages):
+        if i == 0:
+            update.step(batch, mask, gradient=first, keep_gradient=keep)
+        else:
+            update.step(batch, mask)
 
 
 def _displacement(update: InPlaceUpdate) -> dict[str, torch.Tensor]:
     return {n: local(p).detach() - update.start.tensors[n].to(p.device) for n, p in update.params.items()}
+
+
+@dataclass(frozen=True)
+class FullUpdate:
+    """The analyses' full counterfactual step of one batch (plain SGD at ``lr`` on the whole loss from theta_0,
+    pi_old fixed: `tokendyn.probe.rebalance.analyze_update`), which is also the base rule's equal_norm update:
+    the batch with pi_old fixed, pi at theta_0 (B, C) float64, dpi of every token after the step (B, C) float64,
+    ||g|| (float64) and the per-token shares s_t = <grad l_t, g> / ||g||^2 (B, C)."""
+
+    batch: ProbeBatch
+    objective: Objective
+    lr: float
+    pi0: torch.Tensor
+    delta: torch.Tensor
+    grad_norm: float
+    shares: torch.Tensor | None
+
+
+def reuses(full: FullUpdate, rule: Rule, batch: ProbeBatch, lr: float) -> bool:
+    """Whether ``full`` is ``rule``'s equal_norm update on ``batch`` at ``lr``: one stage, no Reweight, the same
+    objective, the same completions, mask and advantages, the same lr."""
+    b = full.batch
+    same_rule = rule.eta is None and not rule.alpha and rule.objective == full.objective
+    if not (same_rule and float(lr) == float(full.lr) and full.grad_norm > 0):
+        return False
+    if (b.temperature, b.normalizer) != (batch.temperature, batch.normalizer):
+        return False
+    tensors = (
+        "input_ids",
+        "attention_mask",
+        "completion_mask",
+        "advantages",
+        "ref_logp",
+        "sampling_logp",
+        "is_ratio",
+    )
+    if not all(_same(getattr(b, n), getattr(batch, n)) for n in tensors):
+        return False
+    return batch.old_logp is None or _same(b.old_logp, batch.old_logp)  # None: pi_old fixed by the analyses
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and torch.equal(a, b.to(a.device))
 
 
 @dataclass
@@ -205,16 +258,27 @@ def compare_rules(
     lr: float = 1e-3,
     optimizer: torch.optim.Optimizer | None = None,
     shares: bool = True,
+    full: FullUpdate | None = None,
 ) -> dict[tuple[str, str], RuleResult]:
     """(rule name, mode) -> `RuleResult`, every rule from the same theta_0 and pi_old (module docstring). The model's
     parameters (bitwise), ``.grad`` and ``optimizer`` (and its state) are left as they were. The first rule is
-    the reference of the paired differences and of equal_norm's target (usually "base")."""
+    the reference of the paired differences and of equal_norm's target (usually "base").
+
+    ``full``: the analyses' full counterfactual update of this batch (`tokendyn.probe.rebalance.analyze_update`).
+    When it is the first rule's equal_norm update (`reuses`: one stage, no Reweight, the same objective, advantages
+    and lr), that rule's result is taken from it instead of being recomputed: its dpi, ||g|| (so the target
+    T = lr ||g||), its shares (the analyses' s_t along g, over their sum) and ||dtheta|| / ||theta_0|| = lr ||g|| /
+    ||theta_0||; and pi at theta_0 is the analyses' (no forward)."""
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"compare: mode must be one of {', '.join(MODES)}, got {mode!r}")
     if "optimizer" in modes and optimizer is None:
         raise ValueError("compare: mode 'optimizer' needs the run's optimizer")
-    batch, pi0 = fix_pi_old(model, batch)
+    reuse = full is not None and bool(rules) and reuses(full, rules[0], batch, lr)
+    if reuse:
+        batch, pi0 = full.batch, full.pi0
+    else:
+        batch, pi0 = fix_pi_old(model, batch)
     mask = batch.completion_mask
     out: dict[tuple[str, str], RuleResult] = {}
     for mode in modes:
@@ -225,7 +289,18 @@ def compare_rules(
         with InPlaceUpdate(model, factory) as update:
             theta0 = update.start_norm2**0.5
             target = None
-            for rule in rules:
+            for i, rule in enumerate(rules):
+                if reuse and i == 0 and mode == "equal_norm":
+                    target = lr * full.grad_norm
+                    total = float(full.shares.sum()) if full.shares is not None else 0.0
+                    out[(rule.name, mode)] = RuleResult(
+                        full.delta,
+                        full.shares / total if shares and total != 0 else None,
+                        target / theta0 if theta0 > 0 else float("nan"),
+                        lr,
+                        1.0,
+                    )
+                    continue
                 rb, stages = rule_batch(rule, batch), rule_stages(rule, batch)
                 step_lr, ratio = None, None
                 if mode == "optimizer":
@@ -240,16 +315,19 @@ def compare_rules(
                 else:  # Lopti's two stages at one lr: plain SGD at lr, then that lr corrected once to the target
                     update.optimizer.target = None
                     _set_lr(update, lr)
-                    _apply(update, rb, rule.objective, stages)
+                    _apply(update, rb, rule.objective, stages, keep=True)
                     achieved = update.relative_step() * theta0
                     step_lr = lr
                     if target is None:
                         target = achieved
                     elif achieved > 0:
+                        first = update.last_gradient  # stage 1 from theta_0 again: the same gradient
                         update.load(update.initial())
                         step_lr = lr * target / achieved
                         _set_lr(update, step_lr)
-                        _apply(update, rb, rule.objective, stages)
+                        _apply(update, rb, rule.objective, stages, first=first)
+                        del first
+                    update.last_gradient = None
                 pi = update.probs(batch)
                 step = update.relative_step()
                 if mode == "equal_norm":

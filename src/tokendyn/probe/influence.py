@@ -23,6 +23,7 @@ parameter copy.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,8 +32,17 @@ from torch import nn
 
 from tokendyn.probe.bins import bin_bounds
 from tokendyn.probe.change import InPlaceUpdate, OptimizerFactory, delta_summary, fix_pi_old, sgd
-from tokendyn.probe.shares import as_edges
-from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index
+from tokendyn.probe.parallel import fsdp_modules
+from tokendyn.probe.shares import (
+    FSDP_NO_TOKEN_SHARES,
+    BinSplit,
+    GroupSums,
+    ShareResult,
+    as_edges,
+    parameter_group,
+    with_token_shares,
+)
+from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index, trainable_parameters
 from tokendyn.records import to_frame
 from tokendyn.vocab import HIGH, LOW, TRAIN
 
@@ -121,13 +131,15 @@ def influence(
     optimizer: OptimizerFactory | None = None,
     objective: Objective | None = None,
     sources: Sequence[int] | None = None,
+    pi_before: torch.Tensor | None = None,
 ) -> InfluenceResult:
     """delta pi of every token after a counterfactual update restricted to each source bin (module docstring).
 
     ``stage_masks``: None (one update stage "train") or the two Lopti stage masks, in the run's order, named
     ``stage_names`` (low, high; high, low for the reversed order). ``sources``: the source bins to run (default all bins); source -1 (all tokens of the stage) is
     always run. Cost per stage: (len(sources) + 1) x (forward + backward + optimizer step + forward).
-    ``optimizer``: params -> torch.optim.Optimizer, default plain SGD(lr)."""
+    ``optimizer``: params -> torch.optim.Optimizer, default plain SGD(lr). ``pi_before``: as in
+    `tokendyn.probe.change.fix_pi_old`."""
     edges_t = as_edges(edges)
     k = edges_t.numel() - 1
     sources = list(range(k)) if sources is None else sorted({int(s) for s in sources})
@@ -144,7 +156,7 @@ def influence(
         stages = [
             (n, m.bool().to(valid.device) & valid) for n, m in zip(stage_names, stage_masks, strict=True)
         ]
-    batch, pi_start = fix_pi_old(model, batch)
+    batch, pi_start = fix_pi_old(model, batch, pi_before)
     bins = bin_index(torch.exp(batch.old_logp.to(torch.float64)), valid, edges_t)
     deltas: dict[tuple[str, int], torch.Tensor] = {}
     counts: dict[tuple[str, int], int] = {}
@@ -174,6 +186,70 @@ def influence(
         {key: counts[key] for key in ordered},
         lr if optimizer is None else None,
     )
+
+
+@analysis_forward
+def influence_and_shares(
+    model: nn.Module,
+    batch: ProbeBatch,
+    edges: torch.Tensor | tuple[float, ...] | list[float] | None = None,
+    *,
+    lr: float = 1e-3,
+    objective: Objective | None = None,
+    per_token: bool = True,
+    pi_before: torch.Tensor | None = None,
+) -> tuple[InfluenceResult, ShareResult]:
+    """`influence` (one update stage, plain SGD at lr) and `gradient_shares` (method "stream") from the same
+    gradients. Each source's counterfactual step is made with g_b = grad L_b, the gradient the shares need, and the
+    full update with g: so the shares' per-group ||g||^2, ||g_b||^2 and <g_b, g> (float64, `GroupSums`) are taken
+    from the steps' own gradients, and their separate forward and K + 1 backward passes are not made. The full
+    update runs first (its g is kept on the device while the sources run: two parameter-sized gradients at a time,
+    as the stream method holds), each source then starts from theta_0 restored bitwise. Results: those of the two
+    functions (each source's update from the same theta_0 with the same gradient; the shares up to the rounding of a
+    backward through a separate forward). Cost: (K + 1) x (forward + backward + step + forward) and the JVP."""
+    edges_t = as_edges(edges)
+    k = edges_t.numel() - 1
+    valid = batch.completion_mask
+    batch, pi_start = fix_pi_old(model, batch, pi_before)
+    pi_old = torch.exp(batch.old_logp.to(torch.float64))
+    bins = bin_index(pi_old, valid, edges_t)
+    if per_token and fsdp_modules(model):
+        warnings.warn(FSDP_NO_TOKEN_SHARES, stacklevel=2)
+        per_token = False
+    deltas: dict[tuple[str, int], torch.Tensor] = {}
+    counts: dict[tuple[str, int], int] = {}
+    total: list[torch.Tensor | None] = []
+    with InPlaceUpdate(model, sgd(lr), objective) as update:
+        names = list(update.params)
+        sums = GroupSums(names, [parameter_group(n) for n in names], k)
+
+        def keep_total(g: list[torch.Tensor | None]) -> None:
+            sums.add_total(g)
+            total.extend(g)
+
+        loss = update.step(batch, valid, inspect=keep_total)
+        deltas[(TRAIN, -1)] = _masked(update.probs(batch) - pi_start, valid)
+        counts[(TRAIN, -1)] = int(valid.sum())
+        for src in range(k):
+            mask = valid & (bins == src)
+            if not bool(mask.any()):
+                continue
+            update.load(update.initial())
+            update.step(batch, mask, inspect=lambda gb, b=src: sums.add_bin(b, gb, total))
+            deltas[(TRAIN, src)] = _masked(update.probs(batch) - pi_start, valid)
+            counts[(TRAIN, src)] = int(mask.sum())
+    split = BinSplit(names, [parameter_group(n) for n in names], edges_t, bins, pi_old, loss, None)
+    shares = sums.reduce(model).shares(split)
+    direction = None
+    if per_token and float(shares.total_norm[0]) > 0:
+        params = trainable_parameters(model)
+        direction = {
+            n: torch.zeros_like(params[n]) if g is None else g for n, g in zip(names, total, strict=True)
+        }
+    total.clear()
+    ordered = dict(sorted(deltas.items(), key=lambda kv: (kv[0][0], kv[0][1])))
+    result = InfluenceResult(edges_t, bins, batch, ordered, {key: counts[key] for key in ordered}, lr)
+    return result, with_token_shares(model, batch, split, shares, direction, objective)
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ from torch import nn
 
 from tokendyn.config import TOKEN_SHARES_PER_BIN
 from tokendyn.probe.change import change_frame, counterfactual_change, fix_pi_old, real_change
-from tokendyn.probe.influence import influence
+from tokendyn.probe.compare import FullUpdate
+from tokendyn.probe.influence import influence, influence_and_shares
 from tokendyn.probe.shares import METHODS, as_edges, gradient_shares
 from tokendyn.probe.token_sample import token_shares_frame
 from tokendyn.probe.token_view import head_ratios, token_view_frame, view_rows
@@ -76,8 +77,13 @@ def _stages(stage_masks: Sequence[torch.Tensor] | None, order: str) -> list[tupl
     return [(stage_name(1, order), stage_masks[0]), (stage_name(2, order), stage_masks[1])]
 
 
+def analyze_batch(model: nn.Module, batch: ProbeBatch, **keywords) -> dict[str, pl.DataFrame]:
+    """The analyses' frames of one batch: `analyze_update` (the same keywords) without its full step."""
+    return analyze_update(model, batch, **keywords)[0]
+
+
 @analysis_forward
-def analyze_batch(
+def analyze_update(
     model: nn.Module,
     batch: ProbeBatch,
     *,
@@ -89,33 +95,58 @@ def analyze_batch(
     stage_masks: Sequence[torch.Tensor] | None = None,
     lopti_order: str = "low_first",
     tokenizer=None,
-) -> dict[str, pl.DataFrame]:
-    """The `shares`, `token_shares`, `prob_change` (counterfactual, and "sweep" rows for ``options.lr_sweep``) and
-    `influence` frames of one batch, for the analyses switched on. ``stage_masks``: the two Lopti stage masks in the
-    run's order ``lopti_order`` (then the counterfactual update and the influence matrix run per stage, update stages
-    low / high and lopti for both), or None (update stage train). The model is left bitwise as it was (the
-    counterfactual updates are made in place and undone, `tokendyn.probe.change.InPlaceUpdate`); ``.grad`` and any
-    optimizer are untouched. ``tokenizer``: decodes the `token_view` tokens (else their text is empty)."""
+) -> tuple[dict[str, pl.DataFrame], FullUpdate | None]:
+    """The `shares`, `token_shares`, `prob_change` (counterfactual, and "sweep" rows for ``options.lr_sweep``),
+    `influence` and `token_view` frames of one batch, for the analyses switched on, and the full counterfactual step
+    it made (`tokendyn.probe.compare.FullUpdate`: the base rule's equal_norm update of the paired comparison, which
+    then need not make it again; None when it made none, or with Lopti's stages, no per-token shares, a zero
+    gradient). ``stage_masks``: the two Lopti stage masks in the run's order ``lopti_order`` (then the
+    counterfactual update and the influence matrix run per stage, update stages low / high and lopti for both), or
+    None (update stage train). The model is left bitwise as it was (the counterfactual updates are made in place
+    and undone, `tokendyn.probe.change.InPlaceUpdate`); ``.grad`` and any optimizer are untouched. ``tokenizer``:
+    decodes the `token_view` tokens (else their text is empty). With the influence matrix and the shares both on
+    (one update stage, method "stream") they come from one set of gradients (`influence_and_shares`)."""
     opts = options or RebalanceOptions()
     edges_t = as_edges(edges)
-    batch, _ = fix_pi_old(model, batch)  # pi_old fixed once for every analysis
+    batch, pi0 = fix_pi_old(model, batch)  # pi_old fixed once for every analysis
     pi_old = torch.exp(batch.old_logp.to(torch.float64))
     bins = bin_index(pi_old, batch.completion_mask, edges_t)
     frames: dict[str, pl.DataFrame] = {}
     all_delta = None
     stages = _stages(stage_masks, lopti_order)
-    if opts.influence:
+    want_shares = opts.shares or opts.token_shares > 0
+    res = None
+    if opts.influence and want_shares and stage_masks is None and opts.share_method == "stream":
+        # one set of gradients for both: each source's step is made with the g_b the shares reduce
+        inf, res = influence_and_shares(
+            model,
+            batch,
+            edges_t,
+            lr=opts.lr,
+            objective=objective,
+            per_token=opts.token_shares > 0,
+            pi_before=pi0,
+        )
+    elif opts.influence:
         names = tuple(n for n, _ in stages) if stage_masks is not None else (LOW, HIGH)
         inf = influence(
-            model, batch, edges_t, stage_masks=stage_masks, stage_names=names, lr=opts.lr, objective=objective
+            model,
+            batch,
+            edges_t,
+            stage_masks=stage_masks,
+            stage_names=names,
+            lr=opts.lr,
+            objective=objective,
+            pi_before=pi0,
         )
+    if opts.influence:
         frames["influence"] = inf.to_frame(step, stage)
         deltas = {name: inf.deltas[(name, -1)] for name, _ in stages}
         if len(stages) > 1:
             deltas[LOPTI] = sum(deltas.values())
         main = None
     elif opts.prob_change:
-        main = counterfactual_change(model, batch, stages, lr=opts.lr, objective=objective)
+        main = counterfactual_change(model, batch, stages, lr=opts.lr, objective=objective, pi_before=pi0)
         deltas = main.delta
     else:
         deltas, main = {}, None
@@ -130,14 +161,13 @@ def analyze_batch(
         ]  # fmt: skip
         full = TRAIN if stage_masks is None else LOPTI
         for lr in opts.lr_sweep:
-            res = counterfactual_change(model, batch, stages, lr=lr, objective=objective)
+            swept = counterfactual_change(model, batch, stages, lr=lr, objective=objective, pi_before=pi0)
             parts.append(
-                change_frame(res.delta[full], batch, bins, edges_t, step=step, stage=stage, update="sweep",
-                             update_stage=full, lr=lr, param_step=res.param_step[full])
+                change_frame(swept.delta[full], batch, bins, edges_t, step=step, stage=stage, update="sweep",
+                             update_stage=full, lr=lr, param_step=swept.param_step[full])
             )  # fmt: skip
         frames["prob_change"] = pl.concat(parts)
-    res = None
-    if opts.shares or opts.token_shares:
+    if want_shares and res is None:
         res = gradient_shares(
             model,
             batch,
@@ -146,6 +176,7 @@ def analyze_batch(
             method=opts.share_method,
             per_token=opts.token_shares > 0,
         )
+    if res is not None:
         if opts.shares:
             frames["shares"] = res.bins.to_frame(step, stage)
         if res.tokens is not None:
@@ -177,7 +208,18 @@ def analyze_batch(
             groups=[(name, m) for name, m in stages if m is not None],
             head_ratio=head_ratios(model, batch.select(slice(0, n))),
         )
-    return frames
+    full = None
+    if stage_masks is None and all_delta is not None and res is not None and res.tokens is not None:
+        full = FullUpdate(
+            batch,
+            objective or Objective(),
+            float(opts.lr),
+            pi0,
+            all_delta,
+            float(res.bins.total_norm[0]),
+            res.tokens,
+        )
+    return frames, full
 
 
 @analysis_forward

@@ -491,15 +491,29 @@ def gradient_shares(
     else:
         grads = bin_gradients(model, batch, edges, objective=objective, method=method, token_mask=token_mask)
         shares, total = bin_shares(grads), None
-    tokens = None
+    direction = None
     if per_token and float(shares.total_norm[0]) > 0:  # g = 0 (no advantage, no KL gradient): s_t undefined
         direction = total if total is not None else grads.total()
-        del total
+    del total
+    return with_token_shares(model, batch, grads, shares, direction, objective)
+
+
+def with_token_shares(
+    model: nn.Module,
+    batch: ProbeBatch,
+    split: BinSplit,
+    shares: BinShares,
+    direction: dict[str, torch.Tensor] | None,
+    objective: Objective | None,
+) -> ShareResult:
+    """The `ShareResult` of ``split`` and ``shares``, with the per-token JVP shares s_t along ``direction`` (g; None:
+    none), zero outside the loss's tokens, and their per-bin sums in ``shares.jvp_share``."""
+    tokens = None
+    if direction is not None:
         tokens = token_shares(model, batch, direction, objective=objective)
-        del direction
-        if grads.token_mask is not None:
-            tokens = torch.where(grads.token_mask, tokens, torch.zeros_like(tokens))
-        shares.jvp_share = torch.stack([tokens[grads.in_loss(b)].sum() for b in range(grads.n_bins)]).to(
+        if split.token_mask is not None:
+            tokens = torch.where(split.token_mask, tokens, torch.zeros_like(tokens))
+        shares.jvp_share = torch.stack([tokens[split.in_loss(b)].sum() for b in range(split.n_bins)]).to(
             torch.float64
         )
-    return ShareResult(grads, shares, tokens)
+    return ShareResult(split, shares, tokens)
