@@ -6,6 +6,8 @@ compare ratios, not seconds). Targets (issue 25): the whole step with every anal
 each compared rule <= +0.15x of the whole step.
 
     python bench/compare_cost.py [--rollouts 3] [--modes equal_norm optimizer]
+
+With both modes (the default) it also times the three rules in equal_norm alone (the study's setting).
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ def main() -> None:
             "probe_compare_modes": args.modes,
         },
     }
+    if args.modes != ["equal_norm"]:  # the study's mode alone, beside the default of both
+        variants["+ compare the three, equal_norm only"] = {
+            **probed,
+            "probe_compare_rules": ["base", "reweight", "lopti"],
+            "probe_compare_modes": ["equal_norm"],
+        }
     results = {name: run_variant(extra, args.rollouts, args.people) for name, extra in variants.items()}
     off = results["plain step"]
     print(f"compare modes: {', '.join(args.modes)}; {args.rollouts} timed rollouts per variant")
@@ -52,6 +60,12 @@ def main() -> None:
     )
     per_rule = (three["whole"] - one["whole"]) / 2 / off["whole"]
     print(f"each further compared rule (reweight, lopti): +{per_rule:.3f} x the plain step (<= 0.15)")
+    if "+ compare the three, equal_norm only" in results:
+        en = results["+ compare the three, equal_norm only"]
+        print(
+            f"every analysis + three compared rules, equal_norm only / plain, whole step: "
+            f"{en['whole'] / off['whole']:.3f}; per rule +{(en['whole'] - full['whole']) / 3 / off['whole']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -104,8 +104,11 @@ def test_quick_study_end_to_end_and_resume(tmp_path, capsys):
     report = out / "study.md"
     assert str(report) in capsys.readouterr().out
     text = report.read_text()
-    for section in ("## Accuracy", "## Per bin", "## What reproduces", "fig3_correct_ratio.png"):
+    for section in ("## Accuracy", "## Per bin", "## What reproduces", "## Paired comparison per bin",
+                    "fig3_correct_ratio.png"):  # fmt: skip
         assert section in text
+    paired = pl.read_parquet(out / "tables" / "paired_bins.parquet")
+    assert set(paired["rule"]) == {"reweight", "lopti"} and paired.height == 2 * 4
     walls = sum(json.loads(m.read_text())["wall_time_s"] for m in out.rglob(DONE))
     assert f"Wall time of its runs and evaluations: {walls:,.0f} s." in text
     acc = pl.read_parquet(out / "tables" / "accuracy.parquet")
@@ -133,6 +136,47 @@ def test_quick_study_end_to_end_and_resume(tmp_path, capsys):
     with pytest.raises(ValueError, match="rollouts 1 vs 2"):
         study(out, with_size(QUICK, rollouts=2), say=lambda m: None)
     assert json.loads(markers[0].read_text())["study"]["rollouts"] == 1
+
+
+def test_paired_bins_table_is_the_pooled_ratio_difference():
+    """Per remedy and bin: the paired estimate is sum(rose) / sum(decided) of the remedy's update minus the base's,
+    pooled over every (seed, step) of GRPO's `paired` units; across runs, the remedy's runs minus GRPO's (written
+    out here from the arrays); every estimate inside its interval."""
+    from tokendyn.analysis.study import Unit, paired_bins_table
+
+    rng = np.random.default_rng(5)
+    bins = [(0.0, 0.5), (0.5, 1.0)]
+
+    def counts(steps):
+        d = rng.integers(30, 60, (steps, 2)).astype(float)
+        return rng.binomial(d.astype(int), 0.6).astype(float), d
+
+    seeds = np.array([0, 0, 0, 1, 1, 1])
+    paired = {}
+    for rule in ("base", "reweight", "lopti"):
+        paired[f"up_pos_{rule}"], paired[f"d_pos_{rule}"] = counts(6)
+    correct = {}
+    for m in ("grpo", "reweight", "lopti"):
+        up, d = counts(6)
+        correct[m] = Unit(seeds, {"up_pos": up, "d_pos": d}, bins)
+    units = {"grpo": {"paired": Unit(seeds, paired, bins), "correct": correct["grpo"]}}
+    units.update({m: {"correct": correct[m]} for m in ("reweight", "lopti")})
+    table = paired_bins_table(units, n_boot=300)
+    assert table.height == 4 and set(table["rule"]) == {"reweight", "lopti"}
+    for row in table.iter_rows(named=True):
+        r, b = row["rule"], row["bin"]
+        ratio = lambda up, d, b=b: up[:, b].sum() / d[:, b].sum()  # noqa: E731
+        want = ratio(paired[f"up_pos_{r}"], paired[f"d_pos_{r}"]) - ratio(
+            paired["up_pos_base"], paired["d_pos_base"]
+        )
+        assert row["paired"] == pytest.approx(want, abs=1e-12)
+        c, g = correct[r].values, correct["grpo"].values
+        assert row["across_runs"] == pytest.approx(
+            ratio(c["up_pos"], c["d_pos"]) - ratio(g["up_pos"], g["d_pos"]), abs=1e-12
+        )
+        assert row["paired_lo"] <= row["paired"] <= row["paired_hi"]
+        assert row["across_lo"] <= row["across_runs"] <= row["across_hi"]
+        assert row["pi_old"] == ("[0, 0.5)" if b == 0 else "[0.5, 1]")
 
 
 def test_markdown_keeps_pipes_inside_cells():

@@ -6,6 +6,7 @@ step (the same tokens summed must give the same numbers)."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -99,7 +100,7 @@ def test_the_trainer_records_every_token_of_the_view(tiny_model_dir, tmp_path):
     run = load_run(tmp_path / "run")
     view = run["token_view"].collect()
     rules = run["token_view_rules"].collect()
-    assert sorted(set(view["step"])) == [1, 2] or sorted(set(view["step"])) == [0, 1]
+    assert sorted(set(view["step"])) == [0, 1]  # global_step before each of the two optimizer steps
     assert view.select(pl.struct("step", "seq", "pos").is_unique().all()).item()
     assert view["dpi_real"].null_count() == 0 and view["dpi_cf"].null_count() == 0
     assert view["share"].null_count() == 0 and view["head_ratio"].null_count() == 0
@@ -133,6 +134,24 @@ def test_the_trainer_records_every_token_of_the_view(tiny_model_dir, tmp_path):
     assert ((both["sum_dpi"] - both["delta_pi"]).abs() < 1e-12).all()
 
 
+def test_a_rollout_cut_short_keeps_its_view_with_dpi_real_null(tiny_model_dir, tmp_path):
+    """max_steps inside a probed rollout (two optimizer steps per rollout, training stops after the first): the real
+    change of the whole rollout never comes, and the view is written when training ends, dpi_real null."""
+    from test_trainer import _config, _trainer
+
+    from tokendyn import load_run
+
+    options = dict(max_steps=1, probe_every=1, probe_sample_sequences=2, probe_view_sequences=2)
+    cfg = _config(
+        tmp_path, steps_per_generation=4, **options
+    )  # 2 micro-batches per step: 2 steps per rollout
+    _trainer(tiny_model_dir, cfg).train()
+    view = load_run(tmp_path / "run")["token_view"].collect()
+    assert view.height > 0 and set(view["step"]) == {0} and set(view["seq"]) == {0, 1}
+    assert view["dpi_real"].null_count() == view.height
+    assert view["dpi_cf"].null_count() == 0 and view["share"].null_count() == 0
+
+
 def test_view_command_names_a_bad_input_in_one_line(tmp_path, capsys):
     from tokendyn.cli import main
 
@@ -144,12 +163,32 @@ def test_view_command_names_a_bad_input_in_one_line(tmp_path, capsys):
         ([str(run), "--out", str(tmp_path / "page.txt")], "--out must name an .html file"),
         ([str(run)], "token view: needs `token_view` records"),
     ]
+    broken = tmp_path / "broken"
+    (broken / "records").mkdir(parents=True)
+    (broken / "run.json").write_text('{"method": "GRPO"}')
+    (broken / "records" / "token_view-rank000-000000.parquet").write_bytes(b"PAR1 not a parquet file")
+    cases.append(([str(broken)], "run_dirs: unreadable records"))
     for argv, message in cases:
         code = main(["view", *argv])
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and message in err, (argv, err)
         assert err.startswith("tokendyn view: error:")
-    assert not (run / "view.html").exists()
+    assert not (run / "view.html").exists() and not (broken / "view.html").exists()
+
+
+def test_written_files_get_the_mode_open_would_give(tmp_path):
+    """atomic_write's temp file is 0600; the file it leaves is 0666 less the umask, like a plain open (a report or
+    view others on the machine can read)."""
+    import os
+
+    from tokendyn.common import atomic_write
+
+    old = os.umask(0o022)
+    try:
+        path = atomic_write(tmp_path / "page.html", lambda tmp: Path(tmp).write_text("x"))
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def test_an_offline_probe_records_the_view_with_its_text(tiny_model_dir, tmp_path):

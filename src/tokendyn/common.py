@@ -38,12 +38,16 @@ def check_writable(path: str | os.PathLike, field: str) -> Path:
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     """The one atomic writer: call ``write(tmp_path)`` on a hidden temp file beside ``path``, fsync it, then rename
-    it onto ``path`` (os.replace, atomic on POSIX): readers see the old file or the new one, never a partial one."""
+    it onto ``path`` (os.replace, atomic on POSIX): readers see the old file or the new one, never a partial one.
+    The file gets the mode a plain ``open`` would create (0666 less the umask), not the temp file's 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
+        os.chmod(
+            tmp, 0o666 & ~_umask()
+        )  # mkstemp's 0600 -> the mode open() would give (0644 under umask 022)
         write(tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
@@ -52,6 +56,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_json(path: str | os.PathLike, obj) -> Path:

@@ -497,8 +497,12 @@ def _two_method_units(a: Unit, b: Unit) -> Unit:
 
 def _top_correct_difference(a: Unit, b: Unit, n_boot: int) -> tuple[float, float, float]:
     """correct[top] of b minus a, resampling each method's seeds and steps."""
+    return _correct_difference(a, b, n_boot, len(a.bins) - 1)
+
+
+def _correct_difference(a: Unit, b: Unit, n_boot: int, k: int) -> tuple[float, float, float]:
+    """correct[bin k] of b minus a, resampling each method's seeds and steps."""
     both = _two_method_units(a, b)
-    k = len(a.bins) - 1
     if min(sum(len(g) for g in _with_data(u)) for u in (a, b)) < MIN_UNITS:  # each side needs an interval
         return (float("nan"), float("nan"), float("nan"))
 
@@ -509,6 +513,65 @@ def _top_correct_difference(a: Unit, b: Unit, n_boot: int) -> tuple[float, float
         return cb - ca
 
     return bootstrap_units(_with_data(both), stat, n_boot, min_units=MIN_UNITS)
+
+
+def _unit_stat(
+    u: Unit | None, stat: Callable[[dict[str, np.ndarray]], float], n_boot: int
+) -> tuple[float, float, float]:
+    """stat of the per-step arrays of ``u`` with its bootstrap interval over (seed, probed step)."""
+    if u is None:
+        return (float("nan"),) * 3
+    return bootstrap_units(
+        _with_data(u), lambda idx: stat({c: x[idx] for c, x in u.values.items()}), n_boot, min_units=MIN_UNITS
+    )
+
+
+def _paired_correct(rule: str, b: int) -> Callable[[dict[str, np.ndarray]], float]:
+    """correct[b] of ``rule``'s update minus the base rule's, on the same tokens (the `paired` units)."""
+
+    def stat(v: dict[str, np.ndarray]) -> float:
+        ours = correct_stat({"up_pos": v[f"up_pos_{rule}"], "d_pos": v[f"d_pos_{rule}"]})[b]
+        base = correct_stat({"up_pos": v["up_pos_base"], "d_pos": v["d_pos_base"]})[b]
+        return float(ours - base)
+
+    return stat
+
+
+def _sign(lo: float, hi: float) -> str:
+    """Where the interval lies: "> 0", "< 0", "holds 0", or "no data"."""
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return NO_DATA
+    return "> 0" if lo > 0 else "< 0" if hi < 0 else "holds 0"
+
+
+def paired_bins_table(units: dict[str, dict[str, Unit | None]], n_boot: int = N_BOOT) -> pl.DataFrame:
+    """Per remedy and bin of pi_old: the correct ratio (A > 0, ties apart) of the remedy's update minus GRPO's
+    from the same GRPO states at equal ||dtheta|| (paired: the `paired` records of the GRPO runs, intervals over
+    seeds and probed steps), beside the same difference across separate runs (the remedy's runs minus GRPO's,
+    each method's seeds and steps resampled)."""
+    grpo = units.get("grpo", {})
+    pr, cr = grpo.get("paired"), grpo.get("correct")
+    if pr is None:
+        return pl.DataFrame()
+    rows = []
+    for rule in (r for r in PAIRED_RULES if r != "base"):
+        other = units.get(rule, {}).get("correct")
+        for b, (lo_edge, hi_edge) in enumerate(pr.bins):
+            est, lo, hi = _unit_stat(pr, _paired_correct(rule, b), n_boot)
+            a_est, a_lo, a_hi = (
+                _correct_difference(cr, other, n_boot, b)
+                if cr is not None and other is not None
+                else (float("nan"),) * 3
+            )
+            rows.append(
+                {"rule": rule, "bin": b, "pi_old": f"[{lo_edge:g}, {hi_edge:g}{']' if hi_edge >= 1 else ')'}",
+                 "paired": est, "paired_lo": lo, "paired_hi": hi, "paired_sign": _sign(lo, hi),
+                 "across_runs": a_est, "across_lo": a_lo, "across_hi": a_hi, "across_sign": _sign(a_lo, a_hi)}
+            )  # fmt: skip
+    return pl.DataFrame(rows).with_columns(
+        [pl.when(pl.col(c).is_nan()).then(None).otherwise(pl.col(c)).alias(c)
+         for c in ("paired", "paired_lo", "paired_hi", "across_runs", "across_lo", "across_hi")]
+    )  # fmt: skip
 
 
 def reproduces_table(
@@ -523,14 +586,7 @@ def reproduces_table(
     def unit_stat(
         u: Unit | None, stat: Callable[[dict[str, np.ndarray]], float]
     ) -> tuple[float, float, float]:
-        if u is None:
-            return nan3
-        return bootstrap_units(
-            _with_data(u),
-            lambda idx: stat({c: x[idx] for c, x in u.values.items()}),
-            n_boot,
-            min_units=MIN_UNITS,
-        )
+        return _unit_stat(u, stat, n_boot)
 
     sh, cr = grpo.get("shares"), grpo.get("correct")
 
@@ -566,13 +622,7 @@ def reproduces_table(
         )
     pr = grpo.get("paired")
     for m in ("reweight", "lopti"):
-
-        def paired_top(v, m=m):
-            rule = correct_stat({"up_pos": v[f"up_pos_{m}"], "d_pos": v[f"d_pos_{m}"]})[-1]
-            base = correct_stat({"up_pos": v["up_pos_base"], "d_pos": v["d_pos_base"]})[-1]
-            return float(rule - base)
-
-        ours.append(unit_stat(pr, paired_top))
+        ours.append(unit_stat(pr, _paired_correct(m, -1)))
     for m in ("reweight", "lopti"):
         has = evals is not None and evals.height and {m, "grpo"} <= set(evals["method"].unique().to_list())
         ours.append(paired_difference(evals, m, "grpo", "greedy", n_boot) if has else nan3)

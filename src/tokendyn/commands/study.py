@@ -254,8 +254,16 @@ def write_study(out: Path, size: StudySize) -> Path:
     units = {m: A.load_units({s: str(out / "runs" / f"{m}-s{s}") for s in size.seeds}) for m in size.methods}
     bins = A.method_bins_table(units, size.n_boot)
     repro = A.reproduces_table(evals, units, size.n_boot)
+    paired = A.paired_bins_table(units, size.n_boot)
     (out / "tables").mkdir(parents=True, exist_ok=True)
-    for name, df in (("evaluations", evals), ("accuracy", acc), ("bins", bins), ("reproduces", repro)):
+    tables = (
+        ("evaluations", evals),
+        ("accuracy", acc),
+        ("bins", bins),
+        ("reproduces", repro),
+        ("paired_bins", paired),
+    )
+    for name, df in tables:
         if df.height:
             write_parquet(df, out / "tables" / f"{name}.parquet")
     figs = out / "figures"
@@ -273,7 +281,7 @@ def write_study(out: Path, size: StudySize) -> Path:
         for d in dirs
         if (d / DONE).is_file()
     ]
-    text = study_markdown(size, acc, bins, repro, [p.relative_to(out) for p in written], sum(walls))
+    text = study_markdown(size, acc, bins, repro, [p.relative_to(out) for p in written], sum(walls), paired)
     path = out / "study.md"
     from tokendyn.common import atomic_write
 
@@ -281,7 +289,9 @@ def write_study(out: Path, size: StudySize) -> Path:
     return path
 
 
-def study_markdown(size: StudySize, acc, bins, repro, figures, wall_s: float | None = None) -> str:
+def study_markdown(
+    size: StudySize, acc, bins, repro, figures, wall_s: float | None = None, paired=None
+) -> str:
     import polars as pl
 
     from tokendyn.analysis.study import VERDICT_RULE, markdown
@@ -309,6 +319,16 @@ def study_markdown(size: StudySize, acc, bins, repro, figures, wall_s: float | N
     if bins.height:
         lines += [markdown(bins), ""]
     lines += ["## What reproduces", "", VERDICT_RULE, "", markdown(repro), ""]
+    if paired is not None and paired.height:
+        lines += [
+            "## Paired comparison per bin: correct ratio (A > 0) of the remedy's update minus GRPO's",
+            "",
+            "paired: from the same GRPO states and batches, every rule's update at GRPO's ||dtheta|| (equal_norm); "
+            "across_runs: the remedy's own runs minus GRPO's. 95 % intervals over seeds and probed steps.",
+            "",
+            markdown(paired),
+            "",
+        ]
     lines += [f"![{f.stem}]({f.as_posix()})" for f in figures]
     return "\n".join(lines) + "\n"
 

@@ -44,10 +44,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not check_inputs("view", args.run_dirs, out):
         return 2
+    import polars as pl
+
     try:
         page = view_page(load_runs(args.run_dirs))
     except MissingRecords as exc:
         print(f"tokendyn view: error: {exc}", file=sys.stderr)
+        return 2
+    except (pl.exceptions.PolarsError, OSError) as exc:  # a record file that is not a readable parquet
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"tokendyn view: error: run_dirs: unreadable records ({first})", file=sys.stderr)
         return 2
     atomic_write(out, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
     print(f"view: {out} ({len(page.encode('utf-8')) / 1e6:.2f} MB)")

@@ -341,8 +341,15 @@ class TrainerProbe(TrainerCallback):
             self.probe.end_step()
 
     def close(self) -> None:
-        """End the last probed micro-batch (its backward has run), then detach and write every record."""
+        """End the last probed micro-batch (its backward has run), then detach and write every record. A probed
+        rollout whose last optimizer step never came (max_steps inside it) has no real change to read: its token
+        view is written with dpi_real null, not lost."""
         self.end()
+        if self._pending_real is not None:
+            view = self._pending_real[3]
+            self._pending_real = None
+            if view is not None:
+                self._write({"token_view": view})
         self.probe.detach()
         self.writer.flush()
 
