@@ -155,7 +155,7 @@ def test_the_view_page_in_chromium(browser, lopti_run, tmp_path):
     page.mouse.move(0, 0)
 
     # the quantity recolours: pi_old paints each token its bin's colour (the figures' palette), A by its sign
-    bins = page.evaluate("JSON.parse(document.getElementById('tv-data').textContent).bins")
+    bins = page.evaluate("JSON.parse(document.getElementById('tv-data').textContent).runs[0].bins")
     assert all(HEX.match(b["color"]) for b in bins)
     page.select_option("#tv-quantity", "pi_old")
     backgrounds = tokens.evaluate_all("ts => ts.map(t => getComputedStyle(t).backgroundColor)")
@@ -234,3 +234,34 @@ def test_text_from_the_records_is_never_markup(browser, tmp_path):
     shown = p.page.locator("#tv-seqs .tv-tok").all_inner_texts()
     assert shown == evil
     assert p.errors == [] and p.left_the_file() == []
+
+
+def test_switching_runs_switches_their_bins(browser, lopti_run, tiny_model_dir, tmp_path):
+    """A page of two runs binned differently: the second run's bin filters and pi_old colours are its own."""
+    from test_trainer import _config, _trainer
+
+    from tokendyn.cli import main
+
+    options = dict(max_steps=1, probe_every=1, probe_sample_sequences=2, probe_view_sequences=2)
+    _trainer(tiny_model_dir, _config(tmp_path / "halves", probe_bins="0,0.5,1", **options)).train()
+    halves = tmp_path / "halves" / "run"
+    out = tmp_path / "two.html"
+    assert main(["view", str(lopti_run), str(halves), "--out", str(out)]) == 0
+    p = Page(browser, out)
+    page = p.page
+    assert page.locator("#tv-bins input").count() == 4
+    page.select_option("#tv-run", "1")
+    assert page.locator("#tv-bins input").count() == 2
+    labels = page.locator("#tv-bins label").all_inner_texts()
+    assert [t.strip() for t in labels] == ["[0, 0.5)", "[0.5, 1]"]
+    bins = page.evaluate("JSON.parse(document.getElementById('tv-data').textContent).runs[1].bins")
+    page.select_option("#tv-quantity", "pi_old")
+    view = load_run(halves)["token_view"].collect().sort("step", "seq", "pos")
+    shown = view.filter(pl.col("step") == int(view["step"].min()))
+    tokens = page.locator("#tv-seqs .tv-tok")
+    backgrounds = tokens.evaluate_all("ts => ts.map(t => getComputedStyle(t).backgroundColor)")
+    assert backgrounds == [_rgb(bins[b]["color"]) for b in shown["bin"]]
+    page.uncheck("#tv-bins input[data-bin='1']")  # the filter of run 2's top bin dims exactly its tokens
+    dimmed = tokens.evaluate_all("ts => ts.map(t => t.classList.contains('tv-dim'))")
+    assert dimmed == [b == 1 for b in shown["bin"]]
+    assert not p.errors and not p.left_the_file()

@@ -152,6 +152,28 @@ def test_a_rollout_cut_short_keeps_its_view_with_dpi_real_null(tiny_model_dir, t
     assert view["dpi_cf"].null_count() == 0 and view["share"].null_count() == 0
 
 
+def test_each_run_of_a_page_keeps_its_own_bins(tiny_model_dir, tmp_path):
+    """Two runs binned differently (4 quarter bins; 2 halves) on one page: each run's bins are its own records'
+    edges and its tokens' bins index them (the first run's edges are not used for the second)."""
+    from test_trainer import _config, _trainer
+
+    from tokendyn.figures.data import load_runs
+    from tokendyn.figures.view import view_data
+
+    dirs = []
+    for name, bins in (("quarters", "0,0.25,0.5,0.75,1"), ("halves", "0,0.5,1")):
+        options = dict(max_steps=1, probe_every=1, probe_sample_sequences=2, probe_view_sequences=2)
+        cfg = _config(tmp_path / name, probe_bins=bins, **options)
+        _trainer(tiny_model_dir, cfg).train()
+        dirs.append(str(tmp_path / name / "run"))
+    data = view_data(load_runs(dirs))
+    edges = [[(b["lo"], b["hi"]) for b in r["bins"]] for r in data["runs"]]
+    assert edges == [[(0.0, 0.25), (0.25, 0.5), (0.5, 0.75), (0.75, 1.0)], [(0.0, 0.5), (0.5, 1.0)]]
+    for run, n in zip(data["runs"], (4, 2), strict=True):
+        used = {b for step in run["steps"] for seq in step["seqs"] for b in seq["bin"]}
+        assert used <= set(range(n)) and len(run["bins"]) == n
+
+
 def test_view_command_names_a_bad_input_in_one_line(tmp_path, capsys):
     from tokendyn.cli import main
 

@@ -105,11 +105,13 @@ def view_data(records: Records) -> dict:
         raise MissingRecords("token view", ["token_view"], "train with --probe_view_sequences N (default 4)")
     all_rules = records.get("token_view_rules")
     runs = []
-    n_bins = int(tokens["bin"].max()) + 1 if tokens["bin"].max() is not None else 1
     for label in records.labels:
         t = tokens.filter(pl.col("run") == label).sort("step", "seq", "pos")
         if not t.height:
             continue
+        n_bins = int(t["bin"].max()) + 1 if t["bin"].max() is not None else 1
+        edges = _edges(records, n_bins, label)
+        bins = [{"lo": lo, "hi": hi, "color": c} for (lo, hi), c in zip(edges, _hex(bin_colors(n_bins)), strict=True)]
         r = all_rules.filter(pl.col("run") == label) if all_rules is not None else None
         qs = quantities(t, r)
         rule_cols = {}
@@ -132,11 +134,9 @@ def view_data(records: Records) -> dict:
                 cols = {c: _clean(q[c].to_list()) for c in (*COLUMNS, *rule_cols)}
                 seqs.append({"seq": int(seq), "pos": q["pos"].to_list(), **cols})
             steps.append({"step": int(step), "seqs": seqs})
-        runs.append({"label": label, "quantities": qs, "steps": steps})
-    edges = _edges(records, n_bins)
+        runs.append({"label": label, "quantities": qs, "steps": steps, "bins": bins})
     return {
         "runs": runs,
-        "bins": [{"lo": lo, "hi": hi, "color": c} for (lo, hi), c in zip(edges, _hex(bin_colors(n_bins)), strict=True)],
         "colors": {"neg": OKABE_ITO[3], "pos": OKABE_ITO[0], "correct": OKABE_ITO[2], "wrong": OKABE_ITO[0],
                    "tie": "#bdbdbd", "low": OKABE_ITO[0], "high": OKABE_ITO[3]},
     }  # fmt: skip
@@ -148,13 +148,14 @@ def _hex(colors) -> list[str]:
     return [to_hex(c) for c in colors]
 
 
-def _edges(records: Records, n: int) -> list[tuple[float, float]]:
-    """The bins' edges, from the binned records of the same runs (`shares` or `prob_change`), else n equal ones."""
+def _edges(records: Records, n: int, label: str) -> list[tuple[float, float]]:
+    """The bins' edges of run ``label``, from its binned records (`prob_change`, `shares` or `token_shares`), else
+    n equal ones (runs may bin differently)."""
     for kind in ("prob_change", "shares", "token_shares"):
         df = records.get(kind)
         if df is not None and "bin_lo" in df.columns:
             e = (
-                df.filter(pl.col("bin") >= 0)
+                df.filter((pl.col("bin") >= 0) & (pl.col("run") == label))
                 .group_by("bin")
                 .agg(pl.col("bin_lo").first(), pl.col("bin_hi").first())
             )
@@ -246,7 +247,7 @@ SCRIPT = r"""
     ["group", "Lopti group"], ["share", "update share"], ["dpi_cf", "Δπ counterfactual"],
     ["dpi_real", "Δπ real"], ["head_ratio", "own gradient / (1 − π)"],
   ];
-  const state = { run: 0, step: 0, quantity: null, sign: "all", bins: new Set(data.bins.map((_, i) => i)) };
+  const state = { run: 0, step: 0, quantity: null, sign: "all", bins: new Set(data.runs[0].bins.map((_, i) => i)) };
 
   function fmt(x) {
     if (x === null || x === undefined) return "–";
@@ -276,7 +277,7 @@ SCRIPT = r"""
   function colour(seq, k, q) {  // [background, dark?]
     const v = value(seq, k, q), C = data.colors;
     if (v === null || v === undefined) return ["transparent", false];
-    if (q.kind === "bins") { const c = data.bins[seq.bin[k]].color; return [c, dark(c, 1)]; }
+    if (q.kind === "bins") { const c = run().bins[seq.bin[k]].color; return [c, dark(c, 1)]; }
     if (q.kind === "direction") return [C[v], v !== "tie" && dark(C[v], 1)];
     if (q.kind === "group") return [mix(C[v], 0.55), false];
     const s = q.scale || 1;
@@ -307,12 +308,12 @@ SCRIPT = r"""
   function bins() {
     const box = $("tv-bins");
     box.querySelectorAll("label").forEach((l) => l.remove());
-    data.bins.forEach((b, i) => {
+    run().bins.forEach((b, i) => {
       const l = el("label"), c = el("input");
       c.type = "checkbox"; c.checked = state.bins.has(i); c.value = i; c.dataset.bin = i;
       c.addEventListener("change", () => { c.checked ? state.bins.add(i) : state.bins.delete(i); paint(); });
       const sw = el("span", "tv-swatch"); sw.style.background = b.color;
-      l.append(c, sw, document.createTextNode("[" + b.lo + ", " + b.hi + (i === data.bins.length - 1 ? "]" : ")") + " "));
+      l.append(c, sw, document.createTextNode("[" + b.lo + ", " + b.hi + (i === run().bins.length - 1 ? "]" : ")") + " "));
       box.append(l);
     });
   }
@@ -320,7 +321,7 @@ SCRIPT = r"""
     const q = quantity(), L = $("tv-legend"), C = data.colors;
     L.replaceChildren();
     const item = (color, text) => { const s = el("span"), w = el("span", "tv-swatch"); w.style.background = color; s.append(w, document.createTextNode(text)); L.append(s); };
-    if (q.kind === "bins") data.bins.forEach((b, i) => item(b.color, "π_old in [" + b.lo + ", " + b.hi + (i === data.bins.length - 1 ? "]" : ")")));
+    if (q.kind === "bins") run().bins.forEach((b, i) => item(b.color, "π_old in [" + b.lo + ", " + b.hi + (i === run().bins.length - 1 ? "]" : ")")));
     else if (q.kind === "direction") { item(C.correct, "correct (Δπ has the sign of A)"); item(C.wrong, "wrong"); item(C.tie, "tie (Δπ = 0)"); }
     else if (q.kind === "group") { item(mix(C.low, 0.55), "low (π_old < η)"); item(mix(C.high, 0.55), "high"); }
     else {
@@ -339,7 +340,7 @@ SCRIPT = r"""
     const out = FIELDS.map(([key, label]) => {
       let v = key === "token" ? JSON.stringify(seq.text[k]) : seq[key][k];
       if (key === "token_id") v = String(v);
-      if (key === "bin" && v !== null) { const b = data.bins[v]; v = v + " [" + b.lo + ", " + b.hi + ")"; }
+      if (key === "bin" && v !== null) { const b = run().bins[v]; v = v + " [" + b.lo + ", " + b.hi + ")"; }
       return [label, key, v];
     });
     run().quantities.filter((q) => q.rule).forEach((q) => out.push([q.label, q.key, value(seq, k, q)]));
@@ -404,7 +405,10 @@ SCRIPT = r"""
     });
     legend();
   }
-  $("tv-run").addEventListener("change", (e) => { state.run = +e.target.value; state.step = 0; controls(); draw(); });
+  $("tv-run").addEventListener("change", (e) => {
+    state.run = +e.target.value; state.step = 0; state.bins = new Set(run().bins.map((_, i) => i));
+    controls(); bins(); draw();
+  });
   $("tv-step").addEventListener("change", (e) => { state.step = +e.target.value; draw(); });
   $("tv-quantity").addEventListener("change", (e) => { state.quantity = e.target.value; paint(); });
   $("tv-sign").addEventListener("change", (e) => { state.sign = e.target.value; paint(); });
