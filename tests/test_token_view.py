@@ -85,6 +85,56 @@ def test_token_texts_join_to_the_decoded_sequence(tiny_model_dir):
     assert token_texts(None, [3, 4]) == (["", ""], [False, False])
 
 
+def test_a_tool_masked_hole_keeps_its_neighbours_text(tiny_model_dir):
+    """A completion with an unscored token inside it (a tool's output, masked out of the loss), here the first byte
+    of "ü": the scored tokens' texts are the pieces of the whole completion's decoding at their positions (the
+    second byte completes "ü"), not of the scored ids decoded alone (where it completes nothing)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tokendyn.probe.token_view import token_view_frame
+
+    tok = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    ids = tok(" Oliver says ü so Zoey is a knave", add_special_tokens=False)["input_ids"]
+    c = len(ids)
+    hole = next(k for k, i in enumerate(ids) if tok.decode([i]) == "\ufffd")  # the first byte of "ü"
+    prompt = tok("Who?", add_special_tokens=False)["input_ids"]
+    full = torch.tensor([prompt + ids])
+    scored = torch.ones(1, c, dtype=torch.bool)
+    scored[0, hole] = False
+    batch = ProbeBatch(full, torch.ones_like(full), scored, torch.ones(1, dtype=torch.float64), temperature=T)
+    pi = torch.full((1, c), 0.5, dtype=torch.float64)
+    frame = token_view_frame(batch, 1, step=0, pi_old=pi, bins=torch.where(scored, 2, -1), tokenizer=tok)
+    pieces, _ = token_texts(tok, ids)
+    assert frame["pos"].to_list() == [k for k in range(c) if k != hole]
+    assert frame["text"].to_list() == [pieces[k] for k in frame["pos"].to_list()]
+    assert frame.filter(pl.col("pos") == hole + 1)["text"].item() == "ü"
+    alone, _ = token_texts(tok, [ids[k] for k in frame["pos"].to_list()])
+    assert "ü" not in alone
+
+
+def test_a_decoder_that_rewrites_its_prefix_recovers():
+    """A decoder whose text for a longer prefix does not extend the shorter one (here: every decode upper-cases
+    its first character): at most CONTEXT_TOKENS tokens are left empty, then a fresh window gives text again."""
+    from tokendyn.probe.token_view import CONTEXT_TOKENS
+
+    class Rewriting:
+        all_special_ids: list[int] = []
+
+        def decode(self, ids, **_):
+            text = "".join(f" w{i}" for i in ids)
+            return text[:2].upper() + text[2:] if len(ids) > 3 else text
+
+    texts, _ = token_texts(Rewriting(), list(range(40)))
+    assert len(texts) == 40
+    first = texts.index("")
+    assert any(texts[first + CONTEXT_TOKENS + 1 :])  # text again after the first rewrite
+    runs, run = [], 0
+    for x in texts:
+        run = run + 1 if x == "" else 0
+        runs.append(run)
+    assert max(runs) <= CONTEXT_TOKENS + 1
+
+
 def test_the_trainer_records_every_token_of_the_view(tiny_model_dir, tmp_path):
     """A run with the view on every sampled sequence, the comparison and the real change: every scored token once
     per step; summed over a bin the view's dpi_cf and dpi_real give the `prob_change` records' means, its shares

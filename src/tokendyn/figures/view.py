@@ -111,7 +111,10 @@ def view_data(records: Records) -> dict:
             continue
         n_bins = int(t["bin"].max()) + 1 if t["bin"].max() is not None else 1
         edges = _edges(records, n_bins, label)
-        bins = [{"lo": lo, "hi": hi, "color": c} for (lo, hi), c in zip(edges, _hex(bin_colors(n_bins)), strict=True)]
+        bins = [
+            {"lo": lo, "hi": hi, "color": c}
+            for (lo, hi), c in zip(edges, _hex(bin_colors(n_bins)), strict=True)
+        ]
         r = all_rules.filter(pl.col("run") == label) if all_rules is not None else None
         qs = quantities(t, r)
         rule_cols = {}

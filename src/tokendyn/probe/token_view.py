@@ -41,7 +41,8 @@ def token_texts(tokenizer, ids: Sequence[int]) -> tuple[list[str], list[bool]]:
     """Each token's text as it appears in the decoded sequence, and whether it is a special token: piece_t =
     decode(ids[s:t+1]) minus its prefix decode(ids[s:t]), s = t - CONTEXT_TOKENS (so a leading space a decoder
     strips at the start of a text is kept, and whitespace is the tokenizer's own). A token that ends inside a
-    multi-byte character gets "" and the character goes to the token that completes it. No tokenizer: "" each."""
+    multi-byte character gets "" and the character goes to the token that completes it; a decoder that rewrites its
+    prefix leaves at most CONTEXT_TOKENS tokens empty before a fresh window starts. No tokenizer: "" each."""
     ids = [int(i) for i in ids]
     if tokenizer is None:
         return [""] * len(ids), [False] * len(ids)
@@ -50,18 +51,20 @@ def token_texts(tokenizer, ids: Sequence[int]) -> tuple[list[str], list[bool]]:
     def decode(part: list[int]) -> str:
         return tokenizer.decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    texts, start, prefix, pending = [], 0, "", False
+    texts, start, prefix, pending = [], 0, "", 0
     for t in range(len(ids)):
-        if not pending and t - start > CONTEXT_TOKENS:
+        if pending > CONTEXT_TOKENS:  # a decoder that keeps rewriting its prefix: start a fresh window here
+            start, prefix, pending = t, "", 0
+        elif not pending and t - start > CONTEXT_TOKENS:
             start = t - CONTEXT_TOKENS
             prefix = decode(ids[start:t])
         full = decode(ids[start : t + 1])
         if full.endswith("\ufffd") or not full.startswith(prefix):
             texts.append("")  # an incomplete character (or a decoder that rewrites its prefix): nothing yet
-            pending = True
+            pending += 1
             continue
         texts.append(full[len(prefix) :])
-        prefix, pending = full, False
+        prefix, pending = full, 0
     return texts, [i in special for i in ids]
 
 
@@ -123,15 +126,19 @@ def token_view_frame(
         shares = None  # g is at its rounding level: its shares are noise, not a decomposition
     mask = batch.completion_mask[:rows].bool().cpu()
     ids = batch.completion_ids[:rows].cpu()
+    # the completion's real tokens (scored or not: a tool's output inside it is text too), decoded in order
+    real = batch.attention_mask[:rows, -batch.n_completion :].bool().cpu() | mask
     cols: dict[str, list] = {c: [] for c in ("seq", "pos", "token_id", "text", "special")}
     for i in range(rows):
         pos = torch.nonzero(mask[i]).flatten()
-        texts, special = token_texts(tokenizer, ids[i][mask[i]].tolist())
+        shown = torch.nonzero(real[i]).flatten()
+        texts, special = token_texts(tokenizer, ids[i][shown].tolist())
+        scored = mask[i][shown].tolist()
         cols["seq"] += [i] * len(pos)
         cols["pos"] += pos.tolist()
         cols["token_id"] += ids[i][pos].tolist()
-        cols["text"] += texts
-        cols["special"] += special
+        cols["text"] += [x for x, on in zip(texts, scored, strict=True) if on]
+        cols["special"] += [x for x, on in zip(special, scored, strict=True) if on]
 
     def take(x: torch.Tensor | None) -> list:
         if x is None:
