@@ -184,6 +184,25 @@ def test_the_trainer_records_every_token_of_the_view(tiny_model_dir, tmp_path):
     assert ((both["sum_dpi"] - both["delta_pi"]).abs() < 1e-12).all()
 
 
+@pytest.mark.parametrize("order", ["low_first", "high_first"])
+def test_a_view_smaller_than_the_sample_and_lopti_groups_token_by_token(tiny_model_dir, tmp_path, order):
+    """The view keeps the first probe_view_sequences of a larger analysis sample, and each token's Lopti group is
+    its own pi_old against eta (low: pi_old < eta), in either stage order."""
+    from test_trainer import _config, _trainer
+
+    from tokendyn import load_run
+
+    eta = 0.5
+    options = dict(max_steps=2, probe_every=1, probe_sample_sequences=4, probe_view_sequences=2)
+    cfg = _config(tmp_path, lopti_eta=eta, lopti_order=order, **options)
+    _trainer(tiny_model_dir, cfg).train()
+    view = load_run(tmp_path / "run")["token_view"].collect()
+    assert view.height > 0 and set(view["seq"]) == {0, 1}
+    want = pl.when(pl.col("pi_old") < eta).then(pl.lit("low")).otherwise(pl.lit("high"))
+    assert view.select((pl.col("group") == want).all()).item()
+    assert {"low", "high"} <= set(view["group"])
+
+
 def test_a_rollout_cut_short_keeps_its_view_with_dpi_real_null(tiny_model_dir, tmp_path):
     """max_steps inside a probed rollout (two optimizer steps per rollout, training stops after the first): the real
     change of the whole rollout never comes, and the view is written when training ends, dpi_real null."""
