@@ -243,6 +243,36 @@ def test_each_run_of_a_page_keeps_its_own_bins(tiny_model_dir, tmp_path):
         assert used <= set(range(n)) and len(run["bins"]) == n
 
 
+def test_the_report_view_keeps_the_latest_steps_within_its_cap(tmp_path):
+    """view_data(max_tokens): each run keeps its latest probed steps within its equal part of the cap (at least the
+    last one), says what it left out, and the fragment carries that note; no cap: every step."""
+    from tokendyn.figures.data import Records, RunInfo
+    from tokendyn.figures.view import view_data, view_fragment
+
+    def run(label, steps, per_step):
+        n = len(steps) * per_step
+        return pl.DataFrame(
+            {
+                "run": [label] * n, "step": [s for s in steps for _ in range(per_step)], "stage": ["train"] * n,
+                "seq": [0] * n, "pos": list(range(per_step)) * len(steps), "token_id": [1] * n, "text": ["a"] * n,
+                "special": [False] * n, "bin": [0] * n, "pi_old": [0.1] * n, "advantage": [1.0] * n,
+                "group": [None] * n, "share": [None] * n, "dpi_cf": [0.0] * n, "dpi_real": [None] * n,
+                "head_ratio": [1.0] * n,
+            }
+        )  # fmt: skip
+
+    frame = pl.concat([run("a", [0, 2, 4, 6], 10), run("b", [1, 3], 30)])
+    records = Records([RunInfo(tmp_path, "a", "a"), RunInfo(tmp_path, "b", "b")], {"token_view": frame})
+    full = view_data(records)
+    assert full["trimmed"] == {} and [len(r["steps"]) for r in full["runs"]] == [4, 2]
+    capped = view_data(records, max_tokens=50)  # 25 per run
+    assert [[s["step"] for s in r["steps"]] for r in capped["runs"]] == [[4, 6], [3]]
+    assert capped["trimmed"] == {"a": (2, 4), "b": (1, 2)}
+    html = view_fragment(records, 50)
+    assert "a: the last 2 of 4 probed steps; b: the last 1 of 2 probed steps" in html
+    assert "tokendyn view RUN_DIR" in html and "the last" not in view_fragment(records)
+
+
 def test_view_command_names_a_bad_input_in_one_line(tmp_path, capsys):
     from tokendyn.cli import main
 

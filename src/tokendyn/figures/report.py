@@ -25,6 +25,10 @@ from tokendyn.figures.data import ANALYSIS_KINDS, MissingRecords, Records, load_
 from tokendyn.figures.tables import TABLES
 from tokendyn.figures.view import view_fragment
 
+# the report's token view keeps at most this many tokens (~85 bytes each on the page: ~8.5 MB), the latest probed
+# steps of each run; `tokendyn view` writes all of them
+REPORT_VIEW_TOKENS = 100_000
+
 FORMATS = ("png", "svg", "pdf")
 REPORT = "report.html"
 
@@ -199,7 +203,7 @@ def build_report(
     if records.get("token_view") is None:
         result.notes["token_view"] = _skip_note(MissingRecords("token view", ["token_view"]))
     else:
-        view = _safe(lambda: view_fragment(records), strict, "token view")
+        view = _safe(lambda: view_fragment(records, REPORT_VIEW_TOKENS), strict, "token view")
         if view is None:
             result.notes["token_view"] = "Not drawn: the token view failed (see the warning)."
     result.path.write_text(

@@ -97,18 +97,35 @@ def quantities(tokens: pl.DataFrame, rules: pl.DataFrame | None) -> list[dict]:
     return out
 
 
-def view_data(records: Records) -> dict:
+def latest_steps(tokens: pl.DataFrame, budget: int) -> pl.DataFrame:
+    """One run's tokens of its latest probed steps that fit in ``budget`` tokens (at least the last step)."""
+    sizes = tokens.group_by("step").len().sort("step", descending=True)
+    keep, total = [], 0
+    for step, n in sizes.iter_rows():
+        if keep and total + n > budget:
+            break
+        keep.append(step)
+        total += n
+    return tokens.filter(pl.col("step").is_in(keep))
+
+
+def view_data(records: Records, max_tokens: int | None = None) -> dict:
     """Everything the page shows, as JSON values: per run, its quantities and scales, and per probed step its
-    sequences with one array per column (and per compared rule)."""
+    sequences with one array per column (and per compared rule). ``max_tokens``: at most that many tokens over all
+    runs, each run keeping its latest probed steps within its equal part (``trimmed``: run -> (steps kept, steps))."""
     tokens = records.get("token_view")
     if tokens is None:
         raise MissingRecords("token view", ["token_view"], "train with --probe_view_sequences N (default 4)")
     all_rules = records.get("token_view_rules")
-    runs = []
+    runs, trimmed = [], {}
     for label in records.labels:
         t = tokens.filter(pl.col("run") == label).sort("step", "seq", "pos")
         if not t.height:
             continue
+        if max_tokens is not None and t.height > max_tokens // len(records.labels):
+            n_steps = t["step"].n_unique()
+            t = latest_steps(t, max_tokens // len(records.labels))
+            trimmed[label] = (t["step"].n_unique(), n_steps)
         n_bins = int(t["bin"].max()) + 1 if t["bin"].max() is not None else 1
         edges = _edges(records, n_bins, label)
         bins = [
@@ -140,6 +157,7 @@ def view_data(records: Records) -> dict:
         runs.append({"label": label, "quantities": qs, "steps": steps, "bins": bins})
     return {
         "runs": runs,
+        "trimmed": trimmed,
         "colors": {"neg": OKABE_ITO[3], "pos": OKABE_ITO[0], "correct": OKABE_ITO[2], "wrong": OKABE_ITO[0],
                    "tie": "#bdbdbd", "low": OKABE_ITO[0], "high": OKABE_ITO[3]},
     }  # fmt: skip
@@ -174,11 +192,22 @@ def _json(data: dict) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def view_fragment(records: Records) -> str:
-    """The view as an HTML section (its data, styles and script inline)."""
+def view_fragment(records: Records, max_tokens: int | None = None) -> str:
+    """The view as an HTML section (its data, styles and script inline); ``max_tokens``: as in `view_data`, with a
+    note of the steps left out."""
+    data = view_data(records, max_tokens)
+    note = ""
+    if data["trimmed"]:
+        kept = "; ".join(
+            f"{html.escape(r)}: the last {k} of {n} probed steps" for r, (k, n) in data["trimmed"].items()
+        )
+        note = (
+            f"<p class='tv-meta'>Shown: {kept} (at most {max_tokens:,} tokens here); every step: "
+            "<code>tokendyn view RUN_DIR</code>.</p>"
+        )
     return (
-        f"<style>{CSS}</style><section id='token-view' class='tv' aria-label='token view'>{CONTROLS}</section>"
-        f"<script type='application/json' id='tv-data'>{_json(view_data(records))}</script><script>{SCRIPT}</script>"
+        f"<style>{CSS}</style><section id='token-view' class='tv' aria-label='token view'>{note}{CONTROLS}</section>"
+        f"<script type='application/json' id='tv-data'>{_json(data)}</script><script>{SCRIPT}</script>"
     )
 
 
