@@ -67,6 +67,33 @@ def test_head_ratio_equals_float64_autograd(arch, adapter):
     assert float(want[m].min()) > 0
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_head_ratio_in_bf16_weights_within_its_rounding(arch):
+    """bf16 weights (the GPU recipe's dtype): the ratio against float64 autograd through the same bf16 values in
+    float64 is within the 16-bit tolerance of the matrix (`_matrix.tolerance`: 16 bf16 eps = 0.125, from log pi's
+    rounding of the logits), and on most tokens far closer."""
+    from _matrix import Cell, tolerance
+
+    model = build(arch).to(torch.bfloat16)
+    b = sample_batch(build(arch))
+    batch = ProbeBatch(
+        input_ids=b.input_ids,
+        attention_mask=torch.ones_like(b.input_ids),
+        completion_mask=b.completion_mask.bool(),
+        advantages=b.advantages,
+        old_logp=b.old_logp,
+        temperature=T,
+    )
+    got = head_ratios(model, batch)
+    assert got is not None and got.dtype == torch.float64
+    want = reference_ratios(copy.deepcopy(model).double(), b)
+    m = b.completion_mask.bool()
+    rel = ((got - want).abs() / want)[m]
+    cell = Cell(arch=arch, dtype="bf16", adapter="full", micro="one", analyses="analyses")
+    assert float(rel.max()) < tolerance(cell), f"{arch}: max rel err {float(rel.max()):.2e}"
+    assert float(rel.median()) < tolerance(cell) / 4
+
+
 def test_token_texts_join_to_the_decoded_sequence(tiny_model_dir):
     from transformers import PreTrainedTokenizerFast
 
