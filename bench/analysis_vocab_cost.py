@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8, help="rows per micro-batch of the update phase")
     ap.add_argument("--sample", type=int, default=8, help="rows of the analysis sample")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--head-scale", type=float, default=20.0, help="LM head scale (spreads pi over the bins)")
+    ap.add_argument("--head-scale", type=float, default=40.0, help="LM head scale (spreads pi over the bins)")
     args = ap.parse_args()
 
     from tokendyn.probe.compare import compare_rules, make_rule
@@ -149,7 +149,8 @@ def main() -> None:
         f"{s.completion}) tokens in micro-batches of {args.micro}; analysis sample {args.sample} rows; "
         f"medians of {args.repeats}"
     )
-    tokens = held["frames"]["influence"].filter(held["frames"]["influence"]["source_bin"] == -1)
+    inf = held["frames"]["influence"]
+    tokens = inf.filter((inf["source_bin"] == -1) & (inf["target_bin"] >= 0))
     spread = ", ".join(f"{c}" for c in tokens.sort("target_bin")["count"].to_list())
     print(f"sampled tokens of the analysis sample per bin of pi_old (quarters): {spread}")
     print(f"update phase of one rollout: {plain:.2f} s")
