@@ -230,6 +230,65 @@ def test_a_view_smaller_than_the_sample_and_lopti_groups_token_by_token(tiny_mod
     assert {"low", "high"} <= set(view["group"])
 
 
+def test_dpi_real_equals_a_float64_before_and_after(tiny_model_dir, tmp_path):
+    """Each token's real dpi against an independent measurement: the parameters copied before and after each
+    probed optimizer step, each copy run in float64 on the rollout's own rows, pi = softmax(logits / T)[o_t]."""
+    from test_trainer import TEMPERATURE, _config, _trainer
+    from transformers import TrainerCallback
+
+    from tokendyn import load_run
+
+    n = 3
+    cfg = _config(tmp_path, max_steps=2, probe_every=1, probe_sample_sequences=n, probe_view_sequences=n)
+    trainer = _trainer(tiny_model_dir, cfg, sgd_lr=1e-2)
+    rollouts, states = [], {}
+    generate = trainer._generate_and_score_completions
+
+    def keep(inputs):
+        out = generate(inputs)
+        rollouts.append({k: v.detach().clone() for k, v in out.items() if torch.is_tensor(v)})
+        return out
+
+    trainer._generate_and_score_completions = keep
+
+    class Snapshots(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            states[(state.global_step, "before")] = copy.deepcopy(trainer.model.state_dict())
+
+        def on_step_end(self, args, state, control, **kw):
+            states[(state.global_step - 1, "after")] = copy.deepcopy(trainer.model.state_dict())
+
+    trainer.add_callback(Snapshots())
+    trainer.train()
+    view = load_run(tmp_path / "run")["token_view"].collect()
+    assert sorted(set(view["step"])) == [0, 1]
+    from transformers import AutoModelForCausalLM
+
+    model64 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
+    checked = 0
+    for step in (0, 1):
+        out = rollouts[step]
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)[:n]
+        attn = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)[:n]
+        c = out["completion_ids"].size(1)
+        pis = []
+        for when in ("before", "after"):
+            model64.load_state_dict({k: v.double() for k, v in states[(step, when)].items()}, strict=True)
+            with torch.no_grad():
+                logits = model64(input_ids=ids, attention_mask=attn).logits[:, -c - 1 : -1] / TEMPERATURE
+            pis.append(torch.softmax(logits, -1).gather(-1, ids[:, -c:, None]).squeeze(-1))
+        ref = pis[1] - pis[0]
+        rows = view.filter(pl.col("step") == step)
+        want = ref[torch.tensor(rows["seq"].to_list()), torch.tensor(rows["pos"].to_list())]
+        got = torch.tensor(rows["dpi_real"].to_list(), dtype=torch.float64)
+        err = (got - want).abs()
+        assert float(err.max()) <= 1e-6 + 1e-3 * float(want.abs().max()), (step, float(err.max()))
+        big = want.abs() > 1e-4
+        assert int(big.sum()) > 10 and bool((got[big].sign() == want[big].sign()).all())
+        checked += len(got)
+    assert checked == view.height
+
+
 def test_a_rollout_cut_short_keeps_its_view_with_dpi_real_null(tiny_model_dir, tmp_path):
     """max_steps inside a probed rollout (two optimizer steps per rollout, training stops after the first): the real
     change of the whole rollout never comes, and the view is written when training ends, dpi_real null."""
