@@ -17,12 +17,11 @@ of the AdamW state). Every ratio is of medians measured in this one run (this ma
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from memory import Size, build_model, make_batch
 from probe_vocab_cost import T, clipped_loss
+from share_cost import timed  # median of repeats
 
 
 def update_phase(model, opt, batch: dict, c_len: int, micro: int) -> None:
@@ -54,15 +53,6 @@ def sampled_completions(model, batch: dict, c_len: int, head_scale: float, seed:
     ids = batch["input_ids"].clone()
     ids[:, -c_len:] = drawn
     return {**batch, "input_ids": ids, "completion_ids": drawn}
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -101,7 +91,9 @@ def main() -> None:
     update_phase(
         model, opt, rollout, s.completion, args.micro
     )  # warm-up, and an AdamW state for the optimizer mode
-    plain = median_time(lambda: update_phase(model, opt, rollout, s.completion, args.micro), args.repeats)
+    plain = timed(
+        lambda: update_phase(model, opt, rollout, s.completion, args.micro), args.repeats, warmup=False
+    )
 
     sample = {k: v[: args.sample] for k, v in rollout.items()}
     batch = ProbeBatch(
@@ -130,7 +122,7 @@ def main() -> None:
         return run
 
     analyses()  # warm-up (the head split's one check)
-    t_analyses = median_time(analyses, args.repeats)
+    t_analyses = timed(analyses, args.repeats, warmup=False)
     rows = [("every analysis", t_analyses)]
     for label, names, modes in (
         ("+ compare base, equal_norm", ("base",), ("equal_norm",)),
@@ -141,7 +133,7 @@ def main() -> None:
             ("equal_norm", "optimizer"),
         ),
     ):
-        rows.append((label, t_analyses + median_time(compare(names, modes), args.repeats)))
+        rows.append((label, t_analyses + timed(compare(names, modes), args.repeats, warmup=False)))
     model.train()
 
     print(

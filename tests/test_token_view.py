@@ -43,12 +43,9 @@ def reference_ratios(model64, b) -> torch.Tensor:
     return torch.where(m, ratio, torch.zeros_like(ratio))
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("arch", ARCHS)
-def test_head_ratio_equals_float64_autograd(arch, adapter):
-    model = with_adapter(build(arch), adapter)
-    b = sample_batch(model)
-    batch = ProbeBatch(
+def probe_batch(b) -> ProbeBatch:
+    """The matrix's sampled batch (`_matrix.sample_batch`) as the analyses take it."""
+    return ProbeBatch(
         input_ids=b.input_ids,
         attention_mask=torch.ones_like(b.input_ids),
         completion_mask=b.completion_mask.bool(),
@@ -56,6 +53,14 @@ def test_head_ratio_equals_float64_autograd(arch, adapter):
         old_logp=b.old_logp,
         temperature=T,
     )
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_head_ratio_equals_float64_autograd(arch, adapter):
+    model = with_adapter(build(arch), adapter)
+    b = sample_batch(model)
+    batch = probe_batch(b)
     got = head_ratios(model, batch)
     assert got is not None, f"{arch}: no head ratio"
     want = reference_ratios(copy.deepcopy(model).double(), b)
@@ -76,14 +81,7 @@ def test_head_ratio_in_bf16_weights_within_its_rounding(arch):
 
     model = build(arch).to(torch.bfloat16)
     b = sample_batch(build(arch))
-    batch = ProbeBatch(
-        input_ids=b.input_ids,
-        attention_mask=torch.ones_like(b.input_ids),
-        completion_mask=b.completion_mask.bool(),
-        advantages=b.advantages,
-        old_logp=b.old_logp,
-        temperature=T,
-    )
+    batch = probe_batch(b)
     got = head_ratios(model, batch)
     assert got is not None and got.dtype == torch.float64
     want = reference_ratios(copy.deepcopy(model).double(), b)

@@ -221,7 +221,8 @@ def influence_and_shares(
     total: list[torch.Tensor | None] = []
     with InPlaceUpdate(model, sgd(lr), objective) as update:
         names = list(update.params)
-        sums = GroupSums(names, [parameter_group(n) for n in names], k)
+        groups = [parameter_group(n) for n in names]
+        sums = GroupSums(names, groups, k)
 
         def keep_total(g: list[torch.Tensor | None]) -> None:
             sums.add_total(g)
@@ -238,7 +239,7 @@ def influence_and_shares(
             update.step(batch, mask, inspect=lambda gb, b=src: sums.add_bin(b, gb, total))
             deltas[(TRAIN, src)] = _masked(update.probs(batch) - pi_start, valid)
             counts[(TRAIN, src)] = int(mask.sum())
-    split = BinSplit(names, [parameter_group(n) for n in names], edges_t, bins, pi_old, loss, None)
+    split = BinSplit(names, groups, edges_t, bins, pi_old, loss, None)
     shares = sums.reduce(model).shares(split)
     direction = None
     if per_token and float(shares.total_norm[0]) > 0:
