@@ -12,7 +12,10 @@ Per size (a random Qwen2 of that shape, float32 or bfloat16, unpadded rows of pr
                 (allocations under a Python frame of tokendyn/probe/, frees matched by address), an upper bound on
                 what it adds to the step's peak, whichever phase it allocates in; the bench also prints what it did
                 add at each size (probe_at_peak: the probed step's peak minus the step's, not fitted: a difference of
-                maxima does not extrapolate). The 7B prediction is given for a step with direct gradients and for
+                maxima does not extrapolate). Its two phases are measured apart: probe_direct (no check tokens) and
+                probe_head (no direct gradients), the head checks, themselves the larger of two passes measured
+                apart: probe_checks (a probe resumed mid-schedule: no sigma_max refresh) and probe_gram (the
+                refresh alone: no check tokens). The 7B prediction is given for a step with direct gradients and for
                 one without (direct_every: most probed steps), the latter with the direct features at 0; what the
                 probe adds to the 7B step's peak counts its head checks (in the backward) whole and its direct
                 gradients (a layer replay between the forward and the backward) only above the backward's own
@@ -29,9 +32,12 @@ prompt tokens, 8 GPUs with FSDP2, against the training step's own predicted peak
 checkpointing: without it the step does not fit one H200; bench/memory/predict.py). The report ends with the
 memory-model block of docs/results.md. This script is the entry point: the sizes measured and the arguments.
 
-    python bench/probe_memory.py            # ~8 min on 2 cores
+    python bench/probe_memory.py            # ~9 min on 2 cores
     python bench/probe_memory.py --quick    # ~2 min
     python bench/probe_memory.py --json out.json
+
+Exit status 1 when the worst held-out error of the fitted components is over its target (15 %), or the allocator
+self-check failed: the report is printed either way.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from memory import Size, fit_all, report, run, self_check  # noqa: E402
+from memory import HELD_OUT_TARGET, Size, fit_all, report, run, self_check  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
 # the sizes measured
@@ -114,7 +120,7 @@ def load_measurements(payload: dict) -> tuple[list[Size], list[dict], list[Size]
     return tuple(out)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes (~2 min)")
     ap.add_argument("--json", help="write the measurements and fits to this file")
@@ -166,7 +172,15 @@ def main(argv=None) -> None:
         payload["qwen7b"], payload["settings"] = summary["pred"], summary["table"]
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=1, default=float)
+    if summary["worst"] > HELD_OUT_TARGET or not check["ok"]:
+        print(
+            f"FAIL: worst held-out error {summary['worst']:.1%} (target <= {HELD_OUT_TARGET:.0%}), allocator "
+            f"self-check {'exact' if check['ok'] else 'MISMATCH'}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,15 +7,17 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported, as for bench/probe_memory.py
 
-from .fit import Fit, ProbeFit, features, fit_all, load_fits, run  # noqa: E402
+from .fit import Fit, HeadFit, ProbeFit, features, fit_all, load_fits, run  # noqa: E402
 from .measure import DELTA, EPS_HIGH, EPS_LOW, Size, build_model, gb, make_batch, mb, self_check  # noqa: E402
-from .predict import predict_7b, report  # noqa: E402
+from .predict import HELD_OUT_TARGET, predict_7b, report  # noqa: E402
 
 __all__ = [
     "DELTA",
     "EPS_HIGH",
     "EPS_LOW",
+    "HELD_OUT_TARGET",
     "Fit",
+    "HeadFit",
     "ProbeFit",
     "Size",
     "build_model",

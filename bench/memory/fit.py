@@ -1,10 +1,12 @@
 """Features and the least-squares fit: each component's measured peak as sum_k c_k f_k with features f_k in bytes
 read from the code (`features`), coefficients kept >= 0 (a negative one is dropped and the fit redone): c_k is "how
-many such buffers" (`fit_component`; the probe as the larger of its two phases, `ProbeFit`). `run` measures the
-sizes and `fit_all` fits them and checks the fit on the held-out sizes."""
+many such buffers" (`fit_component`; the probe as the larger of its two phases, `ProbeFit`, its head checks as the
+larger of their two passes, `HeadFit`). `run` measures the sizes and `fit_all` fits them and checks the fit on the
+held-out sizes."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -71,19 +73,70 @@ def step_ckpt_features(s: Size, rows: int, shard: int = 1) -> dict[str, float]:
     return f
 
 
+def check_tokens_at(s: Size, rows: int, settings: dict | None = None) -> int:
+    """K: the tokens checked exactly at the LM head on a probed micro-batch, as `GradientProbe._prepare` cuts them:
+    `budget.check_tokens_within` of check_tokens, from a sample of max(sample_tokens, direct_tokens, check_tokens)
+    tokens, within check_budget (ProbeConfig's default 0.02) of the step's flops 6 P N (P without the input
+    embedding's table; the vocabulary at its global size under FSDP2). At the CPU sizes the budget allows the floor,
+    32 tokens; at 7B the whole 256."""
+    from tokendyn.config import ProbeConfig
+    from tokendyn.probe import budget
+
+    st = {**PROBE_SETTINGS, **(settings or {})}
+    n_check = st["check_tokens"]
+    avail = min(max(st["sample_tokens"], st["direct_tokens"], n_check), rows * s.completion)
+    flop_params = n_params(s) - (0 if s.tied else s.vocab * s.hidden)
+    check_budget = st.get("check_budget", ProbeConfig().check_budget)
+    return budget.check_tokens_within(
+        n_check, avail, flop_params, rows * s.seq, s.hidden, s.vocab, check_budget
+    )
+
+
+def live_rows(vocab: int, rows: int) -> int:
+    """Rows of W held in float64 at once by a pass over `vocab` rows, `rows` at a time (`HeadShard.chunks`): the
+    chunk worked on and, while the next one is made, the previous one (the loop variable still holds it):
+    rows + min(rows, vocab - rows); all of them when one chunk holds the whole head (every CPU size)."""
+    return vocab if vocab <= rows else rows + min(rows, vocab - rows)
+
+
+def eigh_bytes(h: int) -> int:
+    """`torch.linalg.eigh` of the H x H float64 Gram (`head.sigma_max_gram`) while the Gram lives: the Gram, the
+    eigenvectors' copy, the eigenvalues, LAPACK dsyevd's workspace (1 + 6H + 2H^2 doubles, 3 + 5H int32), as the CPU
+    build allocates them (measured: 4.0-4.2 x H^2 x 8 at H = 64..512)."""
+    return 8 * (2 * h * h + h + 1 + 6 * h + 2 * h * h) + 4 * (3 + 5 * h)
+
+
 def probe_features(
     s: Size, rows: int, shard: int = 1, direct: bool = True, settings: dict | None = None
 ) -> dict[str, float]:
-    """The probe inside the training step (a step with direct gradients when ``direct``)."""
-    from tokendyn.probe.head import HEAD_CHUNK_BYTES
+    """The probe inside the training step (a step with direct gradients when ``direct``). The head checks run two
+    passes over the head, one after the other (`GradientProbe._prepare`): the checks' pass (`head.head_partial` on
+    K tokens, chunks of `head.vocab_chunk_rows(K, H)` rows, each with its float64 [K, rows] product z) and, on a
+    sigma_max refresh (the first probed step, then every sigma_every-th check), the Gram matrix
+    (`head.sigma_max_gram`: H x H float64 accumulated over chunks of HEAD_CHUNK_BYTES / (8 H) rows, then eigh).
+    A 16-bit head that is not sharded adds, in the backward, two float64 passes that round as the head does
+    (`rounding.rounded_head_gradient`: per chunk W and its rounded copy, several [K, rows] buffers)."""
+    from tokendyn.probe.head import HEAD_CHUNK_BYTES, vocab_chunk_rows
 
     t = rows * s.seq
-    kc = min(PROBE_SETTINGS["check_tokens"], rows * s.completion)
+    kc = check_tokens_at(s, rows, settings)
+    v_local = math.ceil(s.vocab / shard)  # FSDP2: this rank's vocabulary rows
+    h8 = s.hidden * 8
+    gram_rows = max(1, HEAD_CHUNK_BYTES // h8)
+    check_rows = live_rows(v_local, vocab_chunk_rows(kc, s.hidden)) if kc else 0
+    # `GradientProbe._prepare`: the rounded prediction only for a 16-bit head that is not vocabulary-sharded
+    rounded = s.itemsize == 2 and shard == 1 and kc > 0
+    rounded_rows = check_rows if rounded else 0  # chunks of the same rows
     f = {
         "norms_PT4": (s.layers + 1) * t * 4,  # float32 norm of every position at every point
-        "check_KH8": kc * s.hidden * 8,  # float64 [K, H] buffers of the head checks (three)
-        # one vocabulary chunk of the head checks / power iteration: rows x (H + 6K) float64 within the budget
-        "head_chunk": min(s.vocab / shard * (s.hidden + 6 * kc) * 8, HEAD_CHUNK_BYTES),
+        "check_KH8": kc * h8,  # float64 [K, H] buffers of the checks (h, acc, W_o, u, ...)
+        # the checks' pass: the live float64 chunks of W with their [K, rows] products
+        "check_chunks": check_rows * (s.hidden + kc) * 8,
+        # a 16-bit unsharded head's rounded prediction (in the backward): its live rows of W, and of the [K, rows]
+        "rounded_WH8": rounded_rows * h8,
+        "rounded_KW8": rounded_rows * kc * 8,
+        # the sigma_max refresh: the Gram and its live chunks while it accumulates, or eigh's working set
+        "gram_peak": max(s.hidden * h8 + live_rows(v_local, gram_rows) * h8, eigh_bytes(s.hidden)),
         "replay_rows": 0.0,
         "replay_slots": 0.0,
     }
@@ -92,7 +145,11 @@ def probe_features(
     return f
 
 
-PROBE_HEAD = ("norms_PT4", "check_KH8", "head_chunk")  # the head checks' phase (direct_tokens=0)
+# the head checks' two passes, each measured alone (bench/memory/measure.py): the checks without a refresh, the
+# refresh without checks; the head checks' phase (direct_tokens=0) is the larger of the two (`HeadFit`)
+PROBE_CHECKS = ("norms_PT4", "check_KH8", "check_chunks", "rounded_WH8", "rounded_KW8")
+PROBE_GRAM = ("norms_PT4", "gram_peak")
+PROBE_HEAD = (*PROBE_CHECKS, "gram_peak")
 PROBE_DIRECT = ("norms_PT4", "replay_rows", "replay_slots")  # the direct gradients' phase (check_tokens=0)
 
 
@@ -147,7 +204,12 @@ def features(component: str, s: Size, *, rows=None, sample=None, shard: int = 1,
         return step_ckpt_features(s, rows, shard)
     if component.startswith("probe"):
         f = probe_features(s, rows, shard, direct=kw.get("direct", True), settings=kw.get("settings"))
-        keep = {"probe_head": PROBE_HEAD, "probe_direct": PROBE_DIRECT}.get(component, tuple(f))
+        keep = {
+            "probe_head": PROBE_HEAD,
+            "probe_checks": PROBE_CHECKS,
+            "probe_gram": PROBE_GRAM,
+            "probe_direct": PROBE_DIRECT,
+        }.get(component, tuple(f))
         return {k: f[k] for k in keep}
     return analysis_features(s, sample, shard, ckpt=component.endswith("_ckpt"), fsdp=kw.get("fsdp", False))
 
@@ -175,12 +237,52 @@ class Fit:
         return {k: c * feats[k] for k, c in self.coef.items() if c > 0}
 
 
+U_KH8 = 1.0  # derived: the checks' u [K, H] float64 (`HeadQuantities.direction`) is live during the refresh
+
+
+@dataclass
+class HeadFit:
+    """The head checks' phase: the larger of its two passes, each fitted on its own measurement (probe_checks: the
+    checks without a sigma_max refresh; probe_gram: the refresh without checks), the refresh with the checks'
+    result u (U_KH8 x check_KH8, derived) beside it; checked against probe_head (a fresh probe: both passes)."""
+
+    checks: Fit
+    gram: Fit
+    component: str = "probe_head"
+    train_err: float = float("nan")
+
+    @property
+    def coef(self) -> dict[str, float]:
+        return {
+            **{f"checks.{k}": v for k, v in self.checks.coef.items()},
+            **{f"gram.{k}": v for k, v in self.gram.coef.items()},
+        }
+
+    @property
+    def intercept(self) -> float:
+        return max(self.checks.intercept, self.gram.intercept)
+
+    def _parts(self, feats: dict[str, float]) -> tuple[float, float]:
+        c = self.checks.predict({k: feats[k] for k in PROBE_CHECKS})
+        g = self.gram.predict({k: feats[k] for k in PROBE_GRAM}) + U_KH8 * feats["check_KH8"]
+        return c, g
+
+    def predict(self, feats: dict[str, float]) -> float:
+        return max(self._parts(feats))
+
+    def terms(self, feats: dict[str, float]) -> dict[str, float]:
+        c, g = self._parts(feats)
+        if c >= g:
+            return self.checks.terms({k: feats[k] for k in PROBE_CHECKS})
+        return self.gram.terms({k: feats[k] for k in PROBE_GRAM}) | {"check_KH8": U_KH8 * feats["check_KH8"]}
+
+
 @dataclass
 class ProbeFit:
-    """The probe in a step: the larger of its two phases, each fitted on its own measurement (probe_head,
-    probe_direct); checked against the probe measured with both on."""
+    """The probe in a step: the larger of its two phases, the head checks (`HeadFit`, probe_head) and the direct
+    gradients (fitted on probe_direct); checked against the probe measured with both on."""
 
-    head: Fit
+    head: HeadFit
     direct: Fit
     component: str = "probe"
     train_err: float = float("nan")
@@ -210,15 +312,23 @@ class ProbeFit:
         return fit.terms({k: feats[k] for k in keys})
 
 
-def fit_probe(sizes: list[Size], measured: list[dict]) -> ProbeFit:
-    pf = ProbeFit(
-        fit_component("probe_head", sizes, measured), fit_component("probe_direct", sizes, measured)
-    )
+def _max_rel_err(fit, component: str, sizes: list[Size], measured: list[dict]) -> float:
     errs = [
-        abs(pf.predict(features("probe", s)) - m["probe"]) / max(m["probe"], 1.0)
+        abs(fit.predict(features(component, s)) - m[component]) / max(m[component], 1.0)
         for s, m in zip(sizes, measured, strict=True)
     ]
-    pf.train_err = max(errs)
+    return max(errs) if errs else float("nan")
+
+
+def fit_head(sizes: list[Size], measured: list[dict]) -> HeadFit:
+    hf = HeadFit(fit_component("probe_checks", sizes, measured), fit_component("probe_gram", sizes, measured))
+    hf.train_err = _max_rel_err(hf, "probe_head", sizes, measured)
+    return hf
+
+
+def fit_probe(sizes: list[Size], measured: list[dict]) -> ProbeFit:
+    pf = ProbeFit(fit_head(sizes, measured), fit_component("probe_direct", sizes, measured))
+    pf.train_err = _max_rel_err(pf, "probe", sizes, measured)
     return pf
 
 
@@ -278,10 +388,15 @@ def run(train, held, components=None, log=print, extra_probe=None, extra_options
 
 def fit_all(train, held, meas_train, meas_held) -> dict:
     comps = [c for c in meas_train[0] if all(c in m for m in meas_train) and not c.endswith("_at_peak")]
-    fits = {
-        c: fit_probe(train, meas_train) if c == "probe" else fit_component(c, train, meas_train)
-        for c in comps
-    }
+
+    def fit(c: str):
+        if c == "probe":
+            return fit_probe(train, meas_train)
+        if c == "probe_head":  # the larger of its two passes, each fitted on its own measurement
+            return fit_head(train, meas_train)
+        return fit_component(c, train, meas_train)
+
+    fits = {c: fit(c) for c in comps}
     held_err = {}
     for c in comps:
         errs = []
@@ -307,11 +422,17 @@ def fit_all(train, held, meas_train, meas_held) -> dict:
 
 
 def load_fits(payload: dict) -> dict:
-    """The fits of a --json file (a probe fit is its two phases)."""
+    """The fits of a --json file (a probe fit is its two phases, its head phase the head checks' two passes)."""
+
+    def head(f: dict) -> HeadFit:
+        return HeadFit(Fit(**f["checks"]), Fit(**f["gram"]), train_err=f["train_err"])
+
     out = {}
     for c, f in payload["fits"].items():
-        if "head" in f:
-            out[c] = ProbeFit(Fit(**f["head"]), Fit(**f["direct"]), train_err=f["train_err"])
+        if "direct" in f:
+            out[c] = ProbeFit(head(f["head"]), Fit(**f["direct"]), train_err=f["train_err"])
+        elif "checks" in f:
+            out[c] = head(f)
         else:
             out[c] = Fit(**f)
     return out

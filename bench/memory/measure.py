@@ -267,9 +267,12 @@ DIRECT_MEMORY_MB = 512  # ProbeConfig.direct_memory_mb's default
 RECIPE_PROBE = {"direct_memory_mb": 2048}
 
 
-def measure_probe(model, b: dict, c_len: int, **overrides) -> tuple[int, int]:
-    """(peak of one probed training step, peak of the probe's own live allocations in it); a fresh probe, so its
-    first step computes sigma_max too."""
+def measure_probe(
+    model, b: dict, c_len: int, resume: dict | None = None, **overrides
+) -> tuple[int, int, dict]:
+    """(peak of one probed training step, peak of the probe's own live allocations in it, the probe's
+    `sigma_state` after it); a fresh probe, so its first step computes sigma_max too, unless ``resume`` (a
+    `sigma_state`) is loaded first: a probe resumed mid-schedule (n_checks 1 of sigma_every) does not refresh it."""
     from tokendyn.probe.probe import GradientProbe
 
     try:  # the probe's options are ProbeConfig's fields (GradientProbe takes them as **options)
@@ -279,6 +282,8 @@ def measure_probe(model, b: dict, c_len: int, **overrides) -> tuple[int, int]:
     except ImportError:
         kw = _accepted(GradientProbe.__init__, {**PROBE_SETTINGS, **overrides})
     probe = GradientProbe(model, **kw).attach()
+    if resume is not None:
+        probe.load_sigma_state(resume)
     _zero(model)
     try:
         with AllocPeak(owner=f"tokendyn{os.sep}probe{os.sep}") as p:
@@ -290,10 +295,11 @@ def measure_probe(model, b: dict, c_len: int, **overrides) -> tuple[int, int]:
             )
             grpo_step(model, b, c_len)
             probe.end_step()
+        state = probe.sigma_state()
     finally:
         probe.detach()
         _zero(model)
-    return p.peak, p.peak_owned
+    return p.peak, p.peak_owned, state
 
 
 # the trainer's options (hooks/trainer.py: token_shares=32) and the README's GPU recipe (Lopti on)
@@ -372,15 +378,20 @@ def measure_size(s: Size, components=None, extra_probe: dict | None = None, extr
     # allocates), in a step with direct gradients; and what it did add to the step's peak at this size
     # ("_at_peak", not fitted: a difference of maxima)
     if "probe" in want:
-        peak, owned = measure_probe(model, b, s.completion, **(extra_probe or {}))
+        extra = extra_probe or {}
+        peak, owned, _ = measure_probe(model, b, s.completion, **extra)
         out["probe"], out["probe_at_peak"] = owned, peak - step
-        # its two phases apart: the head checks (in the logits' gradient hook) and the direct gradients (after the
-        # forward) never hold memory at the same time, so the probe's peak is the larger of the two
-        out["probe_head"] = measure_probe(
-            model, b, s.completion, **{**(extra_probe or {}), "direct_tokens": 0}
-        )[1]
-        out["probe_direct"] = measure_probe(
-            model, b, s.completion, **{**(extra_probe or {}), "check_tokens": 0}
+        # its two phases apart: the head checks and the direct gradients (both after the forward, one after the
+        # other) never hold memory at the same time, so the probe's peak is the larger of the two
+        out["probe_head"] = measure_probe(model, b, s.completion, **{**extra, "direct_tokens": 0})[1]
+        out["probe_direct"] = measure_probe(model, b, s.completion, **{**extra, "check_tokens": 0})[1]
+        # the head checks' two passes apart: the sigma_max refresh alone (a fresh probe with no check tokens still
+        # computes the Gram matrix) and the checks alone (a probe resumed from that one's state mid-schedule)
+        _, out["probe_gram"], state = measure_probe(
+            model, b, s.completion, **{**extra, "direct_tokens": 0, "check_tokens": 0}
+        )
+        out["probe_checks"] = measure_probe(
+            model, b, s.completion, resume={**state, "n_checks": 1}, **{**extra, "direct_tokens": 0}
         )[1]
     for name in ANALYSES:
         if name in want:
