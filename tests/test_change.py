@@ -19,6 +19,7 @@ from tokendyn.probe.change import (
     delta_summary,
     real_change,
 )
+from tokendyn.probe.float64 import exact_float64
 from tokendyn.probe.influence import influence, lopti_stage_masks
 from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch, real_change_frame
 from tokendyn.probe.shares import as_edges, bin_gradients
@@ -192,7 +193,7 @@ def test_influence_rows(model, batch):
 def test_influence_and_shares_from_one_set_of_gradients(model, batch, objective):
     """The merged pass equals the two analyses run apart: every source's dpi bitwise (the same step from the same
     theta_0), the per-bin and per-group norms and shares those of every g_b held at once (`bin_gradients`, K
-    backward passes of their own) to float32 rounding, the per-token shares those of `gradient_shares`; the model is
+    backward passes of their own, on a float64 copy) to float64 rounding, the per-token shares those of `gradient_shares`; the model is
     left bitwise as it was; with the fewer forward passes it exists for."""
     from tokendyn.probe.influence import influence_and_shares
     from tokendyn.probe.shares import bin_shares, gradient_shares
@@ -223,11 +224,14 @@ def test_influence_and_shares_from_one_set_of_gradients(model, batch, objective)
     assert set(inf.deltas) == set(apart_inf.deltas) and inf.source_counts == apart_inf.source_counts
     for key, d in apart_inf.deltas.items():
         assert torch.equal(inf.deltas[key], d), key
-    held = bin_shares(bin_gradients(model, ref_batch, objective=objective))
+    # the steps (and so their gradients) are float64 (InPlaceUpdate's precision): the reference is every g_b of a
+    # float64 copy held at once, float64 at every op
+    with exact_float64():
+        held = bin_shares(bin_gradients(copy.deepcopy(model).double(), ref_batch, objective=objective))
     for name in ("grad_norm", "dot", "total_norm"):
         got, want = getattr(res.bins, name), getattr(held, name)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-12), name
-    assert torch.allclose(res.bins.share, held.share, rtol=1e-5, atol=1e-7)
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-15), name
+    assert torch.allclose(res.bins.share, held.share, rtol=1e-9, atol=1e-12)
     assert res.bins.groups == held.groups and res.bins.counts == held.counts
     assert torch.allclose(res.tokens, apart.tokens, rtol=1e-5, atol=1e-9)
     assert torch.allclose(res.bins.jvp_share, apart.bins.jvp_share, rtol=1e-5, atol=1e-9)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
+from tokendyn.probe.float64 import exact_float64
 from tokendyn.probe.shares import as_edges
 from tokendyn.probe.tokenloss import Objective, ProbeBatch
 
@@ -99,15 +100,25 @@ def plain_rule(model, batch, rule: str) -> torch.Tensor:
         return (torch.exp(logp_of(work, batch)) - pi0) * batch.completion_mask
 
 
-def test_paired_dpi_equal_a_plain_torch_update_of_a_copy(setup):
+def plain_rule64(model, batch, rule: str) -> torch.Tensor:
+    """`plain_rule` on a float64 copy, float64 at every op: the reference of the comparison's float64 steps."""
+    work = copy.deepcopy(model).double()
+    with exact_float64():
+        return plain_rule(work, batch, rule)
+
+
+@pytest.mark.parametrize("precision", ["float64", "model"])
+def test_paired_dpi_equal_a_plain_torch_update_of_a_copy(setup, precision):
+    """float64 steps (the default) against the plain-torch update of a float64 copy; the model's own float32 steps
+    against that update of a float32 copy."""
     model, batch = setup
     names = ("base", "reweight", "lopti")
     rules = [make_rule(n, BASE, alpha=ALPHA, eta=ETA) for n in names]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    results = compare_rules(model, batch, rules, modes=("equal_norm",), lr=LR)
+    results = compare_rules(model, batch, rules, modes=("equal_norm",), lr=LR, precision=precision)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     for name in names:
-        want = plain_rule(model, batch, name)
+        want = plain_rule64(model, batch, name) if precision == "float64" else plain_rule(model, batch, name)
         got = results[(name, "equal_norm")].delta
         scale = float(want.abs().max())
         assert scale > 1e-6
@@ -176,16 +187,17 @@ def test_the_analyses_full_step_is_the_base_rule_and_is_reused(setup, with_influ
     print(f"forwards: {n_fresh} fresh, {n_reused} reusing the analyses' step")
     assert n_fresh - n_reused == 4
     for name in names:
-        want = plain_rule(model, batch, name)
+        want = plain_rule64(model, batch, name)
         got = reused[(name, "equal_norm")].delta
         err = float((got - want).abs().max()) / float(want.abs().max())
         assert err < 1e-8, (name, err)
         a, b = reused[(name, "equal_norm")], fresh[(name, "equal_norm")]
         assert abs(a.param_step / b.param_step - 1) < 1e-9, name
-        # a fresh base rule's shares are along the rounded displacement theta_r - theta_0 (float64 rounding of
-        # theta_0 - lr g, ~1e-16 |theta| against lr |g|), the reused ones along g itself: equal to ~1e-8
+        # a fresh base rule's shares are a JVP of the float64 model along its displacement; the reused ones the
+        # analyses' JVP along g, in the model's float32 (with the influence matrix, g from the float64 steps;
+        # without, from the float32 shares' gradient): equal to float32 rounding of the JVP (1.3e-6 seen)
         share_err = float((a.shares - b.shares).abs().max()) / float(b.shares.abs().max())
-        assert share_err < 1e-6, (name, share_err)
+        assert share_err < 1e-5, (name, share_err)
     total = full.shares.sum()
     assert torch.equal(reused[("base", "equal_norm")].shares, full.shares / total)
 
@@ -210,17 +222,19 @@ def test_the_run_optimizer_is_copied_and_the_undo_is_bitwise(setup):
             assert torch.equal(torch.as_tensor(now["state"][k][name]), torch.as_tensor(t)), (k, name)
     assert now["param_groups"] == state["param_groups"]
     # the optimizer mode is the run's step: its delta equals one AdamW step of a copy on the base loss
-    work, wopt = copy.deepcopy(model), torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    # (on a float64 copy, float64 at every op, as the comparison's steps are; the state cast to float64 on loading)
+    work = copy.deepcopy(model).double()
     wopt = torch.optim.AdamW(work.parameters(), lr=1e-3, weight_decay=0.01)
     wopt.load_state_dict(copy.deepcopy(state))
     work.eval()
-    with torch.no_grad():
-        old = logp_of(work, batch)
-    loss = plain_loss(work, batch, batch.advantages.double(), old, torch.ones_like(old))
-    loss.backward()
-    wopt.step()
-    with torch.no_grad():
-        want = (torch.exp(logp_of(work, batch)) - torch.exp(old)) * batch.completion_mask
+    with exact_float64():
+        with torch.no_grad():
+            old = logp_of(work, batch)
+        loss = plain_loss(work, batch, batch.advantages.double(), old, torch.ones_like(old))
+        loss.backward()
+        wopt.step()
+        with torch.no_grad():
+            want = (torch.exp(logp_of(work, batch)) - torch.exp(old)) * batch.completion_mask
     got = results[("base", "optimizer")].delta
     assert float((got - want).abs().max()) / float(want.abs().max()) < 1e-8
     assert not torch.allclose(results[("base", "equal_norm")].delta, got)

@@ -1,7 +1,10 @@
 """The paired comparison across the configuration matrix's architectures and adapters (`tests/_matrix.py`): the
 recorded dpi of the base and Reweight rules at equal ||dtheta||, on the float32 model and on its float64 copy, against
-a plain-torch update of the float64 copy (adapter included), written here. bf16 is not crossed: the comparison's steps are
-made in the model's dtype, and a bf16 copy has no float64 reference of the same update."""
+a plain-torch update of the float64 copy (adapter included), written here and run float64 at every op
+(`exact_float64`: a plain float64 copy of most of these architectures computes its norms, rotary embedding or
+softmax in float32). The comparison's steps are float64 (its default precision), so on the float32 model too they
+agree to float64 rounding; with precision "model" the float32 model's own steps are within 2e-3 of the change plus
+the 3e-7 resolution of its pi. bf16 is not crossed: a bf16 copy has no float64 reference of the same update."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 from _matrix import ADAPTERS, ARCHS, PROMPT, T, build, sample_batch, token_logps, with_adapter
 
 from tokendyn.probe.compare import compare_rules, make_rule
+from tokendyn.probe.float64 import exact_float64
 from tokendyn.probe.tokenloss import Objective, ProbeBatch
 
 torch.set_num_threads(1)
@@ -57,14 +61,16 @@ def test_paired_dpi_against_float64_on_every_architecture(arch, adapter):
     )
     assert batch.n_completion == c and b.input_ids.size(1) == PROMPT + c
     rules = [make_rule(n, Objective(eps_low=0.2, eps_high=0.24), alpha=ALPHA) for n in ("base", "reweight")]
-    want = {rule: plain_dpi(model64, b, rule) for rule in ("base", "reweight")}
-    # in float64 the comparison's own arithmetic is exact; the float32 model's pi resolves changes to ~1e-7 (the
-    # logits' rounding), so there the bound is relative to the change plus that resolution
-    for mdl, rel, floor in ((model64, 1e-8, 0.0), (model, 2e-3, 3e-7)):
-        results = compare_rules(mdl, batch, rules, lr=LR, shares=False)
+    with exact_float64():
+        want = {rule: plain_dpi(model64, b, rule) for rule in ("base", "reweight")}
+    # float64 steps (the default) are exact on either model; the float32 model's own steps (precision "model") see
+    # its pi to ~1e-7 (the logits' rounding): there the bound is relative to the change plus that resolution
+    cases = ((model64, "float64", 1e-8, 0.0), (model, "float64", 1e-8, 0.0), (model, "model", 2e-3, 3e-7))
+    for mdl, precision, rel, floor in cases:
+        results = compare_rules(mdl, batch, rules, lr=LR, shares=False, precision=precision)
         for rule, w in want.items():
             got = results[(rule, "equal_norm")].delta
             scale = float(w.abs().max())
             assert scale > 1e-8, (arch, adapter, rule)
             err = float((got - w).abs().max())
-            assert err <= rel * scale + floor, (arch, adapter, rule, err, scale)
+            assert err <= rel * scale + floor, (arch, adapter, rule, precision, err, scale)

@@ -18,6 +18,7 @@ ORDER = {
     "version": 0,
     "vocab": 0,
     "common": 0,
+    "packaged": 0,  # pretrained models from packages / GGUF files, converted to model directories
     "config": 1,
     "records": 1,
     "remedies": 1,

@@ -179,7 +179,9 @@ def rebalancing_frames(model, pb, masks) -> dict[str, pl.DataFrame]:
     and the stage-2 shares) and without (update_stage "all"), on an SGD lr large enough to move pi visibly."""
     from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch, stage_shares_frame
 
-    opts = RebalanceOptions(token_shares=8, lr=0.05, lr_sweep=(0.05, 1.0))
+    # step_precision "model": FSDP2's shards are stepped in their own dtype (no float64 copy of a sharded model),
+    # so the one-process reference is too
+    opts = RebalanceOptions(token_shares=8, lr=0.05, lr_sweep=(0.05, 1.0), step_precision="model")
     lopti = analyze_batch(model, pb, step=0, options=opts, stage_masks=masks)
     plain = analyze_batch(model, pb, step=1, options=opts)
     frames = {k: pl.concat([v, plain[k]]) for k, v in lopti.items() if k in plain}
@@ -437,7 +439,9 @@ def trainer_probe_analyses(model, batch, rows: slice, run_dir: Path) -> None:
         for f in fields(TokendynGRPOConfig)
         if f.name.startswith("probe_") and f.default is not MISSING
     }
-    config = ProbeConfig(sample_sequences=6, lr=0.05)  # every analysis (the default)
+    config = ProbeConfig(
+        sample_sequences=6, lr=0.05, step_precision="model"
+    )  # every analysis; FSDP2's precision
     args = SimpleNamespace(
         **{**defaults, "probe_every": 1, "probe_sample_sequences": 6, "probe_lr": 0.05},
         probe_config=lambda: config, temperature=T, seed=0, epsilon=0.2, epsilon_high=0.28,

@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
-from tokendyn.vocab import ALL_POINTS, ANALYSES, COMPARE_MODES, COMPARE_RULES
+from tokendyn.vocab import ALL_POINTS, ANALYSES, COMPARE_MODES, COMPARE_RULES, STEP_PRECISIONS
 
 DEFAULT_EDGES: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
 SHARE_METHODS = ("stream", "loop", "batched")
@@ -215,6 +215,12 @@ class ProbeConfig:
         "`token_view`: text, pi_old, A, Lopti group, update share, counterfactual and real dpi, own-gradient ratio; "
         "`tokendyn view`); at most sample_sequences are; 0 = off; >= 0.",
     )
+    step_precision: str = _opt(
+        "float64",
+        "Counterfactual steps on a float64 copy of the model (float64) or in its own dtype (model: small steps "
+        "partly lost to rounding; records' step_rounding says how much).",
+        choices=list(STEP_PRECISIONS),
+    )
     share_method: str = _opt(
         "stream",
         "How the per-bin gradients are taken: 'stream' (g, then one g_b at a time: two parameter-sized buffers), "
@@ -262,6 +268,10 @@ class ProbeConfig:
         for x in sweep:
             _number("lr_sweep", x, "a list of numbers > 0", lo=0.0, value=sweep)
         set_(self, "lr_sweep", tuple(sorted({float(x) for x in sweep})))
+        if self.step_precision not in STEP_PRECISIONS:
+            raise ProbeConfigError(
+                "step_precision", f"must be one of {', '.join(STEP_PRECISIONS)}, got {self.step_precision!r}"
+            )
         if self.share_method not in SHARE_METHODS:
             raise ProbeConfigError(
                 "share_method", f"must be one of {', '.join(SHARE_METHODS)}, got {self.share_method!r}"

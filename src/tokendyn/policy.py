@@ -128,6 +128,10 @@ def check_model_source(path: str | os.PathLike, field: str = "model"):
 
     from transformers import AutoConfig
 
+    from tokendyn.packaged import is_model_source, resolve
+
+    if is_model_source(str(path)):
+        path = resolve(path, field)  # a packaged model or a .gguf file: its converted directory
     text = str(path)
     p = Path(text).expanduser()
     looks_local = p.exists() or text.startswith((".", "/", "~", os.sep)) or text.count("/") > 1
@@ -146,10 +150,13 @@ def check_model_source(path: str | os.PathLike, field: str = "model"):
 
 
 def load_policy(path: str | os.PathLike | None = None, dtype=None, attn_implementation: str | None = None):
-    """(model, tokenizer) from a directory or hub id; ``None`` means the embedded default."""
+    """(model, tokenizer) from a directory, a hub id, a packaged model's name (``smollm2-135m``) or a ``.gguf`` file
+    (`tokendyn.packaged`); ``None`` means the embedded default."""
     from transformers import AutoModelForCausalLM
 
-    path = default_policy_dir() if path is None else path
+    from tokendyn.packaged import resolve
+
+    path = default_policy_dir() if path is None else resolve(path)
     kwargs = {}
     if dtype is not None:
         kwargs["dtype"] = dtype

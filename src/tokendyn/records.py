@@ -49,6 +49,15 @@ _DELTA = {
     "max": pl.Float64,
     **_CORRECT,
 }
+# how finely a counterfactual step was resolved (tokendyn.probe.change.Resolution): ||dtheta||, the dtype the
+# parameters held during the step, the largest fraction of the step their rounding could take, and whether that is
+# within STEP_ROUNDING_LIMIT; null for a real update
+_RESOLUTION = {
+    "step_norm": pl.Float64,
+    "step_dtype": pl.Utf8,
+    "step_rounding": pl.Float64,
+    "step_resolved": pl.Boolean,
+}
 
 SCHEMAS: dict[str, dict[str, pl.DataType]] = {
     # per (step, stage, rank, micro, point, bin, quantity); quantity in norm | norm_per_w | ratio
@@ -195,6 +204,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "bin_hi": pl.Float64,
         "lr": pl.Float64,
         "param_step": pl.Float64,
+        **_RESOLUTION,
         **_DELTA,
     },
     # M[source, target]: mean |delta pi| (and the distribution of delta pi, correct ratios) over target-bin tokens after an update with only
@@ -210,6 +220,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "target_lo": pl.Float64,
         "target_hi": pl.Float64,
         "lr": pl.Float64,
+        **_RESOLUTION,
         **_DELTA,
     },
     # paired counterfactual comparison (tokendyn.probe.compare): sums over one sequence's tokens of one bin of pi_old
@@ -237,6 +248,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "lr": pl.Float64,
         "param_step": pl.Float64,
         "norm_ratio": pl.Float64,
+        **_RESOLUTION,
     },
     # per-token records of the view's sequences (tokendyn.probe.token_view): one row per scored token
     "token_view": {

@@ -57,6 +57,8 @@ ANALYSES = ("shares", "token_shares", "prob_change", "influence", "real_change")
 # the paired comparison's update rules and step sizes (tokendyn.probe.compare)
 COMPARE_RULES = ("base", "reweight", "lopti", "reweight_lopti", "clip_cov", "kl_cov", "80_20", "gspo")
 COMPARE_MODES = ("equal_norm", "optimizer")
+# the precision of the analyses' counterfactual steps (tokendyn.probe.change.InPlaceUpdate)
+STEP_PRECISIONS = ("float64", "model")
 
 # ---- names retired from records: kind -> {"columns": {old: new}, "values": {column: {old: new}}} ------------------
 # the update stages were named by position: stage1 / stage2 (the first / second Lopti stage, which are low / high or

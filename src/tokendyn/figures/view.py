@@ -53,11 +53,14 @@ BASE_QUANTITIES = (  # key, label, kind; a key is shown where the run has a valu
 )
 
 
-DIGITS = 6  # significant digits kept in the page (the hover shows 4): the demo's page 2.1 MB instead of 3.4
+# significant digits kept in the page, which are the digits the hover shows: each number is rounded once, from the
+# record's value (rounding to 6 here and to 4 in the hover showed 0.30424954 as 0.3043)
+DIGITS = 4
 
 
 def _clean(values: list) -> list:
-    """Floats to DIGITS significant digits; JSON has no NaN or infinity: those become null (shown as "–")."""
+    """Floats to DIGITS significant digits, the hover's (its `fmt` prints such a number exactly: no second
+    rounding); JSON has no NaN or infinity: those become null (shown as "–")."""
     return [
         (float(f"{v:.{DIGITS}g}") if math.isfinite(v) else None) if isinstance(v, float) else v
         for v in values

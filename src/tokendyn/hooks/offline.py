@@ -324,7 +324,9 @@ def _analyse(
         from tokendyn.probe.tokenloss import pi_old
 
         rules = [make_rule(name, objective, seed=options.seed) for name in cfg.compare_rules]
-        results = compare_rules(model, batch, rules, modes=("equal_norm",), lr=cfg.lr, full=full)
+        results = compare_rules(
+            model, batch, rules, modes=("equal_norm",), lr=cfg.lr, full=full, precision=cfg.step_precision
+        )
         frames["paired"] = paired_frame(results, batch, pi_old(model, batch), as_edges(edges), step=0)
         if "token_view" in frames:
             from tokendyn.probe.token_view import token_rules_frame

@@ -19,4 +19,5 @@ def rebalance_options(config: ProbeConfig, seed: int = 0) -> RebalanceOptions:
         share_method=config.share_method,
         seed=seed,
         view_sequences=config.view_sequences if on else 0,
+        step_precision=config.step_precision,
     )

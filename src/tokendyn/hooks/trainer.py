@@ -262,7 +262,16 @@ class TrainerProbe(TrainerCallback):
         if is_fully_sharded(model) and "optimizer" in modes:
             modes = tuple(m for m in modes if m != "optimizer")
             self.probe.note("fsdp_no_optimizer_compare", FSDP_NO_OPTIMIZER_COMPARE, step=step)
-        results = compare_rules(model, batch, rules, modes=modes, lr=cfg.lr, optimizer=t.optimizer, full=full)
+        results = compare_rules(
+            model,
+            batch,
+            rules,
+            modes=modes,
+            lr=cfg.lr,
+            optimizer=t.optimizer,
+            full=full,
+            precision=cfg.step_precision,
+        )
         frame = paired_frame(results, batch, pi_old(model, batch), as_edges(self.edges), step=step)
         return frame, results
 

@@ -25,13 +25,16 @@ before and after, and the change would read as a tie.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from tokendyn.probe.bins import bin_bounds
+from tokendyn.probe.float64 import as_float64
 from tokendyn.probe.parallel import gradients, local, reshard, sum_over_ranks
 from tokendyn.probe.shares import dot64
 from tokendyn.probe.tokenloss import (
@@ -45,10 +48,66 @@ from tokendyn.probe.tokenloss import (
     trainable_parameters,
 )
 from tokendyn.records import to_frame
-from tokendyn.vocab import LOPTI, TRAIN
+from tokendyn.vocab import LOPTI, STEP_PRECISIONS, TRAIN
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
+# a counterfactual step is resolved when rounding theta + delta theta to the parameters' dtype cannot take more than
+# this fraction of it (`Resolution`); a number from a step that is not is flagged (step_resolved false, a warning)
+STEP_ROUNDING_LIMIT = 1e-3
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """How finely a counterfactual step was resolved: ``step_norm`` = ||theta_after - theta_before|| (float64 sums),
+    ``step_dtype`` the dtype the parameters held during the step, and
+
+        step_rounding = n u (||theta_before|| + ||delta theta||) / ||delta theta||
+
+    the largest fraction of the step that rounding the parameters to step_dtype could take (u its unit roundoff:
+    each stored entry is within u |theta_i| of the exact theta_i + delta_i, ``n`` the steps stored between the two
+    states; subnormals aside; 0 for no step at all). ``resolved``: step_rounding <= `STEP_ROUNDING_LIMIT`. A float32 model at the paper's
+    lr 1e-3 has steps of ||delta theta|| / ||theta|| ~ 1e-6 .. 1e-5 (a single bin's: less), so step_rounding of 1 %
+    .. 10 % in float32 and ~1e-10 in float64."""
+
+    step_norm: float
+    step_dtype: str
+    step_rounding: float
+
+    @property
+    def resolved(self) -> bool:
+        return self.step_rounding <= STEP_ROUNDING_LIMIT
+
+    def columns(self) -> dict[str, float | str | bool]:
+        return {
+            "step_norm": self.step_norm,
+            "step_dtype": self.step_dtype,
+            "step_rounding": self.step_rounding,
+            "step_resolved": self.resolved,
+        }
+
+
+def resolution_columns(res: Resolution | None) -> dict[str, float | str | bool | None]:
+    """A record's step_norm, step_dtype, step_rounding, step_resolved (all null without a `Resolution`)."""
+    if res is None:
+        return {"step_norm": None, "step_dtype": None, "step_rounding": None, "step_resolved": None}
+    return res.columns()
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = eps / 2 of a floating dtype (float32: 2^-24, bfloat16: 2^-8, float64: 2^-53)."""
+    return float(torch.finfo(dtype).eps) / 2.0
+
+
+def warn_unresolved(where: str, res: Resolution) -> None:
+    """The loud flag of a step below the resolution (`Resolution`)."""
+    if not res.resolved:
+        warnings.warn(
+            f"{where}: the counterfactual step (||dtheta|| = {res.step_norm:.3g}) is not resolved in "
+            f"{res.step_dtype}: rounding can take up to {100 * res.step_rounding:.3g} % of it "
+            f"(limit {100 * STEP_ROUNDING_LIMIT:.3g} %); step_precision='float64' resolves it",
+            stacklevel=3,
+        )
 
 
 def sgd(lr: float = 1e-3) -> OptimizerFactory:
@@ -135,35 +194,74 @@ class InPlaceUpdate:
     The in-place steps bump the parameters' version counters: run it before a training forward or after its
     backward, never while a training graph that saved the weights is alive (its backward would then refuse them).
 
+    ``precision`` "float64" (the default): inside the context the model is in float64 and computes in float64
+    (`tokendyn.probe.float64.as_float64`: a float64 copy of every floating tensor on the device, 8 bytes a
+    parameter, the original storage put back on exit), so a step far below the float32 (or bf16) rounding of theta
+    is applied and measured whole; pi is measured there too (`probs`, `pi_start`), so every delta pi compares
+    float64 with float64. "model": the steps in the parameters' own dtype (no copy; a step below its rounding is
+    partly lost, which `resolution` states). Sharded (FSDP2) parameters are stepped in their own dtype.
+
     FSDP2: every rank makes the same steps on the same batch (each step's forward and backward are collectives);
     each rank saves and restores its own shards, the gradient is FSDP2's reduce-scattered one
     (`tokendyn.probe.parallel.gradients`), and the model is resharded whenever its parameters change in place."""
 
     def __init__(
-        self, model: nn.Module, optimizer: OptimizerFactory, objective: Objective | None = None
+        self,
+        model: nn.Module,
+        optimizer: OptimizerFactory,
+        objective: Objective | None = None,
+        precision: str = "float64",
     ) -> None:
-        self.model, self.objective = model, objective
+        if precision not in STEP_PRECISIONS:
+            raise ValueError(
+                f"change: precision must be one of {', '.join(STEP_PRECISIONS)}, got {precision!r}"
+            )
+        self.model, self.objective, self.precision = model, objective, precision
         self.params = trainable_parameters(model)
         self.optimizer_factory = optimizer
         self.start: HostSnapshot | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.last_gradient: HostSnapshot | None = None
         self._moved = False
+        self._stack: ExitStack | None = None
+        self._copied = False
+        self._pi_start: tuple[ProbeBatch, torch.Tensor] | None = None
 
     def __enter__(self) -> InPlaceUpdate:
         reshard(self.model)  # FSDP2: the registered parameters are the shards (`parallel.reshard`)
         self.params = trainable_parameters(self.model)
         self.start_norm2 = self._sum_over_ranks(sum(dot64(local(p), local(p)) for p in self.params.values()))
         self.start = HostSnapshot(self.params)
-        self.optimizer = self.optimizer_factory(list(self.params.values()))
-        self._fresh_state = _state_to_host(self.optimizer.state_dict())
+        self._stack = ExitStack()
+        self._copied = False
+        try:
+            if self.precision == "float64" and not _sharded(self.model):
+                self._stack.enter_context(as_float64(self.model))  # the steps on float64 copies
+                self.params, self._copied = trainable_parameters(self.model), True
+            self.step_dtype = max(
+                (p.dtype for p in self.params.values()), key=unit_roundoff, default=torch.float64
+            )
+            self.optimizer = self.optimizer_factory(list(self.params.values()))
+            self._fresh_state = _state_to_host(self.optimizer.state_dict())
+        except BaseException:
+            self._stack.close()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.start is not None:
-            self.start.restore(self.params)
-            reshard(self.model)
-        self.start, self.optimizer, self._moved, self.last_gradient = None, None, False, None
+        try:
+            if (
+                self.start is not None and not self._copied
+            ):  # (float64 copies: the model's own were not touched)
+                self.start.restore(self.params)
+        finally:
+            if self._stack is not None:
+                self._stack.close()
+            if self.start is not None:
+                reshard(self.model)
+            self.start, self.optimizer, self._moved, self.last_gradient = None, None, False, None
+            self._stack, self._pi_start = None, None
+            self.params = trainable_parameters(self.model)
 
     def _sum_over_ranks(self, x: float) -> float:
         return float(sum_over_ranks(torch.tensor([x], dtype=torch.float64), self.model))
@@ -214,18 +312,49 @@ class InPlaceUpdate:
         return float(loss.detach())
 
     def probs(self, batch: ProbeBatch) -> torch.Tensor:
+        """pi at the current parameters (`completion_probs`), in the update's precision."""
         return completion_probs(self.model, batch)
 
-    def relative_step(self) -> float:
-        """||theta - theta_0|| / ||theta_0|| over every trainable parameter (float64 sums; theta_0 brought back from
-        host memory one tensor at a time)."""
+    def pi_start(self, batch: ProbeBatch, given: torch.Tensor | None = None) -> torch.Tensor:
+        """pi at theta_0 in the update's precision, measured once per batch (before any step). ``given``: pi at
+        theta_0 already measured in the same precision (`fix_pi_old` with the same ``precision``; a float32 pi
+        differs from a float64 one by more than a small step's change), used as it is."""
+        if self._pi_start is not None and self._pi_start[0] is batch:
+            return self._pi_start[1]
+        if self._moved:
+            raise RuntimeError("change: pi_start must be measured before the first step")
+        pi = given if given is not None else self.probs(batch)
+        self._pi_start = (batch, pi)
+        return pi
+
+    def norm2(self) -> float:
+        """||theta||^2 at the current parameters (float64 sums over every rank)."""
+        return self._sum_over_ranks(sum(dot64(local(p), local(p)) for p in self.params.values()))
+
+    def distance(self, saved: Saved | None = None) -> float:
+        """||theta - theta_saved|| (theta_0 by default), float64 sums, the saved point brought from host memory one
+        tensor at a time."""
+        ref = (saved or self.initial()).params
         num = 0.0
         for n, p in self.params.items():
-            d = local(p).detach() - self.start.tensors[n].to(p.device, non_blocking=True)
+            d = local(p).detach() - ref.tensors[n].to(p.device, non_blocking=True)
             num += dot64(d, d)
             del d
-        num = self._sum_over_ranks(num)
-        return (num / self.start_norm2) ** 0.5 if self.start_norm2 > 0 else float("nan")
+        return self._sum_over_ranks(num) ** 0.5
+
+    def resolution(self, step_norm: float, before_norm: float | None = None, steps: int = 1) -> Resolution:
+        """The `Resolution` of a displacement of norm ``step_norm`` from a state of norm ``before_norm`` (default
+        ||theta_0||) made in ``steps`` stored steps."""
+        before = self.start_norm2**0.5 if before_norm is None else before_norm
+        u = unit_roundoff(self.step_dtype)
+        rounding = (
+            steps * u * (before + step_norm) / step_norm if step_norm > 0 else 0.0
+        )  # no step: none lost
+        return Resolution(float(step_norm), str(self.step_dtype).removeprefix("torch."), float(rounding))
+
+    def relative_step(self) -> float:
+        """||theta - theta_0|| / ||theta_0|| over every trainable parameter (`distance`)."""
+        return self.distance() / self.start_norm2**0.5 if self.start_norm2 > 0 else float("nan")
 
     def save(self) -> Saved:
         """The current point (parameters and optimizer state) in host memory; before any step, theta_0 itself (no
@@ -249,7 +378,8 @@ class InPlaceUpdate:
 @dataclass
 class ChangeResult:
     """pi before every stage and after the last, and delta pi per stage (relative to the state the stage started
-    from); ``delta["lopti"]`` is after the last stage minus before the first (present with two or more stages)."""
+    from); ``delta["lopti"]`` is after the last stage minus before the first (present with two or more stages).
+    ``resolution``: per stage (and lopti) how finely its step was resolved (`Resolution`)."""
 
     pi_before: torch.Tensor  # (B, C) float64
     pi_after: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -258,22 +388,30 @@ class ChangeResult:
     param_step: dict[str, float] = field(
         default_factory=dict
     )  # ||theta - theta_0|| / ||theta_0|| after each stage
+    resolution: dict[str, Resolution] = field(default_factory=dict)
 
 
 @analysis_forward
 def fix_pi_old(
-    model: nn.Module, batch: ProbeBatch, pi_before: torch.Tensor | None = None
+    model: nn.Module, batch: ProbeBatch, pi_before: torch.Tensor | None = None, precision: str = "model"
 ) -> tuple[ProbeBatch, torch.Tensor]:
     """(batch with old_logp set, pi_before): an on-policy batch gets pi_old = the current pi, fixed for every later
     stage (as the trainer does: pi_old is not recomputed between Lopti stages). ``pi_before``: pi at the current
     parameters (`completion_probs`) when the caller measured it already, for a batch whose pi_old is fixed (no
-    forward then)."""
-    if batch.old_logp is not None:
-        return batch, completion_probs(model, batch) if pi_before is None else pi_before
-    logp, logp64 = loss_and_measured_logp(
-        model, batch
-    )  # pi_old: the loss's own log pi, ratio exactly 1 at start
+    forward then; it must have been measured in ``precision``). ``precision`` "float64": pi is the float64 model's
+    (`as_float64`), and so is an on-policy batch's pi_old (the ratio pi / pi_old of the float64 steps exactly 1 at
+    theta_0)."""
+    if batch.old_logp is not None and pi_before is not None:
+        return batch, pi_before
+    with as_float64(model) if precision == "float64" and not _sharded(model) else nullcontext():
+        if batch.old_logp is not None:
+            return batch, completion_probs(model, batch)
+        logp, logp64 = loss_and_measured_logp(model, batch)  # pi_old: the loss's own log pi, ratio 1 at start
     return batch.with_old_logp(logp), torch.exp(logp64)
+
+
+def _sharded(model: nn.Module) -> bool:
+    return any(local(p) is not p for p in model.parameters())
 
 
 @analysis_forward
@@ -286,6 +424,7 @@ def counterfactual_change(
     optimizer: OptimizerFactory | None = None,
     objective: Objective | None = None,
     pi_before: torch.Tensor | None = None,
+    precision: str = "float64",
 ) -> ChangeResult:
     """delta pi of every completion token after counterfactual update(s) of the parameters, made in place and
     undone exactly (`InPlaceUpdate`: the model is left bitwise as it was).
@@ -293,7 +432,8 @@ def counterfactual_change(
     ``stages``: (name, token mask or None for all tokens), applied in order with the same optimizer, each one
     step on L_mask = sum_{t in mask} l_t; default ``[("train", None)]``, the paper's one-step diagnostic. Lopti:
     ``[("low", low), ("high", high)]`` (`tokendyn.vocab`). ``optimizer``: params -> torch.optim.Optimizer; default
-    plain SGD(lr). ``pi_before``: as in `fix_pi_old`.
+    plain SGD(lr). ``pi_before``: as in `fix_pi_old`. ``precision``: the steps' (`InPlaceUpdate`); each stage's
+    `Resolution` is in ``resolution``.
     """
     stages = [(TRAIN, None)] if stages is None else list(stages)
     if not stages:
@@ -301,20 +441,29 @@ def counterfactual_change(
     names = [s[0] for s in stages]
     if len(set(names)) != len(names) or LOPTI in names:
         raise ValueError(f"change: stage names must be distinct and not {LOPTI!r}, got {names}")
-    batch, pi0 = fix_pi_old(model, batch, pi_before)
-    result = ChangeResult(pi0)
-    before = pi0
-    with InPlaceUpdate(model, optimizer or sgd(lr), objective) as update:
-        for name, mask in stages:
+    batch, pi0 = fix_pi_old(model, batch, pi_before, precision)
+    with InPlaceUpdate(model, optimizer or sgd(lr), objective, precision) as update:
+        pi0 = update.pi_start(batch, pi0)
+        result = ChangeResult(pi0)
+        before, before_norm, mark = pi0, update.start_norm2**0.5, None
+        for i, (name, mask) in enumerate(stages):
             result.losses[name] = update.step(batch, mask)
             result.param_step[name] = update.relative_step()
+            result.resolution[name] = update.resolution(update.distance(mark), before_norm)
             after = update.probs(batch)
             result.pi_after[name] = after
             result.delta[name] = _masked(after - before, batch.completion_mask)
             before = after
+            if i + 1 < len(stages):  # the next stage's step is measured from here
+                mark, before_norm = update.save(), update.norm2() ** 0.5
     if len(stages) > 1:
         result.delta[LOPTI] = _masked(before - pi0, batch.completion_mask)
         result.param_step[LOPTI] = result.param_step[stages[-1][0]]
+        result.resolution[LOPTI] = update.resolution(
+            result.param_step[LOPTI] * update.start_norm2**0.5, steps=len(stages)
+        )
+    for name, res in result.resolution.items():
+        warn_unresolved(f"change ({name})", res)
     return result
 
 
@@ -402,12 +551,14 @@ def change_frame(
     source_bin: int = -1,
     lr: float | None = None,
     param_step: float | None = None,
+    resolution: Resolution | None = None,
 ):
     """The `prob_change` record of one delta pi: one row per bin of pi_old (``bins``: (B, C), -1 on padding) and
     one for all tokens (bin -1). ``update``: "counterfactual", "sweep" (the counterfactual step at another step size,
     `tokendyn.probe.rebalance.RebalanceOptions.lr_sweep`) or "real"; ``update_stage``: "train", "low", "high",
     "lopti" (`tokendyn.vocab`); ``source_bin``: the bin the update was restricted to (-1: all tokens); ``param_step``: the update's
-    ||delta theta|| / ||theta||."""
+    ||delta theta|| / ||theta||; ``resolution``: how finely a counterfactual step was resolved (`Resolution`; null
+    for a real update)."""
 
     rows = []
     k = edges.numel() - 1
@@ -425,6 +576,7 @@ def change_frame(
             "bin_hi": hi,
             "lr": lr,
             "param_step": param_step,
+            **resolution_columns(resolution),
         }
         row.update(delta_summary(delta, batch.advantages, mask))
         rows.append(row)

@@ -38,7 +38,16 @@ import torch
 from torch import nn
 
 from tokendyn.probe.bins import bin_bounds
-from tokendyn.probe.change import InPlaceUpdate, OptimizerFactory, _state_to_host, fix_pi_old
+from tokendyn.probe.change import (
+    InPlaceUpdate,
+    OptimizerFactory,
+    Resolution,
+    _state_to_host,
+    fix_pi_old,
+    resolution_columns,
+    warn_unresolved,
+)
+from tokendyn.probe.float64 import original
 from tokendyn.probe.parallel import local, sum_over_ranks
 from tokendyn.probe.shares import dot64, token_shares
 from tokendyn.probe.tokenloss import (
@@ -126,16 +135,18 @@ def rule_stages(rule: Rule, batch: ProbeBatch) -> list[torch.Tensor | None]:
 
 def optimizer_copy(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
     """A factory of copies of ``optimizer`` (unwrapped from accelerate's wrapper): same class, same parameter groups
-    and hyperparameters (the current learning rate included), its state copied, so that its steps leave the original
-    and its state untouched."""
+    and hyperparameters (the current learning rate included), its state copied (cast to the stepped parameters'
+    dtype: float64 copies of them, `tokendyn.probe.float64`), so that its steps leave the original and its state
+    untouched."""
     inner = getattr(optimizer, "optimizer", optimizer)
 
     def make(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-        ids = {id(p) for p in params}
+        # the parameters stepped, by the run's parameter each is (or, float64 steps, stands in for)
+        by_original = {id(original(p)): p for p in params}
         groups = [
             {
                 **{k: v for k, v in g.items() if k != "params"},
-                "params": [p for p in g["params"] if id(p) in ids],
+                "params": [by_original[id(p)] for p in g["params"] if id(p) in by_original],
             }
             for g in inner.param_groups
         ]
@@ -239,13 +250,15 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 @dataclass
 class RuleResult:
     """One rule in one mode: dpi (B, C) float64, the update shares s_t (B, C), ||dtheta|| / ||theta_0||, the lr,
-    and the achieved norm over the target (equal_norm; 1 for one-stage rules)."""
+    the achieved norm over the target (equal_norm; 1 for one-stage rules), and how finely the step was resolved
+    (`tokendyn.probe.change.Resolution`)."""
 
     delta: torch.Tensor
     shares: torch.Tensor | None
     param_step: float
     lr: float | None
     norm_ratio: float | None
+    resolution: Resolution | None = None
 
 
 @analysis_forward
@@ -259,6 +272,7 @@ def compare_rules(
     optimizer: torch.optim.Optimizer | None = None,
     shares: bool = True,
     full: FullUpdate | None = None,
+    precision: str = "float64",
 ) -> dict[tuple[str, str], RuleResult]:
     """(rule name, mode) -> `RuleResult`, every rule from the same theta_0 and pi_old (module docstring). The model's
     parameters (bitwise), ``.grad`` and ``optimizer`` (and its state) are left as they were. The first rule is
@@ -268,7 +282,8 @@ def compare_rules(
     When it is the first rule's equal_norm update (`reuses`: one stage, no Reweight, the same objective, advantages
     and lr), that rule's result is taken from it instead of being recomputed: its dpi, ||g|| (so the target
     T = lr ||g||), its shares (the analyses' s_t along g, over their sum) and ||dtheta|| / ||theta_0|| = lr ||g|| /
-    ||theta_0||; and pi at theta_0 is the analyses' (no forward)."""
+    ||theta_0||; and pi at theta_0 is the analyses' (no forward; it must then have been measured in the same
+    ``precision``). ``precision``: the steps' (`tokendyn.probe.change.InPlaceUpdate`), float64 by default."""
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"compare: mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -278,7 +293,7 @@ def compare_rules(
     if reuse:
         batch, pi0 = full.batch, full.pi0
     else:
-        batch, pi0 = fix_pi_old(model, batch)
+        batch, pi0 = fix_pi_old(model, batch, precision=precision)
     mask = batch.completion_mask
     out: dict[tuple[str, str], RuleResult] = {}
     for mode in modes:
@@ -286,7 +301,9 @@ def compare_rules(
             factory = lambda params: NormalizedSGD(params, model, lr)  # noqa: E731
         else:
             factory = optimizer_copy(optimizer)
-        with InPlaceUpdate(model, factory) as update:
+        with InPlaceUpdate(model, factory, precision=precision) as update:
+            if not reuse:
+                pi0 = update.pi_start(batch, pi0)
             theta0 = update.start_norm2**0.5
             target = None
             for i, rule in enumerate(rules):
@@ -299,6 +316,7 @@ def compare_rules(
                         target / theta0 if theta0 > 0 else float("nan"),
                         lr,
                         1.0,
+                        update.resolution(target),
                     )
                     continue
                 rb, stages = rule_batch(rule, batch), rule_stages(rule, batch)
@@ -330,6 +348,8 @@ def compare_rules(
                     update.last_gradient = None
                 pi = update.probs(batch)
                 step = update.relative_step()
+                resolution = update.resolution(step * theta0, steps=len(stages))
+                warn_unresolved(f"compare (rule {rule.name}, mode {mode})", resolution)
                 if mode == "equal_norm":
                     ratio = step * theta0 / target if target else float("nan")
                 direction = _displacement(update) if shares else None
@@ -341,7 +361,7 @@ def compare_rules(
                     s = s / total if total != 0 else None
                     del direction
                 delta = torch.where(mask.to(pi.device), pi - pi0.to(pi.device), torch.zeros_like(pi))
-                out[(rule.name, mode)] = RuleResult(delta, s, step, step_lr, ratio)
+                out[(rule.name, mode)] = RuleResult(delta, s, step, step_lr, ratio, resolution)
     return out
 
 
@@ -398,6 +418,7 @@ def paired_frame(
                     "lr": res.lr,
                     "param_step": res.param_step,
                     "norm_ratio": res.norm_ratio,
+                    **resolution_columns(res.resolution),
                 }
                 for c, v in values.items():
                     rows.setdefault(c, []).append(v)

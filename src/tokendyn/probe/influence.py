@@ -31,7 +31,16 @@ import torch
 from torch import nn
 
 from tokendyn.probe.bins import bin_bounds
-from tokendyn.probe.change import InPlaceUpdate, OptimizerFactory, delta_summary, fix_pi_old, sgd
+from tokendyn.probe.change import (
+    InPlaceUpdate,
+    OptimizerFactory,
+    Resolution,
+    delta_summary,
+    fix_pi_old,
+    resolution_columns,
+    sgd,
+    warn_unresolved,
+)
 from tokendyn.probe.parallel import fsdp_modules
 from tokendyn.probe.shares import (
     FSDP_NO_TOKEN_SHARES,
@@ -69,7 +78,9 @@ def lopti_stage_masks(
 
 @dataclass
 class InfluenceResult:
-    """delta pi (B, C) per (update_stage, source bin); bins (B, C) over pi_old, -1 on padding."""
+    """delta pi (B, C) per (update_stage, source bin); bins (B, C) over pi_old, -1 on padding; per (update_stage,
+    source bin) how finely its step was resolved (`tokendyn.probe.change.Resolution`); pi at theta_0 (B, C) as
+    the deltas were measured from it (in the update's precision)."""
 
     edges: torch.Tensor
     bins: torch.Tensor
@@ -77,6 +88,8 @@ class InfluenceResult:
     deltas: dict[tuple[str, int], torch.Tensor]
     source_counts: dict[tuple[str, int], int]
     lr: float | None
+    resolution: dict[tuple[str, int], Resolution] | None = None
+    pi0: torch.Tensor | None = None
 
     def matrix(self, update_stage: str = TRAIN, quantity: str = "mean_abs") -> torch.Tensor:
         """M[source, target] as a (K + 1, K) tensor; row 0 is source = all tokens, row b + 1 source bin b; NaN
@@ -113,6 +126,7 @@ class InfluenceResult:
                     "target_lo": t_lo,
                     "target_hi": t_hi,
                     "lr": self.lr,
+                    **resolution_columns((self.resolution or {}).get((ustage, src))),
                 }
                 row.update(delta_summary(delta, self.batch.advantages, mask))
                 rows.append(row)
@@ -132,6 +146,7 @@ def influence(
     objective: Objective | None = None,
     sources: Sequence[int] | None = None,
     pi_before: torch.Tensor | None = None,
+    precision: str = "float64",
 ) -> InfluenceResult:
     """delta pi of every token after a counterfactual update restricted to each source bin (module docstring).
 
@@ -139,7 +154,8 @@ def influence(
     ``stage_names`` (low, high; high, low for the reversed order). ``sources``: the source bins to run (default all bins); source -1 (all tokens of the stage) is
     always run. Cost per stage: (len(sources) + 1) x (forward + backward + optimizer step + forward).
     ``optimizer``: params -> torch.optim.Optimizer, default plain SGD(lr). ``pi_before``: as in
-    `tokendyn.probe.change.fix_pi_old`."""
+    `tokendyn.probe.change.fix_pi_old`. ``precision``: the steps' (`tokendyn.probe.change.InPlaceUpdate`: float64 by
+    default, so that a source's step far below the float32 rounding of theta is made whole)."""
     edges_t = as_edges(edges)
     k = edges_t.numel() - 1
     sources = list(range(k)) if sources is None else sorted({int(s) for s in sources})
@@ -156,13 +172,16 @@ def influence(
         stages = [
             (n, m.bool().to(valid.device) & valid) for n, m in zip(stage_names, stage_masks, strict=True)
         ]
-    batch, pi_start = fix_pi_old(model, batch, pi_before)
+    batch, pi_start = fix_pi_old(model, batch, pi_before, precision)
     bins = bin_index(torch.exp(batch.old_logp.to(torch.float64)), valid, edges_t)
     deltas: dict[tuple[str, int], torch.Tensor] = {}
     counts: dict[tuple[str, int], int] = {}
-    with InPlaceUpdate(model, optimizer or sgd(lr), objective) as update:
+    resolution: dict[tuple[str, int], Resolution] = {}
+    with InPlaceUpdate(model, optimizer or sgd(lr), objective, precision) as update:
+        pi_start = pi0 = update.pi_start(batch, pi_start)
         for name, smask in stages:
             stage_start = update.save()
+            start_norm = update.norm2() ** 0.5 if update._moved else None
             for src in sources:
                 mask = smask & (bins == src)
                 if not bool(mask.any()):
@@ -170,13 +189,16 @@ def influence(
                 update.step(batch, mask)
                 deltas[(name, src)] = _masked(update.probs(batch) - pi_start, valid)
                 counts[(name, src)] = int(mask.sum())
+                resolution[(name, src)] = update.resolution(update.distance(stage_start), start_norm)
                 update.load(stage_start)
-            del stage_start
             update.step(batch, smask)  # the full stage update: source -1, and the start of the next stage
             pi_next = update.probs(batch)
             deltas[(name, -1)] = _masked(pi_next - pi_start, valid)
             counts[(name, -1)] = int(smask.sum())
+            resolution[(name, -1)] = update.resolution(update.distance(stage_start), start_norm)
+            del stage_start
             pi_start = pi_next
+    _warn(resolution)
     ordered = dict(sorted(deltas.items(), key=lambda kv: (kv[0][0], kv[0][1])))
     return InfluenceResult(
         edges_t,
@@ -185,6 +207,8 @@ def influence(
         ordered,
         {key: counts[key] for key in ordered},
         lr if optimizer is None else None,
+        {key: resolution[key] for key in ordered},
+        pi0,
     )
 
 
@@ -198,6 +222,7 @@ def influence_and_shares(
     objective: Objective | None = None,
     per_token: bool = True,
     pi_before: torch.Tensor | None = None,
+    precision: str = "float64",
 ) -> tuple[InfluenceResult, ShareResult]:
     """`influence` (one update stage, plain SGD at lr) and `gradient_shares` (method "stream") from the same
     gradients. Each source's counterfactual step is made with g_b = grad L_b, the gradient the shares need, and the
@@ -206,11 +231,13 @@ def influence_and_shares(
     update runs first (its g is kept on the device while the sources run: two parameter-sized gradients at a time,
     as the stream method holds), each source then starts from theta_0 restored bitwise. Results: those of the two
     functions (each source's update from the same theta_0 with the same gradient; the shares up to the rounding of a
-    backward through a separate forward). Cost: (K + 1) x (forward + backward + step + forward) and the JVP."""
+    backward through a separate forward). Cost: (K + 1) x (forward + backward + step + forward) and the JVP.
+    ``precision``: the steps' (`influence`); the shares are then reduced from float64 gradients, the JVP runs at the
+    model's own precision."""
     edges_t = as_edges(edges)
     k = edges_t.numel() - 1
     valid = batch.completion_mask
-    batch, pi_start = fix_pi_old(model, batch, pi_before)
+    batch, pi_start = fix_pi_old(model, batch, pi_before, precision)
     pi_old = torch.exp(batch.old_logp.to(torch.float64))
     bins = bin_index(pi_old, valid, edges_t)
     if per_token and fsdp_modules(model):
@@ -219,7 +246,9 @@ def influence_and_shares(
     deltas: dict[tuple[str, int], torch.Tensor] = {}
     counts: dict[tuple[str, int], int] = {}
     total: list[torch.Tensor | None] = []
-    with InPlaceUpdate(model, sgd(lr), objective) as update:
+    resolution: dict[tuple[str, int], Resolution] = {}
+    with InPlaceUpdate(model, sgd(lr), objective, precision) as update:
+        pi_start = update.pi_start(batch, pi_start)
         names = list(update.params)
         groups = [parameter_group(n) for n in names]
         sums = GroupSums(names, groups, k)
@@ -231,6 +260,7 @@ def influence_and_shares(
         loss = update.step(batch, valid, inspect=keep_total)
         deltas[(TRAIN, -1)] = _masked(update.probs(batch) - pi_start, valid)
         counts[(TRAIN, -1)] = int(valid.sum())
+        resolution[(TRAIN, -1)] = update.resolution(update.distance())
         for src in range(k):
             mask = valid & (bins == src)
             if not bool(mask.any()):
@@ -239,6 +269,9 @@ def influence_and_shares(
             update.step(batch, mask, inspect=lambda gb, b=src: sums.add_bin(b, gb, total))
             deltas[(TRAIN, src)] = _masked(update.probs(batch) - pi_start, valid)
             counts[(TRAIN, src)] = int(mask.sum())
+            resolution[(TRAIN, src)] = update.resolution(update.distance())
+    _warn(resolution)
+    total = [None if g is None else g.to(p.dtype) for g, p in zip(total, update.params.values(), strict=True)]
     split = BinSplit(names, groups, edges_t, bins, pi_old, loss, None)
     shares = sums.reduce(model).shares(split)
     direction = None
@@ -249,8 +282,22 @@ def influence_and_shares(
         }
     total.clear()
     ordered = dict(sorted(deltas.items(), key=lambda kv: (kv[0][0], kv[0][1])))
-    result = InfluenceResult(edges_t, bins, batch, ordered, {key: counts[key] for key in ordered}, lr)
+    result = InfluenceResult(
+        edges_t,
+        bins,
+        batch,
+        ordered,
+        {key: counts[key] for key in ordered},
+        lr,
+        {key: resolution[key] for key in ordered},
+        pi_start,
+    )
     return result, with_token_shares(model, batch, split, shares, direction, objective)
+
+
+def _warn(resolution: dict[tuple[str, int], Resolution]) -> None:
+    for (stage, src), res in resolution.items():
+        warn_unresolved(f"influence (update stage {stage}, source bin {src})", res)
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,13 @@ import torch
 from torch import nn
 
 from tokendyn.config import TOKEN_SHARES_PER_BIN
-from tokendyn.probe.change import change_frame, counterfactual_change, fix_pi_old, real_change
+from tokendyn.probe.change import (
+    STEP_PRECISIONS,
+    change_frame,
+    counterfactual_change,
+    fix_pi_old,
+    real_change,
+)
 from tokendyn.probe.compare import FullUpdate
 from tokendyn.probe.influence import influence, influence_and_shares
 from tokendyn.probe.shares import METHODS, as_edges, gradient_shares
@@ -40,7 +46,10 @@ class RebalanceOptions:
     prob_change), recorded as update "sweep" with the update's ||delta theta|| / ||theta||, to see where the
     first-order picture of the paper's lr = 1e-3 step stops holding (list the main lr too to have it on the same
     curve); view_sequences: sequences of the sample whose every token is recorded (`token_view`: its share, its
-    counterfactual dpi, its own-gradient ratio; 0 = off)."""
+    counterfactual dpi, its own-gradient ratio; 0 = off); step_precision: the counterfactual steps' (influence
+    sources, prob_change, the sweep; `tokendyn.probe.change.InPlaceUpdate`): "float64" (default: a float64 copy of
+    the model for the analysis, so a step below the float32 rounding of theta is made whole) or "model" (the
+    parameters' own dtype; each record's step_rounding says how much of the step that can lose)."""
 
     shares: bool = True
     token_shares: int = TOKEN_SHARES_PER_BIN
@@ -51,6 +60,7 @@ class RebalanceOptions:
     share_method: str = "stream"
     seed: int = 0
     view_sequences: int = 0
+    step_precision: str = "float64"
 
     def __post_init__(self) -> None:
         sweep = tuple(float(x) for x in (self.lr_sweep or ()))
@@ -69,6 +79,11 @@ class RebalanceOptions:
             )
         if not float(self.lr) > 0:
             raise ValueError(f"rebalance: lr must be > 0, got {self.lr!r}")
+        if self.step_precision not in STEP_PRECISIONS:
+            raise ValueError(
+                f"rebalance: step_precision must be one of {', '.join(STEP_PRECISIONS)}, "
+                f"got {self.step_precision!r}"
+            )
 
 
 def _stages(stage_masks: Sequence[torch.Tensor] | None, order: str) -> list[tuple[str, torch.Tensor | None]]:
@@ -108,7 +123,7 @@ def analyze_update(
     (one update stage, method "stream") they come from one set of gradients (`influence_and_shares`)."""
     opts = options or RebalanceOptions()
     edges_t = as_edges(edges)
-    batch, pi0 = fix_pi_old(model, batch)  # pi_old fixed once for every analysis
+    batch, pi0 = fix_pi_old(model, batch, precision=opts.step_precision)  # pi_old fixed once for all
     pi_old = torch.exp(batch.old_logp.to(torch.float64))
     bins = bin_index(pi_old, batch.completion_mask, edges_t)
     frames: dict[str, pl.DataFrame] = {}
@@ -126,6 +141,7 @@ def analyze_update(
             objective=objective,
             per_token=opts.token_shares > 0,
             pi_before=pi0,
+            precision=opts.step_precision,
         )
     elif opts.influence:
         names = tuple(n for n, _ in stages) if stage_masks is not None else (LOW, HIGH)
@@ -138,33 +154,48 @@ def analyze_update(
             lr=opts.lr,
             objective=objective,
             pi_before=pi0,
+            precision=opts.step_precision,
         )
+    pi_start = pi0  # pi at theta_0 as the counterfactual deltas were measured from it (their precision)
     if opts.influence:
         frames["influence"] = inf.to_frame(step, stage)
         deltas = {name: inf.deltas[(name, -1)] for name, _ in stages}
+        resolution = {name: inf.resolution[(name, -1)] for name, _ in stages}
         if len(stages) > 1:
             deltas[LOPTI] = sum(deltas.values())
-        main = None
+            resolution[LOPTI] = None
+        main, pi_start = None, inf.pi0
     elif opts.prob_change:
-        main = counterfactual_change(model, batch, stages, lr=opts.lr, objective=objective, pi_before=pi0)
-        deltas = main.delta
+        main = counterfactual_change(
+            model,
+            batch,
+            stages,
+            lr=opts.lr,
+            objective=objective,
+            pi_before=pi0,
+            precision=opts.step_precision,
+        )
+        deltas, resolution, pi_start = main.delta, main.resolution, main.pi_before
     else:
-        deltas, main = {}, None
+        deltas, main, resolution = {}, None, {}
     if deltas:
         all_delta = deltas[TRAIN] if stage_masks is None else deltas[LOPTI]
     if opts.prob_change:
         steps_of = main.param_step if main is not None else {}
         parts = [
             change_frame(d, batch, bins, edges_t, step=step, stage=stage, update_stage=name, lr=opts.lr,
-                         param_step=steps_of.get(name))
+                         param_step=steps_of.get(name), resolution=resolution.get(name))
             for name, d in deltas.items()
         ]  # fmt: skip
         full = TRAIN if stage_masks is None else LOPTI
         for lr in opts.lr_sweep:
-            swept = counterfactual_change(model, batch, stages, lr=lr, objective=objective, pi_before=pi0)
+            swept = counterfactual_change(
+                model, batch, stages, lr=lr, objective=objective, pi_before=pi0, precision=opts.step_precision
+            )
             parts.append(
                 change_frame(swept.delta[full], batch, bins, edges_t, step=step, stage=stage, update="sweep",
-                             update_stage=full, lr=lr, param_step=swept.param_step[full])
+                             update_stage=full, lr=lr, param_step=swept.param_step[full],
+                             resolution=swept.resolution[full])
             )  # fmt: skip
         frames["prob_change"] = pl.concat(parts)
     if want_shares and res is None:
@@ -214,9 +245,12 @@ def analyze_update(
             batch,
             objective or Objective(),
             float(opts.lr),
-            pi0,
+            pi_start,
             all_delta,
-            float(res.bins.total_norm[0]),
+            # ||g|| of the step made (its own precision), else the shares' (the same gradient in the model's dtype)
+            resolution[TRAIN].step_norm / float(opts.lr)
+            if resolution.get(TRAIN)
+            else float(res.bins.total_norm[0]),
             res.tokens,
         )
     return frames, full

@@ -407,9 +407,7 @@ def eval_mode(model: nn.Module, checkpoint: bool = True) -> Iterator[nn.Module]:
     model.eval()
     for m in layers:
         m.training = True
-        m._gradient_checkpointing_func = functools.partial(
-            torch.utils.checkpoint.checkpoint, use_reentrant=False
-        )
+        m._gradient_checkpointing_func = _checkpoint
     try:
         yield model
     finally:
@@ -420,6 +418,14 @@ def eval_mode(model: nn.Module, checkpoint: bool = True) -> Iterator[nn.Module]:
                 m.__dict__.pop("_gradient_checkpointing_func", None)
             else:
                 m._gradient_checkpointing_func = func
+
+
+def _checkpoint(function, *args, **kwargs):
+    """Non-reentrant ``torch.utils.checkpoint``; a forward under `tokendyn.probe.float64.exact_float64` is
+    recomputed under it too (the backward's recomputation does not see the mode of the forward)."""
+    from tokendyn.probe.float64 import same_mode
+
+    return torch.utils.checkpoint.checkpoint(same_mode(function), *args, use_reentrant=False, **kwargs)
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -681,7 +687,7 @@ def _token_values(
     for lo in range(0, ids.numel(), n):
         args = (f.x[lo : lo + n], f.weight, f.bias, ids[lo : lo + n], batch.temperature, kinds)
         if track and "logp64" not in kinds:
-            pieces.append(torch.utils.checkpoint.checkpoint(_chunk_values, *args, use_reentrant=False))
+            pieces.append(_checkpoint(_chunk_values, *args))
         else:
             pieces.append(_chunk_values(*args))
     shape = batch.completion_ids.shape
