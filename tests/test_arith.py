@@ -162,3 +162,88 @@ def test_dataset_rows():
     held = arith_dataset([1, 2], "heldout", count=10)
     assert [(r["a"], r["b"]) for r in held] == [(p.a, p.b) for d in (1, 2) for p in heldout(d)[:10]]
     assert len(arith_dataset([1], "heldout")) == HELDOUT_SIZE[1]
+
+
+# ---- tokendyn train --task arith ---------------------------------------------------------------------------------
+SMALL = ["--task", "arith", "--arith_digits", "1", "2", "--arith_train_problems", "8", "--eval_n", "4"]
+SMALL += ["--rollouts", "2", "--eval_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true"]
+SMALL += ["--per_device_train_batch_size", "4", "--num_generations", "4", "--steps_per_generation", "1"]
+
+
+def _main(argv):
+    import torch
+
+    from tokendyn.cli import main
+
+    before = torch.get_num_threads()
+    try:
+        return main(argv)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_train_arith_on_the_embedded_default_writes_records_and_heldout_accuracy(tmp_path):
+    import json
+
+    import polars as pl
+    import torch
+
+    from tokendyn.policy import load_policy
+    from tokendyn.records import shard_files
+    from tokendyn.trainers.arith_eval import arith_outcomes
+
+    out = tmp_path / "run"
+    assert _main(["train", "--output_dir", str(out), *SMALL, "--probe_every", "1", "--threads", "1"]) == 0
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["status"] == "finished" and meta["run"]["task"] == "arith"
+    assert meta["config"]["max_completion_length"] == 16  # arith's default, not K&K's 264
+    m = pl.read_parquet(out / "metrics.parquet")
+    train = m.filter(pl.col("loss").is_not_null())
+    assert train["step"].to_list() == [1, 2]  # one optimizer step per rollout
+    # the accuracy is the reward (logged twice: weight 1 and weight 0)
+    assert train["rewards/arith_reward/mean"].to_list() == train["rewards/arith_accuracy/mean"].to_list()
+    assert all(0.0 <= r <= 1.0 for r in train["reward"].to_list())
+    held = m.filter(pl.col("heldout/accuracy").is_not_null()).sort("step")
+    assert held["step"].to_list() == [0, 1, 2]
+    for row in held.iter_rows(named=True):
+        one, two = row["heldout/accuracy_1digit"], row["heldout/accuracy_2digit"]
+        assert row["heldout/accuracy"] == (one + two) / 2
+        assert row["heldout/accuracy_1digit"] in {0.0, 0.25, 0.5, 0.75, 1.0}
+    assert meta["summary"]["mean_train_accuracy"] is not None
+    assert meta["summary"]["last_heldout"]["heldout/accuracy"] == held["heldout/accuracy"][-1]
+    assert shard_files(out, "binstats")  # the probe's records of the run
+    # the last held-out accuracy is the final policy's, measured again here on the same problems
+    model, tok = load_policy(out / "final", dtype=torch.float32)
+    rows = arith_outcomes(model, tok, [1, 2], 4, max_new_tokens=16)
+    for d in (1, 2):
+        again = sum(r["correct"] for r in rows if r["digits"] == d) / 4
+        assert again == held[f"heldout/accuracy_{d}digit"][-1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--task", "sums"], "task"),
+        (["--task", "arith", "--arith_digits", "4"], "arith_digits"),
+        (["--task", "arith", "--arith_digits", "1", "1"], "arith_digits"),
+        (["--task", "arith", "--arith_eval_digits", "0"], "arith_eval_digits"),
+        (["--task", "arith", "--arith_train_problems", "0"], "arith_train_problems"),
+        (["--task", "arith", "--eval_n", "201"], "eval_n"),
+        (["--eval_n", "101"], "eval_n"),  # K&K's bound unchanged
+    ],
+)
+def test_bad_arith_values_are_one_line_naming_the_field(tmp_path, capsys, flags, field):
+    out = tmp_path / "run"
+    assert _main(["train", "--output_dir", str(out), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and field in err, err
+    assert not out.exists()
+
+
+def test_arith_flags_parse_and_kk_keeps_its_defaults():
+    from tokendyn.trainers.train_cli import parse
+
+    run, cfg = parse(["--task", "arith", "--arith_digits", "2", "--max_completion_length", "8"])
+    assert run.arith_digits == [2] and cfg.max_completion_length == 8  # an explicit length wins
+    run, cfg = parse([])
+    assert run.task == "kk" and cfg.max_completion_length == 264

@@ -13,9 +13,16 @@ class ParquetLogCallback(TrainerCallback):
     ``metrics.parquet``, rewritten atomically so a crash never leaves a half-written file. ``rows``: the rows kept
     from before a resume (the new ones are appended)."""
 
-    def __init__(self, path: str | Path, method: str, rows: list[dict] | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        method: str,
+        rows: list[dict] | None = None,
+        accuracy: str = "rewards/kk_accuracy/mean",
+    ):
         self.path = Path(path)
         self.method = method
+        self.accuracy = accuracy  # the logged key of the task's training accuracy
         self.rows: list[dict] = list(rows or [])
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -46,10 +53,10 @@ class ParquetLogCallback(TrainerCallback):
         heldout = {}
         for r in self.rows:
             heldout.update({k: v for k, v in r.items() if k.startswith("heldout/")})
-        means = {k: mean(k) for k in ("reward", "rewards/kk_accuracy/mean", "lopti/stage1_fraction")}
+        means = {k: mean(k) for k in ("reward", self.accuracy, "lopti/stage1_fraction")}
         return {
             "mean_train_reward": means["reward"],
-            "mean_train_accuracy": means["rewards/kk_accuracy/mean"],
+            "mean_train_accuracy": means[self.accuracy],
             "mean_lopti_stage1_fraction": means["lopti/stage1_fraction"],
             "last_heldout": heldout,
             "mean_heldout_accuracy": mean("heldout/accuracy"),
@@ -114,6 +121,36 @@ class HeldoutEvalCallback(TrainerCallback):
             self._evaluate(state)
 
 
+class ArithHeldoutEvalCallback(HeldoutEvalCallback):
+    """Greedy accuracy per difficulty on the arithmetic task's held-out split (its first ``min(n, split size)``
+    problems, `tokendyn.trainers.arith_eval`), at the same steps as `HeldoutEvalCallback`, ``max_completion_length``
+    new tokens at most: ``heldout/accuracy_{d}digit`` and their mean ``heldout/accuracy``."""
+
+    def __init__(self, trainer, digits: list[int], n: int, eval_steps: int | float, cfg, done=None):
+        super().__init__(trainer, [], n, eval_steps, cfg.temperature, "", done)
+        self.digits, self.max_new_tokens = list(digits), int(cfg.max_completion_length)
+
+    def _evaluate(self, state) -> None:
+        if state.global_step in self.done:
+            return
+        self.done.add(state.global_step)
+        from .arith_eval import arith_outcomes
+
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        was_training = model.training
+        rows = arith_outcomes(
+            model, self.trainer.processing_class, self.digits, self.n, max_new_tokens=self.max_new_tokens
+        )
+        if was_training:
+            model.train()
+        logs = {}
+        for d in self.digits:
+            mine = [r["correct"] for r in rows if r["digits"] == d]
+            logs[f"heldout/accuracy_{d}digit"] = sum(mine) / len(mine)
+        logs["heldout/accuracy"] = sum(logs.values()) / len(logs)
+        self.trainer.log(logs)
+
+
 def _bar_class():
     from transformers.trainer_callback import ProgressCallback
 
@@ -121,7 +158,12 @@ def _bar_class():
         """transformers' training bar with the numbers a K&K run is watched by on it (mean reward, training
         accuracy, the last held-out accuracy) instead of one raw ``{'loss': ...}`` dict printed per step."""
 
-        SHOWN = (("reward", "reward"), ("rewards/kk_accuracy/mean", "acc"), ("heldout/accuracy", "heldout"))
+        SHOWN = (
+            ("reward", "reward"),
+            ("rewards/kk_accuracy/mean", "acc"),
+            ("rewards/arith_accuracy/mean", "acc"),
+            ("heldout/accuracy", "heldout"),
+        )
 
         def __init__(self, description: str = "train"):
             super().__init__()

@@ -1,4 +1,4 @@
-"""One GRPO run on K&K: data, reward, trainer, held-out evaluation, and the run directory.
+"""One GRPO run on K&K or the arithmetic task: data, reward, trainer, held-out evaluation, and the run directory.
 
 The run directory holds ``run.json`` (full config, versions, seed, model), ``metrics.parquet``
 (every logged step: reward, accuracy, Lopti stage fractions, held-out accuracy per N) and, when
@@ -13,9 +13,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..tasks.arith.generator import HELDOUT_SIZE, MAX_DIGITS, MIN_DIGITS
 from ..tasks.kk.generator import MAX_PEOPLE, MIN_PEOPLE
 
 TRAIN_SPLITS = ("official", "fresh")
+TASKS = ("kk", "arith")
 
 
 @dataclass
@@ -26,7 +28,10 @@ class RunArguments:
         default=None,
         metadata={"help": "Hub id or local directory of the policy (default: the embedded default)."},
     )
-    task: str = field(default="kk", metadata={"help": "Task: kk (Knights and Knaves).", "choices": ["kk"]})
+    task: str = field(
+        default="kk",
+        metadata={"help": "Task: kk (Knights and Knaves) or arith (a + b).", "choices": list(TASKS)},
+    )
     people: list[int] = field(
         default_factory=lambda: [3, 4, 5], metadata={"help": "Puzzle sizes to train on (2..8)."}
     )
@@ -38,14 +43,27 @@ class RunArguments:
             "choices": list(TRAIN_SPLITS),
         },
     )
-    train_seed: int = field(default=7, metadata={"help": "Seed of the fresh training puzzles (not 1234)."})
+    train_seed: int = field(
+        default=7, metadata={"help": "Seed of the fresh training puzzles (not 1234) or sums."}
+    )
     train_puzzles_per_size: int = field(default=900, metadata={"help": "Training puzzles per size (1..900)."})
     eval_people: list[int] | None = field(
         default=None,
         metadata={"help": "Sizes evaluated on held-out puzzles every eval_steps (default: --people)."},
     )
     eval_n: int = field(
-        default=20, metadata={"help": "Held-out puzzles per size per evaluation (0 = off, <= 100)."}
+        default=20,
+        metadata={"help": "Held-out puzzles per size per evaluation (0 = off, <= 100; arith: sums, <= 200)."},
+    )
+    arith_digits: list[int] = field(
+        default_factory=lambda: [1, 2],
+        metadata={"help": "arith: digits of the operands, 1..3 (several: a mix)."},
+    )
+    arith_train_problems: int = field(
+        default=1000, metadata={"help": "arith: training sums per difficulty (held-out pairs left out)."}
+    )
+    arith_eval_digits: list[int] | None = field(
+        default=None, metadata={"help": "arith: difficulties evaluated (default: --arith_digits)."}
     )
     template: str = field(
         default="qwen-instruct", metadata={"help": "Prompt template: qwen-instruct | base."}
@@ -88,8 +106,20 @@ class RunArguments:
 
             if self.preset not in PRESETS:
                 raise ValueError(f"preset: must be one of {', '.join(PRESETS)}, got {self.preset!r}")
-        if self.task != "kk":
-            raise ValueError(f"task: must be kk, got {self.task!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task: must be one of {list(TASKS)}, got {self.task!r}")
+        for name in ("arith_digits", "arith_eval_digits"):
+            digits = getattr(self, name)
+            if digits is None:
+                continue
+            bad = [d for d in digits if not MIN_DIGITS <= int(d) <= MAX_DIGITS]
+            if bad or not digits or len(set(digits)) < len(digits):
+                raise ValueError(
+                    f"{name}: difficulties in {MIN_DIGITS}..{MAX_DIGITS} (digits of the operands), each once, "
+                    f"got {digits}"
+                )
+        if not 1 <= self.arith_train_problems <= 10**6:
+            raise ValueError(f"arith_train_problems: must be in 1..1000000, got {self.arith_train_problems}")
         if self.train_split not in TRAIN_SPLITS:
             raise ValueError(f"train_split: must be one of {list(TRAIN_SPLITS)}, got {self.train_split!r}")
         if self.train_split == "fresh" and self.train_seed == 1234:
@@ -101,7 +131,12 @@ class RunArguments:
             )
         if self.rollouts < 0:
             raise ValueError(f"rollouts: must be >= 0 (0 = use max_steps), got {self.rollouts}")
-        if not 0 <= self.eval_n <= 100:
+        if self.task == "arith":
+            if not 0 <= self.eval_n <= max(HELDOUT_SIZE.values()):
+                raise ValueError(
+                    f"eval_n: must be in 0..{max(HELDOUT_SIZE.values())} with --task arith, got {self.eval_n}"
+                )
+        elif not 0 <= self.eval_n <= 100:
             raise ValueError(f"eval_n: must be in 0..100, got {self.eval_n}")
         from ..tasks.kk.prompts import TEMPLATES
 
@@ -202,7 +237,19 @@ def apply_rollouts(run: RunArguments, cfg) -> None:
         cfg.save_steps = int(cfg.save_steps) * per
 
 
-def build_datasets(run: RunArguments):
+def build_datasets(run: RunArguments, tokenizer=None):
+    """The training set: K&K puzzles (official or fresh), or with ``task="arith"`` sums of each difficulty of
+    ``arith_digits`` (prompts rendered by ``tokenizer``'s chat template)."""
+    if run.task == "arith":
+        from ..tasks.arith.datasets import arith_dataset
+
+        return arith_dataset(
+            run.arith_digits,
+            "train",
+            seed=run.train_seed,
+            count=run.arith_train_problems,
+            tokenizer=tokenizer,
+        )
     from ..tasks.kk.datasets import kk_dataset
 
     if run.train_split == "official":
@@ -305,12 +352,13 @@ def check_lengths(model, tokenizer, prompts: list[str], cfg) -> None:
 def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=None) -> dict:
     """Build the trainer, train (or resume: `tokendyn.trainers.resume`), evaluate; returns a summary (also written
     into ``run.json``). The run directory is created only once the model and the trainer are built. ``reward``: a
-    TRL reward function used instead of the official K&K reward (K&K accuracy is still logged)."""
+    TRL reward function used instead of the task's own (the official K&K reward, or arith's; the task's accuracy is
+    still logged)."""
     import torch
 
     from ..common import write_json
     from ..policy import MARKER, default_policy_dir, load_policy
-    from .callbacks import HeldoutEvalCallback, ParquetLogCallback, use_reward_bar
+    from .callbacks import ArithHeldoutEvalCallback, HeldoutEvalCallback, ParquetLogCallback, use_reward_bar
     from .grpo import TokendynGRPOTrainer
     from .resume import ResumeCallback, checkpoint_step, kept_metrics, truncate_records
 
@@ -319,14 +367,21 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
     apply_rollouts(run, cfg)
     model_path = run.model_name_or_path or str(default_policy_dir())
     model, tok = load_policy(model_path, dtype=torch.float32)
-    train_ds = build_datasets(run)
+    train_ds = build_datasets(run, tok)
     check_lengths(model, tok, train_ds["prompt"], cfg)
-    from ..tasks.kk.reward import kk_reward
+    if run.task == "arith":
+        from ..tasks.arith.reward import arith_accuracy, arith_reward
+
+        reward_funcs = [reward or arith_reward, arith_accuracy]
+    else:
+        from ..tasks.kk.reward import kk_reward
+
+        reward_funcs = [reward or kk_reward, kk_accuracy]
 
     trainer = TokendynGRPOTrainer(
         model=model,
         processing_class=tok,
-        reward_funcs=[reward or kk_reward, kk_accuracy],
+        reward_funcs=reward_funcs,
         args=cfg,
         train_dataset=train_ds,
         callbacks=list(callbacks),
@@ -350,9 +405,19 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
         from ..hooks.live import attach_live_metrics
 
         attach_live_metrics(trainer)
-    logger = ParquetLogCallback(out / "metrics.parquet", method=method_name(cfg), rows=rows)
+    accuracy_key = f"rewards/{reward_funcs[1].__name__}/mean"
+    logger = ParquetLogCallback(
+        out / "metrics.parquet", method=method_name(cfg), rows=rows, accuracy=accuracy_key
+    )
     trainer.add_callback(logger)
-    if run.eval_n:
+    done = {r["step"] for r in rows if "heldout/accuracy" in r}
+    if run.eval_n and run.task == "arith":
+        trainer.add_callback(
+            ArithHeldoutEvalCallback(
+                trainer, run.arith_eval_digits or run.arith_digits, run.eval_n, cfg.eval_steps, cfg, done=done
+            )
+        )
+    elif run.eval_n:
         trainer.add_callback(
             HeldoutEvalCallback(
                 trainer,
@@ -361,7 +426,7 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
                 cfg.eval_steps,
                 cfg.temperature,
                 run.template,
-                done={r["step"] for r in rows if "heldout/accuracy" in r},
+                done=done,
             )
         )
     meta = {

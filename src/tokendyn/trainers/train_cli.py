@@ -125,7 +125,12 @@ def parse(argv: list[str]):
                 "per_device_train_batch_size, steps_per_generation or num_generations accordingly)"
             )
         _fail(text)
-    resolve_length(run_args, cfg, given_fields(parser, argv, ("max_steps", "rollouts")))
+    given = given_fields(parser, argv, ("max_steps", "rollouts", "max_completion_length"))
+    resolve_length(run_args, cfg, given)
+    if run_args.task == "arith" and "max_completion_length" not in given:
+        from .arith_eval import ARITH_MAX_NEW_TOKENS
+
+        cfg.max_completion_length = ARITH_MAX_NEW_TOKENS  # an answer is a few tokens, not K&K's 264
     return run_args, cfg
 
 
@@ -239,8 +244,9 @@ def run(args: argparse.Namespace) -> int:
 
     resume = prepare(run_args, cfg)  # every check before any work: nothing is created by a rejected command
     console = Console()
+    on = f"K&K {run_args.people}" if run_args.task == "kk" else f"arith digits {run_args.arith_digits}"
     console.print(
-        f"[bold]tokendyn train[/bold]: {method_name(cfg)} on K&K {run_args.people} -> {cfg.output_dir}"
+        f"[bold]tokendyn train[/bold]: {method_name(cfg)} on {on} -> {cfg.output_dir}"
         + (f" (resuming from {resume})" if resume is not None else "")
     )
     meta = train(run_args, cfg)
