@@ -140,17 +140,16 @@ def test_trl_reward_reads_the_answer_column():
 
 
 # ---- rows --------------------------------------------------------------------------------------------------------
-def test_prompt_is_the_chat_template_of_one_user_message(tiny_model_dir):
+def test_prompt_is_the_chat_template_of_one_user_message_then_the_equation(tiny_model_dir):
     from tokendyn.policy import load_tokenizer
 
     user = "What is 3 + 5? Answer with the number only."
-    assert render_prompt(3, 5) == f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    assert render_prompt(3, 5) == f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n3 + 5 = "
     tok = load_tokenizer(tiny_model_dir)
-    assert render_prompt(3, 5, tok) == tok.apply_chat_template(
-        [{"role": "user", "content": user}],
-        tokenize=False,
-        add_generation_prompt=True,
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
     )
+    assert render_prompt(3, 5, tok) == chat + "3 + 5 = "  # the assistant's turn opened with the equation
 
 
 def test_dataset_rows():
