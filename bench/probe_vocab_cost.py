@@ -23,6 +23,8 @@ and bookkeeping.
 
     python bench/probe_vocab_cost.py             # 30 pairs at each vocabulary, ~12 min on 2 cores
     python bench/probe_vocab_cost.py --quick     # 12 pairs, 2 rows, ~4 min
+    python bench/probe_vocab_cost.py --model smollm2-135m --steps 8 --rows 2 --prompt 32 --completion 128
+                                                 # the real LLM (its own weights; 30 layers, V = 49,152)
 """
 
 from __future__ import annotations
@@ -155,11 +157,17 @@ def timing(clock: Clock):
             setattr(owner, name, fn)
 
 
-def measure(s: Size, steps: int, head: str, options: dict) -> dict:
-    """`steps` pairs of plain and probed steps (order flipping every pair) after one warm-up plain step."""
+def measure(s: Size, steps: int, head: str, options: dict, model_name: str | None = None) -> dict:
+    """`steps` pairs of plain and probed steps (order flipping every pair) after one warm-up plain step; the model
+    ``model_name`` (a packaged model, a directory or a hub id: its own weights) instead of a random one."""
     from tokendyn import instrument
 
-    model = build_model(s)
+    if model_name is None:
+        model = build_model(s)
+    else:
+        from tokendyn.policy import load_policy
+
+        model = load_policy(model_name, dtype=torch.float32)[0].train()
     if head == "fused":
         from trl.trainer.utils import add_fused_lm_head
 
@@ -186,7 +194,12 @@ def measure(s: Size, steps: int, head: str, options: dict) -> dict:
     return {"plain": plain, "probed": probed, "clock": clock}
 
 
-def describe(s: Size, head: str) -> str:
+def describe(s: Size, head: str, model_name: str | None = None) -> str:
+    if model_name is not None:
+        return (
+            f"{model_name} (its own weights, float32, V {s.vocab:,}); {s.rows} rows x ({s.prompt} + {s.completion}) "
+            f"random tokens; {'fused LM head (TRL)' if head == 'fused' else 'visible logits (custom loop)'}"
+        )
     return (
         f"Qwen2, {s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv} heads, MLP {s.intermediate}, V {s.vocab:,}, "
         f"untied, float32; {s.rows} rows x ({s.prompt} + {s.completion}) tokens; "
@@ -194,7 +207,7 @@ def describe(s: Size, head: str) -> str:
     )
 
 
-def report(s: Size, head: str, r: dict) -> dict:
+def report(s: Size, head: str, r: dict, model_name: str | None = None) -> dict:
     plain, probed, clock = r["plain"], r["probed"], r["clock"]
     med = statistics.median(plain)
     first = probed[0] / med
@@ -205,7 +218,7 @@ def report(s: Size, head: str, r: dict) -> dict:
     pairwise = (
         statistics.median(a / b for a, b in zip(probed[1:], plain[1:], strict=True)) if n > 1 else math.nan
     )
-    print(describe(s, head))
+    print(describe(s, head, model_name))
     print(f"  plain step: median {med:.2f} s (min {min(plain):.2f}, max {max(plain):.2f}) over {n} steps")
     print(f"  first probed step: {probed[0]:.2f} s = {first:.2f}x the plain step (target <= {TARGET_FIRST}x)")
     print(
@@ -253,6 +266,12 @@ def main() -> None:
     ap.add_argument("--head", choices=("logits", "fused"), default="logits")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
+        "--model",
+        default=None,
+        help="a real model instead of the random ones (e.g. smollm2-135m: 30 layers, V = 49,152, tied head); "
+        "--vocab, --layers and --hidden are then its own",
+    )
+    ap.add_argument(
         "--no-budget",
         action="store_true",
         help="check_budget and direct_budget None: 256 check tokens and direct gradients every 10th step whatever "
@@ -263,6 +282,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     rows_out = []
+    if args.model is not None:
+        from tokendyn.policy import check_model_source
+
+        args.vocab = [check_model_source(args.model, "--model").vocab_size]
     for vocab in args.vocab:
         s = Size(
             layers=args.layers,
@@ -274,7 +297,7 @@ def main() -> None:
         )
         print(f"V = {vocab:,}: {steps} pairs of steps ...", flush=True)
         options = {"check_budget": None, "direct_budget": None} if args.no_budget else {}
-        rows_out.append(report(s, args.head, measure(s, steps, args.head, options)))
+        rows_out.append(report(s, args.head, measure(s, steps, args.head, options, args.model), args.model))
     budgets = (
         "no budgets (--no-budget)"
         if args.no_budget

@@ -18,6 +18,7 @@ import torch
 from _matrix import ARCHS
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tokendyn.figures.readings import resolution_note
 from tokendyn.policy import load_policy
 from tokendyn.probe.change import STEP_ROUNDING_LIMIT, counterfactual_change, fix_pi_old
 from tokendyn.probe.compare import compare_rules, make_rule
@@ -159,11 +160,17 @@ def test_records_carry_the_resolution(policy_batch):
         f = frames[kind]
         assert (f["step_dtype"] == "float64").all() and f["step_resolved"].all(), kind
         assert (f["step_norm"] > 0).all() and (f["step_rounding"] < STEP_ROUNDING_LIMIT).all(), kind
+    assert resolution_note(frames["influence"]).startswith(" Every counterfactual step was resolved")
     opts = RebalanceOptions(token_shares=0, view_sequences=0, step_precision="model")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         frames = analyze_batch(model, batch.select(slice(0, 4)), step=3, options=opts)
     assert (frames["influence"]["step_dtype"] == "float32").all()
+    # the report's readings flag unresolved steps, and say nothing for records from before they were recorded
+    assert (
+        "WARNING" in resolution_note(frames["influence"]) and not frames["influence"]["step_resolved"].all()
+    )
+    assert resolution_note(frames["influence"].drop("step_rounding", "step_resolved")) == ""
     with pytest.raises(ValueError, match="step_precision must be one of float64, model"):
         RebalanceOptions(step_precision="float16")
 

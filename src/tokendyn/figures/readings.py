@@ -92,7 +92,9 @@ def prob_change(records: Records) -> str:
             f"{run}: largest mean |Δπ| = {num(top['mean_abs'])} in [{top['bin_lo']:g}, {top['bin_hi']:g}), "
             f"{num(high)} for π_old ≥ {e_hi:g}"
         )
-    return "After one update with all tokens, " + "; ".join(parts) + "."
+    changes = _need(records, "prob_change", "probability change")
+    counterfactual = changes.filter(pl.col("update") != "real") if "update" in changes.columns else changes
+    return "After one update with all tokens, " + "; ".join(parts) + "." + resolution_note(counterfactual)
 
 
 def gradient_norm(records: Records) -> str:
@@ -164,6 +166,24 @@ def _moved(r: pl.DataFrame, src: int, targets: list[int]) -> float | None:
     return float((x["mean_abs"] * x["tokens"]).sum() / x["tokens"].sum()) if x.height else None
 
 
+def resolution_note(df: pl.DataFrame) -> str:
+    """What the records say of their counterfactual steps' resolution (`step_rounding`, `step_resolved`): "" for
+    records that do not say (written before it was recorded), else one sentence, a warning where a step was not
+    resolved."""
+    if "step_rounding" not in df.columns:
+        return ""
+    known = df.filter(pl.col("step_rounding").is_not_null())
+    if known.height == 0:
+        return ""
+    worst = float(known["step_rounding"].max())
+    bad = known.filter(~pl.col("step_resolved"))
+    if bad.height == 0:
+        return f" Every counterfactual step was resolved (rounding could take at most {worst:.1e} of a step)."
+    return (f" WARNING: {bad.height} of {known.height} rows come from counterfactual steps that are not resolved: "
+            f"rounding the parameters could take up to {100 * worst:.3g} % of a step (steps in the model's dtype; "
+            "--probe_step_precision float64 resolves them).")  # fmt: skip
+
+
 def isolation(records: Records) -> str:
     pooled = _pooled_influence(_need(records, "influence", "isolation"))
     bins = sorted(b for b in pooled["source_bin"].unique().to_list() if b >= 0)
@@ -187,7 +207,8 @@ def isolation(records: Records) -> str:
         return "Not enough source bins with tokens to compare the lowest and highest interval."
     return (". ".join(parts) + ". Ideally a frozen interval does not move at all. The paper (Fig. 1e/f): updating "
             "the low tokens alone reproduces most of the full update, and the high tokens move less when updated "
-            "themselves than when only the low ones are.")  # fmt: skip
+            "themselves than when only the low ones are."
+            + resolution_note(_need(records, "influence", "isolation")))  # fmt: skip
 
 
 def influence_matrix(records: Records) -> str:
@@ -204,7 +225,8 @@ def influence_matrix(records: Records) -> str:
                 f"{run}{stage}: the strongest cross-interval effect is from [{t['source_lo']:g}, {t['source_hi']:g}) "
                 f"on [{t['target_lo']:g}, {t['target_hi']:g}), mean |Δπ| = {num(t['mean_abs'])}"
             )
-    return "Rows are the updated interval, columns the measured one. " + "; ".join(parts) + "."
+    return ("Rows are the updated interval, columns the measured one. " + "; ".join(parts) + "."
+            + resolution_note(_need(records, "influence", "influence matrix")))  # fmt: skip
 
 
 def bound(records: Records) -> str:

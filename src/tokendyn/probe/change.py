@@ -4,11 +4,13 @@
 
 (a) `counterfactual_change`: an update of the parameters, by default the paper's diagnostic (plain SGD, lr 1e-3,
     one step on the full loss L = sum_t l_t, or on the loss restricted to a token set), made exactly, not to first
-    order. It is applied to the model's own parameters in place and undone exactly (`InPlaceUpdate`): the trainable
-    parameters are first copied to host memory (CPU), tensor by tensor, and copied back bitwise when the analysis
-    ends, also on an exception. No parameter copy is made on the model's device (a 7B model in bf16: 15 GB of host
-    memory instead of 15 GB per copy on the GPU); ``.grad`` of every parameter is set aside during the step and put
-    back, hooks are untouched, and any ``torch.optim`` optimizer can make the step (its state, e.g. Adam's moments,
+    order. It is applied in place and undone exactly (`InPlaceUpdate`): by default on float64 copies of the
+    parameters swapped into the model for the analysis (a step of 1e-6 of |theta| is partly lost to float32
+    rounding, entirely to bf16's; the copy costs 8 bytes a parameter on the device, the model's own parameters are
+    not touched), with precision "model" on the model's own parameters, first copied to host memory (CPU), tensor by
+    tensor, and copied back bitwise when the analysis ends, also on an exception (no copy on the device: a 7B model
+    in bf16 costs 15 GB of host memory instead). Each step records how finely it was resolved (`Resolution`).
+    ``.grad`` of every parameter is set aside during the step and put back, hooks are untouched, and any ``torch.optim`` optimizer can make the step (its state, e.g. Adam's moments,
     lives on the device for the analysis only; the trainer's optimizer is never touched). Several stages run in
     sequence with the same optimizer (Lopti: stage 1 then stage 2, pi_old fixed).
 (b) `real_change`: pi before (a tensor measured before the optimizer step, or a model) and after a real update

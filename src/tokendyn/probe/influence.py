@@ -15,10 +15,11 @@ the model; its sources are the bins restricted to the stage-1 tokens. Stage 2 st
 full stage-1 update (optimizer state carried over, pi_old fixed), its sources restricted to the stage-2 tokens; its
 delta pi is measured from the start of stage 2. Sources without tokens in a stage produce no rows.
 
-Every update is made on the model's own parameters in place (`tokendyn.probe.change.InPlaceUpdate`): a source's
-update is undone by copying the stage's starting parameters back from host memory, and the model is left bitwise as
-it was. Host memory: theta_0, and with two stages the parameters at the start of stage 2; device memory: no
-parameter copy.
+Every update is made in place (`tokendyn.probe.change.InPlaceUpdate`), by default on float64 copies of the
+parameters (a source's step is far below the float32 rounding of theta), and each source's step records how finely it
+was resolved (`tokendyn.probe.change.Resolution`). A source's update is undone by copying the stage's starting
+parameters back from host memory, and the model is left bitwise as it was. Host memory: theta_0, and with two
+stages the parameters at the start of stage 2; device memory: the float64 copy (none with precision "model").
 """
 
 from __future__ import annotations
@@ -179,9 +180,9 @@ def influence(
     resolution: dict[tuple[str, int], Resolution] = {}
     with InPlaceUpdate(model, optimizer or sgd(lr), objective, precision) as update:
         pi_start = pi0 = update.pi_start(batch, pi_start)
-        for name, smask in stages:
+        for i, (name, smask) in enumerate(stages):
             stage_start = update.save()
-            start_norm = update.norm2() ** 0.5 if update._moved else None
+            start_norm = update.norm2() ** 0.5 if i else None  # (None: theta_0's)
             for src in sources:
                 mask = smask & (bins == src)
                 if not bool(mask.any()):
