@@ -340,7 +340,11 @@ def measure_analysis(model, s: Size, name: str, extra_options: dict | None = Non
 
     batch, masks = _probe_batch(s)
     base_name = CKPT_ANALYSES.get(name, name)
-    opts = RebalanceOptions(**_accepted(RebalanceOptions, {**ANALYSES[base_name], **(extra_options or {})}))
+    # step_precision "model": the steps the predicted configuration makes (FSDP2's shards step in their own dtype,
+    # `tokendyn.probe.change.InPlaceUpdate`); an unsharded run's default float64 steps add a float64 copy of the
+    # parameters and float64 activations of the analysis sample (docs/results.md, beside the block)
+    options = {"step_precision": "model", **ANALYSES[base_name], **(extra_options or {})}
+    opts = RebalanceOptions(**_accepted(RebalanceOptions, options))
     objective = Objective(eps_low=EPS_LOW, eps_high=EPS_HIGH, delta=DELTA, loss_type="dapo")
     lopti = name in LOPTI
     _zero(model)

@@ -180,8 +180,8 @@ def resolution_note(df: pl.DataFrame) -> str:
     if bad.height == 0:
         return f" Every counterfactual step was resolved (rounding could take at most {worst:.1e} of a step)."
     return (f" WARNING: {bad.height} of {known.height} rows come from counterfactual steps that are not resolved: "
-            f"rounding the parameters could take up to {100 * worst:.3g} % of a step (steps in the model's dtype; "
-            "--probe_step_precision float64 resolves them).")  # fmt: skip
+            f"rounding the parameters could take up to {100 * worst:.3g} % of a step (in the model's dtype "
+            "--probe_step_precision float64 resolves them; in float64 only a larger --probe_lr does).")  # fmt: skip
 
 
 def isolation(records: Records) -> str:

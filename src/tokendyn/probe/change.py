@@ -107,7 +107,12 @@ def warn_unresolved(where: str, res: Resolution) -> None:
         warnings.warn(
             f"{where}: the counterfactual step (||dtheta|| = {res.step_norm:.3g}) is not resolved in "
             f"{res.step_dtype}: rounding can take up to {100 * res.step_rounding:.3g} % of it "
-            f"(limit {100 * STEP_ROUNDING_LIMIT:.3g} %); step_precision='float64' resolves it",
+            f"(limit {100 * STEP_ROUNDING_LIMIT:.3g} %); "
+            + (
+                "a larger step (--probe_lr) resolves it"
+                if res.step_dtype == "float64"
+                else "step_precision 'float64' resolves it"
+            ),
             stacklevel=3,
         )
 
