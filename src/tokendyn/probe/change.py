@@ -10,7 +10,8 @@
     not touched), with precision "model" on the model's own parameters, first copied to host memory (CPU), tensor by
     tensor, and copied back bitwise when the analysis ends, also on an exception (no copy on the device: a 7B model
     in bf16 costs 15 GB of host memory instead). Each step records how finely it was resolved (`Resolution`).
-    ``.grad`` of every parameter is set aside during the step and put back, hooks are untouched, and any ``torch.optim`` optimizer can make the step (its state, e.g. Adam's moments,
+    ``.grad`` of every parameter is set aside during the step and put back, hooks are untouched, and any
+    ``torch.optim`` optimizer can make the step (its state, e.g. Adam's moments,
     lives on the device for the analysis only; the trainer's optimizer is never touched). Several stages run in
     sequence with the same optimizer (Lopti: stage 1 then stage 2, pi_old fixed).
 (b) `real_change`: pi before (a tensor measured before the optimizer step, or a model) and after a real update
@@ -201,12 +202,13 @@ class InPlaceUpdate:
     The in-place steps bump the parameters' version counters: run it before a training forward or after its
     backward, never while a training graph that saved the weights is alive (its backward would then refuse them).
 
-    ``precision`` "float64" (the default): inside the context the model is in float64 and computes in float64
-    (`tokendyn.probe.float64.as_float64`: a float64 copy of every floating tensor on the device, 8 bytes a
-    parameter, the original storage put back on exit), so a step far below the float32 (or bf16) rounding of theta
-    is applied and measured whole; pi is measured there too (`probs`, `pi_start`), so every delta pi compares
-    float64 with float64. "model": the steps in the parameters' own dtype (no copy; a step below its rounding is
-    partly lost, which `resolution` states). Sharded (FSDP2) parameters are stepped in their own dtype.
+    ``precision`` "float64" (the default): inside the context float64 copies of the model's parameters and buffers
+    stand in for them in their modules and every op computes in float64 (`tokendyn.probe.float64.as_float64`: 8
+    bytes a parameter on the device; the model's own parameters are not touched, and are its again on exit), so a
+    step far below the float32 (or bf16) rounding of theta is applied and measured whole; pi is measured there too
+    (`probs`, `pi_start`), so every delta pi compares float64 with float64. "model": the steps on the model's own
+    parameters in their dtype (no copy; a step below their rounding is partly lost, which `resolution` states).
+    Sharded (FSDP2) parameters are stepped in their own dtype.
 
     FSDP2: every rank makes the same steps on the same batch (each step's forward and backward are collectives);
     each rank saves and restores its own shards, the gradient is FSDP2's reduce-scattered one
@@ -257,9 +259,7 @@ class InPlaceUpdate:
 
     def __exit__(self, *exc) -> None:
         try:
-            if (
-                self.start is not None and not self._copied
-            ):  # (float64 copies: the model's own were not touched)
+            if self.start is not None and not self._copied:  # (copies stepped: the model's own untouched)
                 self.start.restore(self.params)
         finally:
             if self._stack is not None:

@@ -8,8 +8,10 @@ of these rounds to float32 and back, so two float64 computations of the same upd
 
 `exact_float64()` is a ``TorchFunctionMode`` that, while it is active, makes every float32 in a torch call a float64:
 ``Tensor.float()`` is ``Tensor.double()``, a ``torch.float32`` argument (``.to(torch.float32)``, ``dtype=``,
-``.type(torch.float32)``) is ``torch.float64``. A model in float64 then computes in float64 at every op
-(tests/test_float64.py checks every op's dtype). It changes nothing outside the ``with``.
+``.type(torch.float32)``) is ``torch.float64``, and so is the default dtype (a tensor made without one). A model
+in float64 then computes in float64 at every op (tests/test_step_resolution.py checks every op's dtype on the
+configuration matrix's architectures). It changes nothing outside the ``with``; a recomputation in a later backward
+(gradient checkpointing) runs under it through `same_mode`.
 
 `as_float64(model)`: float64 copies of the model's floating parameters and buffers in place of them for the length
 of a ``with``, and that forward mode on, for analyses whose result must not depend on the model's dtype (a
