@@ -30,3 +30,48 @@ def test_demo_writes_three_runs_and_the_report(tiny_model_dir, tmp_path):
     html = report.read_text()
     assert all(m in html for m in methods)
     assert (out / "figures" / "i_training.png").is_file()
+
+
+def test_llm_demo_trains_on_sums_and_analyses_the_same_rollouts(tmp_path):
+    """The real LLM's demo: the arithmetic task in every run, the paired comparison in GRPO's run only, and the
+    analyses on the same rollouts in every run although Lopti takes two optimizer steps per rollout."""
+    from tokendyn.commands.demo import LLM, POLICIES, _configs
+    from tokendyn.trainers.runner import optimizer_steps_per_rollout
+
+    source, full, _ = POLICIES["smollm2-135m"]
+    assert (source, full) == ("smollm2-135m", LLM)
+    runs = _configs(tmp_path, LLM, source, {})
+    for name, run, cfg in runs:
+        assert run.task == "arith" and run.arith_digits == [1, 2] and run.arith_eval_digits == [2]
+        assert run.model_name_or_path == "smollm2-135m" and run.eval_n == 200
+        assert cfg.learning_rate == 1e-5 and cfg.max_completion_length == 16
+        analysed = [
+            s for s in range(LLM.rollouts * optimizer_steps_per_rollout(cfg)) if s % cfg.probe_every == 0
+        ]
+        rollouts = [s // optimizer_steps_per_rollout(cfg) for s in analysed]
+        assert rollouts == [0, 3, 6], name
+        assert bool(cfg.probe_compare_rules) == (name == "grpo")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"policy": "gpt-17"}, "policy: must be one of default, smollm2-135m"),
+     ({"policy": "smollm2-135m", "model": "some/model"}, "model: give --model or --policy smollm2-135m")],
+)  # fmt: skip
+def test_demo_policy_input_is_checked_before_any_work(tmp_path, kwargs, field):
+    from tokendyn.common import UsageError
+
+    with pytest.raises(UsageError, match=field):
+        demo(tmp_path / "demo", say=lambda msg: None, **kwargs)
+    assert not (tmp_path / "demo").exists()
+
+
+def test_token_histogram_bins_are_half_open_and_the_last_closed():
+    """Fig. 1a's bins [0, .25), [.25, .5), [.5, .75), [.75, 1]: a token exactly on an edge belongs to the bin above
+    it, and pi = 1 to the last one (hand-counted)."""
+    from tokendyn.trainers.evaluate import token_histogram
+
+    shares = token_histogram([0.1, 0.25, 0.5, 0.7499, 0.75, 1.0])
+    assert shares == pytest.approx([1 / 6, 1 / 6, 2 / 6, 2 / 6])
+    with pytest.raises(ValueError, match="no sampled tokens"):
+        token_histogram([])

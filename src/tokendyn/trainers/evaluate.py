@@ -180,3 +180,15 @@ def puzzle_outcomes(
                     }
                 )
     return rows
+
+
+def token_histogram(probs, edges=(0.0, 0.25, 0.5, 0.75, 1.0)) -> list[float]:
+    """Share of sampled tokens per probability bin, the paper's Fig. 1a: bins [e_i, e_i+1), the last one closed;
+    ``probs`` the probability of each sampled token at the sampling temperature (`generate`)."""
+    import numpy as np
+
+    p = np.asarray(probs, dtype=np.float64)
+    if p.size == 0:
+        raise ValueError("token_histogram: no sampled tokens")
+    counts, _ = np.histogram(p, bins=np.asarray(edges, dtype=np.float64))  # numpy's last bin is closed
+    return (counts / p.size).tolist()
