@@ -12,8 +12,13 @@ config::
     actor_rollout_ref.actor.policy_loss.loss_mode=tokendyn
     +actor_rollout_ref.actor.policy_loss.probe_dir=/path/to/run       # the probe (optional; "+": not in verl's YAML)
     +actor_rollout_ref.actor.policy_loss.lopti_eta=0.5                # Lopti (optional)
+
+On a machine without a GPU, ``VERL_PLATFORM=cpu`` and ``actor_rollout_ref.rollout.name=hf`` run verl's own trainer
+on the CPU (`backend`: the platform "cpu" and a Hugging Face ``generate`` rollout, `hf_rollout`); every verl
+internal that leans on is named in `internals`.
 """
 
+from tokendyn.integrations.verl.backend import register_backend
 from tokendyn.integrations.verl.loss import (
     LOPTI_STAGES,
     LOSS_NAME,
@@ -33,10 +38,12 @@ from tokendyn.integrations.verl.worker import install as install_worker
 
 
 def register() -> None:
-    """Register the tokendyn loss with verl (`loss.register_loss`) and wrap the actor worker's update
-    (`worker.install`); idempotent."""
+    """Register the tokendyn loss with verl (`loss.register_loss`), wrap the actor worker's update
+    (`worker.install`) and register the CPU backend's platform "cpu" and rollout "hf" (`backend.register_backend`,
+    active only with ``VERL_PLATFORM=cpu``); idempotent."""
     register_loss()
     install_worker()
+    register_backend()
 
 
 __all__ = [
@@ -51,6 +58,7 @@ __all__ = [
     "install_worker",
     "lopti_ppo_loss",
     "register",
+    "register_backend",
     "register_loss",
     "stage_advantages",
     "stage_mask",

@@ -1,5 +1,7 @@
 """verl 0.9's own FSDP2 actor engine on the CPU, without Ray and without an accelerator: to try tokendyn's verl path
-on a laptop, for `examples/verl_actor.py`, the bench and the tests. On a GPU, verl needs none of this.
+on a laptop, for `examples/verl_actor.py`, the bench and the tests. On a GPU, verl needs none of this. Under Ray
+(verl's own trainer, `main_ppo`), `CPUPlatform` is verl's platform "cpu", chosen with ``VERL_PLATFORM=cpu``
+(`backend`).
 
 The engine is built the way `verl.workers.engine_workers.TrainingWorker.__init__` builds it
 (`EngineRegistry.new(model_type="language_model", backend="fsdp2", ...)`, then `initialize()`), in one process or
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 from verl.plugin.platform import PlatformBase, get_platform, set_platform
 
+from tokendyn.integrations.verl.internals import ENGINE_DEVICE, ENGINE_DEVICE_ENV, platform_is_set
 from tokendyn.integrations.verl.loss import disable_trl_value_head_patch
 
 if TYPE_CHECKING:
@@ -45,8 +48,6 @@ if TYPE_CHECKING:
     # one value per response token: a (batch, >= longest response) tensor, right-padded, or one list per response
     PerToken = torch.Tensor | Sequence[Sequence[float]]
 
-ENGINE_DEVICE_ENV = "VERL_ENGINE_DEVICE"
-ENGINE_DEVICE = "cuda"  # the device the FSDP engine is registered for (it runs on the platform's device)
 PAD_TOKEN_ID = 0
 EOS_TOKEN_ID = 1
 BOS_TOKEN_ID = 2
@@ -61,6 +62,11 @@ def _cpu_device_module() -> ModuleType:
     module.__dict__.setdefault("reset_peak_memory_stats", lambda *args, **kwargs: None)
     module.__dict__.setdefault("mem_get_info", lambda *args, **kwargs: (0, 0))
     module.__dict__.setdefault("get_device_name", lambda *args, **kwargs: "cpu")  # the MFU counter's lookup
+    # what verl's trainer and memory helpers call besides (`verl.utils.memory_utils`, the checkpoint manager)
+    for name in ("empty_cache", "ipc_collect", "set_per_process_memory_fraction"):
+        module.__dict__.setdefault(name, lambda *args, **kwargs: None)
+    module.__dict__.setdefault("get_rng_state", lambda *args, **kwargs: torch.get_rng_state())
+    module.__dict__.setdefault("set_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state))
     return module
 
 
@@ -69,7 +75,9 @@ CPU_DEVICE_MODULE = _cpu_device_module()
 
 class CPUPlatform(PlatformBase):
     """verl's platform interface for the host CPU: device "cpu", module `torch.cpu`, collectives on gloo, no
-    profiler and no IPC."""
+    profiler and no IPC. Registered as verl's platform "cpu" (`backend.register_backend`) and chosen by name only
+    (``VERL_PLATFORM=cpu``): auto-detection never picks it. Its Ray resource is named "GPU", so verl's worker groups
+    ask Ray for logical GPUs, one per actor rank (``ray_kwargs.ray_init.num_gpus``); torch stays on the CPU."""
 
     @property
     def device_name(self) -> str:
@@ -85,6 +93,9 @@ class CPUPlatform(PlatformBase):
 
     def is_available(self) -> bool:
         return True
+
+    def is_platform_available(self, use_smi_check: bool = False) -> bool:
+        return False  # never auto-detected: chosen by name (VERL_PLATFORM=cpu) or `cpu_platform()`
 
     def current_device(self) -> str:  # type: ignore[override]  # verl passes it to `.to(...)`: "cpu", not 0
         return "cpu"
@@ -130,7 +141,7 @@ class CPUPlatform(PlatformBase):
         pass
 
     def ray_resource_name(self) -> str:
-        return "CPU"
+        return "GPU"  # logical GPUs (ray_init.num_gpus) stand for the actor ranks; nothing runs on a GPU
 
     def ray_noset_envvars(self) -> list[str]:
         return []
@@ -149,18 +160,12 @@ def cpu_platform() -> CPUPlatform:
     Best called before verl's engine modules are imported (`transformer_impl` reads the device name at import,
     for its sequence-parallel mesh only); the singleton is looked at without `get_platform()`, which would
     auto-detect a CUDA platform first."""
-    current = get_platform() if _platform_is_set() else None
+    current = get_platform() if platform_is_set() else None
     if not isinstance(current, CPUPlatform):
         current = CPUPlatform()
         set_platform(current)
     os.environ[ENGINE_DEVICE_ENV] = ENGINE_DEVICE
     return current
-
-
-def _platform_is_set() -> bool:
-    from verl.plugin.platform import platform_manager
-
-    return platform_manager._current_platform is not None
 
 
 def setup_distributed() -> tuple[int, int]:

@@ -61,7 +61,9 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
     probe_options: `tokendyn.ProbeConfig` fields for that probe (e.g. ``{"bins": "intervals:4"}``).
     probe_analyses_every: run the rebalancing analyses (those ``probe_options["analyses"]`` switches on) on the
         first ``sample_sequences`` sequences of every n-th update's batch, verl's own loss as the objective
-        (`integrations.verl.objective`); 0 (the default): off."""
+        (`integrations.verl.objective`); 0 (the default): off.
+    probe_save_batches: save the batches of the first n updates under ``probe_dir/batches`` as `tokendyn probe`
+        rollouts files (`integrations.verl.batches`), to replay them offline; 0 (the default): none."""
 
     _mutable_fields = PolicyLossConfig._mutable_fields | {"lopti_stage", "lopti_batch_eta"}
 
@@ -78,6 +80,7 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
     probe_dir: str | None = None
     probe_options: dict = field(default_factory=dict)
     probe_analyses_every: int = 0
+    probe_save_batches: int = 0
 
     def __post_init__(self) -> None:
         known = sorted(n for n in core_algos.POLICY_LOSS_REGISTRY if n != LOSS_NAME)
@@ -108,6 +111,15 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise VerlConfigError(
                 f"policy_loss.probe_analyses_every: must be an integer >= 0 (0: off), got {every!r}"
+            )
+        saves = self.probe_save_batches
+        if isinstance(saves, bool) or not isinstance(saves, int) or saves < 0:
+            raise VerlConfigError(
+                f"policy_loss.probe_save_batches: must be an integer >= 0 (0: none), got {saves!r}"
+            )
+        if saves and self.probe_dir is None:
+            raise VerlConfigError(
+                "policy_loss.probe_save_batches: needs policy_loss.probe_dir (the batches go to probe_dir/batches)"
             )
         self.probe_config()
 

@@ -20,6 +20,9 @@ from __future__ import annotations
 import atexit
 from functools import partial, wraps
 
+import torch.distributed
+
+from tokendyn.integrations.verl.batches import save_batch
 from tokendyn.integrations.verl.lopti import lopti_update
 from tokendyn.integrations.verl.loss import TokendynPolicyLossConfig, lopti_ppo_loss
 from tokendyn.integrations.verl.probe import METRIC_PREFIX, EngineProbe
@@ -51,6 +54,18 @@ def worker_probe(worker, opts: TokendynPolicyLossConfig) -> EngineProbe | None:
     return probe
 
 
+def save_update_batch(worker, data, opts: TokendynPolicyLossConfig) -> None:
+    """The batch of this update saved under ``probe_dir/batches`` (`batches.save_batch`) while fewer than
+    ``probe_save_batches`` updates have been; counts the worker's updates."""
+    update = getattr(worker, "_tokendyn_updates", 0)
+    worker._tokendyn_updates = update + 1
+    if update < opts.probe_save_batches:
+        group = worker.engine.get_data_parallel_group()
+        save_batch(
+            data, opts.probe_dir, update, torch.distributed.get_rank(group) if group is not None else 0
+        )
+
+
 def merge_stage_metrics(outputs: dict) -> dict:
     """One metrics dict from the two Lopti stages' (key -> list over mini-batches): verl's keys concatenated over
     the stages; tokendyn's (``actor/tokendyn/...``) kept apart per stage as ``actor/tokendyn/{stage}/...``."""
@@ -71,6 +86,7 @@ def tokendyn_train_mini_batch(worker, data, original):
     if not isinstance(opts, TokendynPolicyLossConfig):
         return original(worker, data)
     probe = worker_probe(worker, opts)
+    save_update_batch(worker, data, opts)
     try:
         if not opts.lopti:
             return original(worker, data)
