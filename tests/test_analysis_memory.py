@@ -14,6 +14,7 @@ import torch
 from _rebalance import VOCAB, tiny_batch, tiny_model
 from transformers import Qwen2ForCausalLM
 
+import tokendyn.probe.forward as fwd
 import tokendyn.probe.tokenloss as tl
 from tokendyn.probe.change import InPlaceUpdate, completion_probs, counterfactual_change
 from tokendyn.probe.influence import influence, lopti_stage_masks
@@ -35,7 +36,7 @@ OBJ = Objective(eps_low=0.2, eps_high=0.24)
 @pytest.fixture
 def small_chunks(monkeypatch):
     """5 tokens per chunk (V = 97): every batch here is split into many chunks, the last one ragged."""
-    monkeypatch.setattr(tl, "CHUNK_BYTES", 8 * VOCAB * 5)
+    monkeypatch.setattr(fwd, "CHUNK_BYTES", 8 * VOCAB * 5)
     assert tl.chunk_tokens(VOCAB) == 5
 
 
@@ -92,7 +93,7 @@ def test_chunked_logp_equals_the_whole_tensor_log_softmax(monkeypatch, dtype):
     ids = b.completion_ids.unsqueeze(-1)
     for chunk, tol64, tol in ((None, 1e-12, 1e-12), (5, 1e-12 if dtype == torch.float64 else 1e-5, 1e-5)):
         if chunk is not None:
-            monkeypatch.setattr(tl, "CHUNK_BYTES", 8 * VOCAB * chunk)
+            monkeypatch.setattr(fwd, "CHUNK_BYTES", 8 * VOCAB * chunk)
         with torch.no_grad():
             got64 = completion_logp(m, b, float64=True)
             got, ent = completion_logp_entropy(m, b)

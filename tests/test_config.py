@@ -42,6 +42,9 @@ BAD = {
     "step_precision": ("float16", "step_precision: must be one of float64, model, got 'float16'"),
     "compare_rules": ("lopti,ppo2", "compare_rules: unknown ['ppo2']; allowed: base, reweight, lopti"),
     "compare_modes": ("adam", "compare_modes: unknown ['adam']; allowed: equal_norm, optimizer"),
+    "compare_inner_steps": (0, "compare_inner_steps: must be an integer >= 1, got 0"),
+    "compare_c_sweep": ([-2.0], "compare_c_sweep: must be a list of numbers in [-1, 10], got [-2.0]"),
+    "compare_eta_sweep": ([1.0], "compare_eta_sweep: must be a list of numbers in (0, 1), got [1.0]"),
 }
 
 

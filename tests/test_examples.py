@@ -52,8 +52,10 @@ def test_custom_loop_on_a_local_gpt2_gets_every_figure(tmp_path, monkeypatch, ca
     from tokendyn.figures.report import FIGURES
 
     figures = {p.stem for p in (out / "figures").glob("*.png")}
-    # every figure but the paired comparison's (an option of the trainer and of tokendyn probe, not of this loop)
-    assert figures == {spec.name for spec in FIGURES} - {"h_paired"}
+    # every figure but those of the paired comparison (an option of the trainer and of tokendyn probe, not of this
+    # loop): the paired differences, both camps and the c / eta axis
+    assert figures == {spec.name for spec in FIGURES if "paired" not in spec.kinds}
+    assert {"h_paired", "h_both_camps", "h_axis"} <= {spec.name for spec in FIGURES}
 
 
 def test_trl_script_swaps_in_the_tokendyn_trainer(tmp_path, monkeypatch):

@@ -42,7 +42,8 @@ def run_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("figure_runs")
     out = {}
     for name, extra in METHODS.items():
-        compare = dict(probe_compare_rules=["reweight", "lopti"], probe_compare_modes=["equal_norm"])
+        compare = dict(probe_compare_rules=["reweight", "lopti", "logp_reweight"], probe_compare_modes=["equal_norm"],
+                       probe_compare_c_sweep=[-0.3, 0.2], probe_compare_eta_sweep=[0.3])  # fmt: skip
         cfg = _config(root / name, max_steps=4, probe_every=1, probe_lr_sweep=[1e-3, 1.0], **compare, **extra)
         trainer = _trainer(tiny_model_dir, cfg)
         run_dir = Path(cfg.output_dir)

@@ -31,6 +31,12 @@ RUNS = {
         "GRPO + Reweight(a=0.3) + Lopti(eta=0.5)",
     ),
     "vespo": (dict(loss_type="vespo"), "VESPO"),
+    "dppo_tv": (dict(PRESETS["dppo_tv"], num_iterations=2), "GRPO + DPPO-TV"),
+    "aspo": (dict(PRESETS["aspo"], num_iterations=2), "GRPO + ASPO"),
+    "ce_gppo": (dict(PRESETS["ce_gppo"], num_iterations=2), "GRPO + CE-GPPO"),
+    "lp_reg": (dict(PRESETS["lp_reg"], lp_reg_rho=0.5), "GRPO + Lp-Reg"),
+    "w_reinforce": (PRESETS["w_reinforce"], "W-REINFORCE(l=0.1)"),
+    "logp_reweight": (PRESETS["logp_reweight"], "GRPO + LogpReweight(c=0.1)"),
     "off-policy mask, adaptive entropy": (
         dict(loss_type="bnpo", off_policy_mask_threshold=0.0, use_adaptive_entropy=True, entropy_coef=0.05),
         "GRPO",

@@ -63,6 +63,13 @@ OPTIONS = {
     "preset 80_20": dict(PRESETS["80_20"]),
     "preset clip_cov": dict(PRESETS["clip_cov"], clip_cov_ratio=0.05, clip_cov_lb=0.0, clip_cov_ub=50.0),
     "preset kl_cov": dict(PRESETS["kl_cov"], kl_cov_ratio=0.05, beta=0.05),
+    # the camp that protects low-pi tokens (test_both_camps.py checks each rule against its reference)
+    "preset dppo_tv": dict(PRESETS["dppo_tv"], dppo_tv_delta=0.05, dppo_is_cap=1.2),
+    "preset dppo_kl": dict(PRESETS["dppo_kl"], dppo_kl_delta=0.01),
+    "preset aspo": dict(PRESETS["aspo"]),
+    "preset ce_gppo": dict(PRESETS["ce_gppo"], ce_gppo_dual_clip=1.3),
+    "preset lp_reg": dict(PRESETS["lp_reg"], epsilon=0.1, epsilon_high=0.15, lp_reg_rho=0.5),
+    "preset logp_reweight": dict(PRESETS["logp_reweight"]),
 }
 # vLLM's importance-sampling correction: TRL's own step with the sampler's log-probs in the batch (as its
 # generation puts them there with use_vllm; no vLLM needed to run the loss), every correction mode
@@ -199,6 +206,7 @@ def test_the_analysis_loss_has_the_training_steps_gradient(tiny_model_dir, tmp_p
         temperature=args.temperature,
         sampling_logp=inputs.get("sampling_per_token_logps"),
         is_ratio=inputs.get("importance_sampling_ratio"),
+        proxy_logp=inputs.get("lp_reg_proxy_logp"),
     )
     objective = cap["objective"]
     if name in FAR_REF:  # the clamp binds on some tokens, not all (else the test would not discriminate)

@@ -20,6 +20,7 @@ from tokendyn.vocab import ALL_POINTS, ANALYSES, COMPARE_MODES, COMPARE_RULES, S
 DEFAULT_EDGES: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
 SHARE_METHODS = ("stream", "loop", "batched")
 VIEW_SEQUENCES = 4  # sequences of the analysis sample recorded token by token (the token view)
+C_RANGE = (-1.0, 10.0)  # the c-sweep's axis (tokendyn.probe.axis.C_MIN, C_MAX: -1 is Reweight's alpha = 1)
 TOKEN_SHARES_PER_BIN = 32  # token-share rows kept per bin (trainer, offline probe and RebalanceOptions alike)
 
 
@@ -209,6 +210,26 @@ class ProbeConfig:
         "rule's SGD step at lr) and optimizer (one step of a copy of the run's optimizer, its state and lr).",
         choices=list(COMPARE_MODES),
     )
+    compare_inner_steps: int = _opt(
+        1,
+        "Updates per stage of every compared rule on the same batch (pi_old fixed at the state compared from, as "
+        "TRL's num_iterations); >= 1. At 1 every ratio r = pi / pi_old is 1, so DPPO-TV, DPPO-KL, ASPO and CE-GPPO "
+        "(like clip-higher, CISPO and GSPO's clip) are exactly the base rule: they act only at k > 1. Recorded in "
+        "`paired` (column inner_steps).",
+    )
+    compare_c_sweep: tuple[float, ...] = _opt(
+        (),
+        "One axis through both camps: the paired comparison also makes, from the same state, the update with "
+        "A_t <- (1 + c (1 - pi_old,t)) A_t at each c given (c < 0: Advantage Reweighting with alpha = -c, tames "
+        "low-pi tokens; c > 0: the Delta-log-p reweight, protects them; 0: the base rule), recording per c and bin "
+        "dpi, correct ratios, update share, entropy change and KL to the base update (`paired` rows with sweep 'c'; "
+        "`tokendyn analyze` tables sweep and guidance); each in [-1, 10]; turns the comparison on.",
+    )
+    compare_eta_sweep: tuple[float, ...] = _opt(
+        (),
+        "The same sweep for Lopti's eta (two stages, low first, at each eta): `paired` rows with sweep 'eta'; each "
+        "in (0, 1); turns the comparison on.",
+    )
     view_sequences: int = _opt(
         VIEW_SEQUENCES,
         "Sequences of the analysis sample whose every token is recorded for the token view (record kind "
@@ -258,6 +279,11 @@ class ProbeConfig:
         rules = _choices("compare_rules", self.compare_rules, COMPARE_RULES)
         set_(self, "compare_rules", ("base", *[r for r in rules if r != "base"]) if rules else ())
         set_(self, "compare_modes", _choices("compare_modes", self.compare_modes, COMPARE_MODES))
+        _int("compare_inner_steps", self.compare_inner_steps, 1)
+        set_(self, "compare_c_sweep", _sweep("compare_c_sweep", self.compare_c_sweep, C_RANGE, closed=True))
+        set_(self, "compare_eta_sweep", _sweep("compare_eta_sweep", self.compare_eta_sweep, (0.0, 1.0)))
+        if (self.compare_c_sweep or self.compare_eta_sweep) and not self.compare_rules:
+            set_(self, "compare_rules", ("base",))
         if self.compare_rules and not self.compare_modes:
             raise ProbeConfigError("compare_modes", f"give at least one of {', '.join(COMPARE_MODES)}")
         sweep = self.lr_sweep
@@ -347,6 +373,26 @@ def _choices(name: str, value, allowed: tuple[str, ...]) -> tuple[str, ...]:
             name, f"unknown {unknown}; allowed: {', '.join(allowed)} (comma-separated) or 'none'"
         )
     return tuple(a for a in allowed if a in items)
+
+
+def _sweep(name: str, value, bounds: tuple[float, float], closed: bool = False) -> tuple[float, ...]:
+    """Distinct finite numbers in ``bounds`` ([lo, hi] if closed, else (lo, hi)), sorted; None or 'none': ()."""
+    lo, hi = bounds
+    allowed = f"a list of numbers in {'[' if closed else '('}{lo:g}, {hi:g}{']' if closed else ')'}"
+    if value is None or value == "none":
+        return ()
+    if isinstance(value, str):
+        try:
+            value = [float(x) for x in value.split(",") if x.strip()]
+        except ValueError:
+            raise ProbeConfigError(name, f"must be {allowed}, got {value!r}") from None
+    if isinstance(value, bytes) or not isinstance(value, Sequence):
+        raise ProbeConfigError(name, f"must be {allowed}, got {value!r}")
+    for x in value:
+        ok = not isinstance(x, bool) and isinstance(x, int | float) and math.isfinite(x)
+        if not ok or not (lo <= x <= hi if closed else lo < x < hi):
+            raise ProbeConfigError(name, f"must be {allowed}, got {list(value)!r}")
+    return tuple(sorted({float(x) for x in value}))
 
 
 def _int(name: str, value, lo: int, prefix: str = "") -> None:

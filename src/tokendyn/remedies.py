@@ -99,15 +99,8 @@ def reinforce_pp_advantages(
     return adv.to(dtype)
 
 
-def reweight_advantages(adv: torch.Tensor, old_logp: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Advantage Reweighting (paper Eq. 4, official ``both_linear_normal``)::
-
-        A_t <- (alpha * pi_old(o_t) + 1 - alpha) * A_t,    pi_old = exp(old_logp), detached
-
-    the same rule for both signs of A. ``adv`` is (B,) (one advantage per completion, broadcast over tokens) or
-    (B, T); ``old_logp`` is (B, T). Returns (B, T). alpha = 0 returns the advantages unchanged (broadcast).
-    """
-    alpha = _check_unit_interval("alpha", alpha, closed=True)
+def _per_token(adv: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """``adv`` (B,) or (B, T) as (B, 1) or (B, T) against ``old_logp`` (B, T); a ValueError naming the bad shape."""
     if old_logp.dim() != 2:
         raise ValueError(f"old_logp must have shape (B, T), got {tuple(old_logp.shape)}")
     if adv.dim() == 1:
@@ -118,8 +111,56 @@ def reweight_advantages(adv: torch.Tensor, old_logp: torch.Tensor, alpha: float)
         raise ValueError(
             f"adv must have shape (B,) or the shape of old_logp {tuple(old_logp.shape)}, got {tuple(adv.shape)}"
         )
+    return adv
+
+
+def reweight_advantages(adv: torch.Tensor, old_logp: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Advantage Reweighting (paper Eq. 4, official ``both_linear_normal``)::
+
+        A_t <- (alpha * pi_old(o_t) + 1 - alpha) * A_t,    pi_old = exp(old_logp), detached
+
+    the same rule for both signs of A. ``adv`` is (B,) (one advantage per completion, broadcast over tokens) or
+    (B, T); ``old_logp`` is (B, T). Returns (B, T). alpha = 0 returns the advantages unchanged (broadcast).
+    """
+    alpha = _check_unit_interval("alpha", alpha, closed=True)
+    adv = _per_token(adv, old_logp)
     weight = alpha * torch.exp(old_logp.detach()) + (1.0 - alpha)
     return weight * adv
+
+
+def logp_reweight_advantages(adv: torch.Tensor, old_logp: torch.Tensor, c: float) -> torch.Tensor:
+    """The Delta-log-p direction reweight ("Beyond Magnitude", Huang et al., arXiv 2603.22117, ICLR 2026;
+    Hesse73/RLVR-Directions ``reweight.method='reshape_reversed'``)::
+
+        A_t <- (1 + c - c * pi_old(o_t)) * A_t,    pi_old = exp(old_logp), detached
+
+    on every token, both signs: the mirror image of `reweight_advantages` (its weight alpha pi_old + 1 - alpha; the
+    two sum to 2 at c = alpha), up-weighting low-pi tokens. ``adv`` (B,) or (B, T), ``old_logp`` (B, T); returns
+    (B, T). c = 0 returns the advantages unchanged (broadcast). Published c: 0.2 (Qwen2.5-Math-7B), 0.1 (Qwen3-8B)."""
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+        raise ValueError(f"c must be a number >= 0, got {c!r}")
+    adv = _per_token(adv, old_logp)
+    weight = 1.0 + c - c * torch.exp(old_logp.detach())
+    return weight * adv
+
+
+def w_reinforce_advantages(rewards: torch.Tensor, lam: float = 0.1) -> torch.Tensor:
+    """W-REINFORCE's advantages (Zhu et al., arXiv 2506.01347; TianHongZXY/RLVR-Decomposed
+    ``compute_psr_nsr_outcome_advantage``, ``advantage=weighted``): the return of the 0/1 terminal reward, no
+    baseline, no std, negatives weighted 1/lam more::
+
+        A_i = lam  if r_i == 1;   -1  if r_i == 0;   r_i otherwise (the authors' quirk: any other score is kept)
+
+    ``rewards`` (B,); returns (B,) float. A NaN reward (unscorable) gets 0, as TRL's advantages."""
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
+        raise ValueError(f"lam must be a number >= 0, got {lam!r}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must have shape (B,), got {tuple(rewards.shape)}")
+    r = rewards.detach().to(torch.get_default_dtype() if not rewards.is_floating_point() else rewards.dtype)
+    adv = torch.where(
+        r == 1, torch.full_like(r, float(lam)), torch.where(r == 0, torch.full_like(r, -1.0), r)
+    )
+    return torch.nan_to_num(adv, nan=0.0)
 
 
 def lopti_threshold(old_logp: torch.Tensor, completion_mask: torch.Tensor, quantile: float) -> torch.Tensor:

@@ -55,7 +55,33 @@ OTHER = "other"
 # ---- the rebalancing analyses ------------------------------------------------------------------------------------
 ANALYSES = ("shares", "token_shares", "prob_change", "influence", "real_change")
 # the paired comparison's update rules and step sizes (tokendyn.probe.compare)
-COMPARE_RULES = ("base", "reweight", "lopti", "reweight_lopti", "clip_cov", "kl_cov", "80_20", "gspo")
+COMPARE_RULES = (
+    "base",
+    "reweight",
+    "lopti",
+    "reweight_lopti",
+    "clip_cov",
+    "kl_cov",
+    "80_20",
+    "gspo",
+    # the camp that protects low-probability tokens (REMEDIES_BOTH_CAMPS.md)
+    "logp_reweight",
+    "dppo_tv",
+    "dppo_kl",
+    "aspo",
+    "ce_gppo",
+    "lp_reg",
+    "w_reinforce",
+)
+# the camp of each compared rule relative to GRPO on the same batch (REMEDIES_BOTH_CAMPS.md): "tames" down-weights
+# low-pi tokens (the paper's remedies), "protects" up-weights or restores them, "other" is neither by construction
+CAMPS = ("tames", "protects", "other")
+RULE_CAMPS = {
+    "reweight": "tames", "lopti": "tames", "reweight_lopti": "tames",
+    "logp_reweight": "protects", "dppo_tv": "protects", "dppo_kl": "protects", "aspo": "protects",
+    "ce_gppo": "protects", "lp_reg": "protects",
+    "clip_cov": "other", "kl_cov": "other", "80_20": "other", "gspo": "other", "w_reinforce": "other",
+}  # fmt: skip
 COMPARE_MODES = ("equal_norm", "optimizer")
 # the precision of the analyses' counterfactual steps (tokendyn.probe.change.InPlaceUpdate)
 STEP_PRECISIONS = ("float64", "model")

@@ -56,8 +56,10 @@ def paired_summary(
     paired: pl.LazyFrame | pl.DataFrame, *, reference: str = "base", n_boot: int = 1000, seed: int = 0
 ) -> pl.DataFrame:
     """One row per (rule, mode, bin): tokens, steps, units, and dpi, diff, correct, correct_diff, share each with
-    its _lo / _hi bootstrap bounds (module docstring); bin -1 is all tokens."""
+    its _lo / _hi bootstrap bounds (module docstring); bin -1 is all tokens. The sweeps' points are left out."""
     frame = paired.collect() if isinstance(paired, pl.LazyFrame) else paired
+    if "sweep" in frame.columns:  # the sweeps' points have their own table (`tokendyn.analysis.sweep`)
+        frame = frame.filter(pl.col("sweep").is_null())
     if frame.height == 0:
         return pl.DataFrame()
     units = _units(frame)

@@ -38,8 +38,9 @@ def analyze_run(
 ) -> dict[str, pl.DataFrame]:
     """{"bins": per-bin table, "bound": per-layer bound report, "checks": the must-hold exact checks, "diagnostics":
     their unscaled errors, "correct": the correct ratios with tie counts when the run has `prob_change`
-    records, and "paired": the paired comparison of update rules with bootstrap intervals when it has `paired`
-    records (`tokendyn.analysis.paired`)}, from the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError`
+    records, "paired": the paired comparison of update rules with bootstrap intervals when it has `paired`
+    records (`tokendyn.analysis.paired`), and with the comparison's sweeps "sweep" (per value and bin) and
+    "guidance" (`tokendyn.analysis.sweep.GUIDANCE_RULE`)}, from the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError`
     naming what the run holds. With write=True each non-empty table is also written (atomically) to OUT_DIR/{name}.parquet, OUT_DIR defaulting
     to RUN_DIR/analysis (an empty table is not written: an earlier file of that name is left as it was)."""
     path = check_run_dir(run_dir)
@@ -56,8 +57,15 @@ def analyze_run(
         tables["correct"] = correct_summary(select_steps(run["prob_change"], steps))
     if "paired" in run.kinds:
         from tokendyn.analysis.paired import paired_summary
+        from tokendyn.analysis.sweep import guidance, sweep_summary
 
-        tables["paired"] = paired_summary(select_steps(run["paired"], steps))
+        chosen = select_steps(run["paired"], steps).collect()
+        tables["paired"] = paired_summary(chosen)
+        sweeps = [(sweep_summary(chosen, k), guidance(chosen, k)) for k in ("c", "eta")]
+        tables["sweep"] = pl.concat([s for s, _ in sweeps if s.height], how="diagonal_relaxed") if any(
+            s.height for s, _ in sweeps) else pl.DataFrame()  # fmt: skip
+        tables["guidance"] = pl.concat([g for _, g in sweeps if g.height], how="diagonal_relaxed") if any(
+            g.height for _, g in sweeps) else pl.DataFrame()  # fmt: skip
     if "notes" in run.kinds:
         tables["notes"] = notes_table(run["notes"])
     if write:
@@ -192,6 +200,10 @@ def print_report(
     paired = tables.get("paired")
     if paired is not None and paired.height:
         print_paired(console, paired)
+    for name, fn in (("sweep", print_sweep), ("guidance", print_guidance)):
+        frame = tables.get(name)
+        if frame is not None and frame.height:
+            fn(console, frame)
 
 
 def _print_by_stage(console: Console, frame: pl.DataFrame, title: str) -> None:
@@ -253,3 +265,53 @@ def print_paired(console: Console, paired: pl.DataFrame) -> None:
             ci(r, "correct_diff"), ci(r, "share"),
         )  # fmt: skip
     console.print(table)
+
+
+def _ci(r, name) -> str:
+    return f"{_fmt(r[name])} [{_fmt(r[name + '_lo'])}, {_fmt(r[name + '_hi'])}]"
+
+
+def print_sweep(console: Console, sweep: pl.DataFrame) -> None:
+    """The sweeps: per value and bin, dpi, the correct ratios of A > 0 and A < 0 apart, the update share, the entropy
+    change and the KL to the base update, each with its 95 % interval."""
+    table = Table(title="Sweeps from the same states (c: A <- (1 + c (1 - pi_old)) A, c < 0 Reweight alpha = -c, "
+                  "c > 0 Delta-log-p; eta: Lopti), 95 % intervals over (step, sequence)", header_style="bold")  # fmt: skip
+    for col in (
+        "sweep",
+        "mode",
+        "value",
+        "interval",
+        "dpi",
+        "correct A>0",
+        "correct A<0",
+        "share",
+        "dH",
+        "KL base",
+    ):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in sweep.iter_rows(named=True):
+        interval = "all" if r["bin"] < 0 else f"[{r['bin_lo']:g}, {r['bin_hi']:g})"
+        table.add_row(
+            r["sweep"], r["mode"], f"{r['value']:g}", interval, _ci(r, "dpi"), _ci(r, "correct_pos"),
+            _ci(r, "correct_neg"), _ci(r, "share"), _ci(r, "dentropy"), _ci(r, "kl"),
+        )  # fmt: skip
+    console.print(table)
+
+
+def print_guidance(console: Console, guidance: pl.DataFrame) -> None:
+    """The guidance of each sweep (`tokendyn.analysis.sweep.GUIDANCE_RULE`), then the rule itself."""
+    from tokendyn.analysis.sweep import GUIDANCE_RULE
+
+    table = Table(
+        title="Guidance: where the top bin's correct ratio (A > 0) peaks along each sweep",
+        header_style="bold",
+    )
+    for col in ("sweep", "mode", "best [95 %]", "peak", "at", "there", "values"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in guidance.iter_rows(named=True):
+        table.add_row(
+            r["sweep"], r["mode"], f"{_fmt(r['best'])} [{_fmt(r['best_lo'])}, {_fmt(r['best_hi'])}]",
+            _ci(r, "peak"), f"{r['sweep']} = {r['at']:g}", _ci(r, "at_value"), r["values"],
+        )  # fmt: skip
+    console.print(table)
+    console.print(GUIDANCE_RULE)

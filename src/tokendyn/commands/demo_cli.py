@@ -26,7 +26,9 @@ def register(sub) -> None:
         "--quick", action="store_true", help="a few minutes: fewer rollouts, sizes and evaluations"
     )
     p.add_argument(
-        "--model", default=None, help="another policy directory or hub id, on K&K (default: the embedded default)"
+        "--model",
+        default=None,
+        help="another policy directory or hub id, on K&K (default: the embedded default)",
     )
     p.set_defaults(func=run)
 

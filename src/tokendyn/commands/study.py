@@ -263,12 +263,14 @@ def write_study(out: Path, size: StudySize) -> Path:
         ("reproduces", repro),
         ("paired_bins", paired),
     )
+    camps, guide, camp_figs = both_camps_section(out, size)
+    tables += (("both_camps", camps), ("guidance", guide))
     for name, df in tables:
         if df.height:
             write_parquet(df, out / "tables" / f"{name}.parquet")
     figs = out / "figures"
     figs.mkdir(parents=True, exist_ok=True)
-    written = []
+    written = [f(figs) for f in camp_figs]
     if bins.height and "correct_pos" in bins.columns:
         written.append(correct_ratio_figure(bins, figs / "fig3_correct_ratio.png"))
     if acc.height:
@@ -281,7 +283,9 @@ def write_study(out: Path, size: StudySize) -> Path:
         for d in dirs
         if (d / DONE).is_file()
     ]
-    text = study_markdown(size, acc, bins, repro, [p.relative_to(out) for p in written], sum(walls), paired)
+    text = study_markdown(
+        size, acc, bins, repro, [p.relative_to(out) for p in written], sum(walls), paired, camps, guide
+    )
     path = out / "study.md"
     from tokendyn.common import atomic_write
 
@@ -289,8 +293,61 @@ def write_study(out: Path, size: StudySize) -> Path:
     return path
 
 
+def both_camps_section(out: Path, size: StudySize):
+    """(both-camps table, guidance table, figure writers) from the GRPO runs' `paired` records, every seed's steps
+    as units of their own (step + seed * 10**6), the pairing kept: empty when the records hold no rule beyond the
+    paper's (both camps) or no sweep (guidance). Set them with overrides, e.g. ``probe_compare_rules``,
+    ``probe_compare_c_sweep``."""
+    import polars as pl
+
+    from tokendyn.analysis.load import load
+    from tokendyn.figures.axis import axis_tables, sweep_curves
+    from tokendyn.figures.camps import both_camps, camps_table
+    from tokendyn.figures.data import MissingRecords
+
+    parts = []
+    for s in size.seeds:
+        frame = (
+            load(out / "runs" / f"grpo-s{s}", "paired").collect()
+            if "grpo" in size.methods
+            else pl.DataFrame()
+        )
+        if frame.height:
+            parts.append(frame.with_columns(pl.col("step") + s * 10**6, pl.lit("grpo").alias("run")))
+    if not parts:
+        return pl.DataFrame(), pl.DataFrame(), []
+    paired = pl.concat(parts, how="vertical_relaxed")
+
+    def save(fig, path: Path) -> Path:
+        import matplotlib.pyplot as plt
+
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+    camps, guide, figs = pl.DataFrame(), pl.DataFrame(), []
+    named = paired.filter(pl.col("sweep").is_null() & ~pl.col("rule").is_in(["base", "reweight", "lopti"]))
+    if named.height:
+        camps = camps_table(paired)
+        figs.append(lambda d: save(both_camps(paired), d / "both_camps.png"))
+    try:
+        _, guide = axis_tables(paired)
+        figs.append(lambda d: save(sweep_curves(paired), d / "axis.png"))
+    except MissingRecords:
+        pass
+    return camps, guide, figs
+
+
 def study_markdown(
-    size: StudySize, acc, bins, repro, figures, wall_s: float | None = None, paired=None
+    size: StudySize,
+    acc,
+    bins,
+    repro,
+    figures,
+    wall_s: float | None = None,
+    paired=None,
+    camps=None,
+    guide=None,
 ) -> str:
     import polars as pl
 
@@ -327,6 +384,27 @@ def study_markdown(
             "across_runs: the remedy's own runs minus GRPO's. 95 % intervals over seeds and probed steps.",
             "",
             markdown(paired),
+            "",
+        ]
+    if camps is not None and camps.height:
+        lines += [
+            "## Both camps from the same states",
+            "",
+            "Every compared rule's update minus GRPO's, from the same GRPO states, per pi_old bin: dpi per token and "
+            "the correct ratio, 95 % intervals over (seed, probed step, sequence); side: where the interval lies.",
+            "",
+            markdown(camps.drop("run")),
+            "",
+        ]
+    if guide is not None and guide.height:
+        from tokendyn.analysis.sweep import GUIDANCE_RULE
+
+        lines += [
+            "## Guidance along the axis through both camps",
+            "",
+            GUIDANCE_RULE,
+            "",
+            markdown(guide.drop("run")),
             "",
         ]
     lines += [f"![{f.stem}]({f.as_posix()})" for f in figures]

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 import polars as pl
 from matplotlib.figure import Figure
 
-from tokendyn.figures import dynamics, gradients, paired, readings, sweep, tokens, training
+from tokendyn.figures import axis, camps, dynamics, gradients, paired, readings, sweep, tokens, training
 from tokendyn.figures.data import ANALYSIS_KINDS, MissingRecords, Records, load_runs
 from tokendyn.figures.tables import TABLES
 from tokendyn.figures.view import view_fragment
@@ -93,6 +93,15 @@ FIGURES: tuple[FigureSpec, ...] = (
                "Each compared rule's Δπ and correct ratio minus the base rule's, per interval, from the same states "
                "(equal ‖Δθ‖ and/or the run's optimizer), with 95 % intervals over probed steps × sequences.",
                lambda r: paired.paired_differences(_g(r, "paired")), paired.reading),
+    FigureSpec("h_both_camps", "Both camps from the same states", "new", ("paired",),
+               "Every compared rule (rows, grouped: tames low-π, protects low-π, other) × interval of π_old: the paired "
+               "difference from the base rule, ▲ / ▼ where its 95 % interval lies above / below 0, · where it holds 0.",
+               lambda r: camps.both_camps(_g(r, "paired")), camps.reading),
+    FigureSpec("h_axis", "One axis through both camps", "new", ("paired",),
+               "Per swept value (c: A ← (1 + c(1 − π_old))A, c < 0 Reweight, c > 0 Δlog p reweight; Lopti's η) and "
+               "interval: correct ratios, Δπ, update share, entropy change and KL to the base update, 95 % bands; the "
+               "guidance's value and interval marked.",
+               lambda r: axis.sweep_curves(_g(r, "paired")), axis.reading),
     FigureSpec("i_training", "Training curves", "Fig. 3", ("metrics",),
                "Training reward and held-out accuracy per puzzle size, per run.",
                lambda r: training.training_curves(_g(r, "metrics")), readings.training),

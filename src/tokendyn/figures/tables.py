@@ -187,6 +187,18 @@ def accuracy(records: Records) -> pl.DataFrame:
     return accuracy_table(records.get("metrics"))
 
 
+def camps(records: Records) -> pl.DataFrame:
+    from tokendyn.figures.camps import camps_table
+
+    return camps_table(records.get("paired"))
+
+
+def guidance(records: Records) -> pl.DataFrame:
+    from tokendyn.figures.axis import guidance_table
+
+    return guidance_table(records)
+
+
 TABLES = {
     "accuracy": ("Held-out accuracy", accuracy),
     "bound": ("Bound report: ||delta_l|| / (|w|(1 - pi)) in [C, D]", bound_table),
@@ -194,6 +206,11 @@ TABLES = {
     "shares": ("Update shares per bin (all parameters)", shares_table),
     "correct": ("Correct ratios per bin after the full update", correct_table),
     "sweep": ("Correct ratios along the counterfactual step-size sweep", sweep_correct_table),
+    "both_camps": (
+        "Both camps: each rule minus the base rule per bin, from the same states (95 % intervals)",
+        camps,
+    ),
+    "guidance": ("Guidance: where the top bin's correct ratio (A > 0) peaks along each sweep", guidance),
     "checks": ("Exact checks at the LM head and logits (must hold for every token)", checks_table),
     "diagnostics": (
         "Diagnostics: unscaled identity errors (grow like eps / (1 - pi) as pi -> 1; not checks)",

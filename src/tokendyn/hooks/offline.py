@@ -319,19 +319,29 @@ def _analyse(
             tokenizer=tokenizer,
         )
     if cfg.compare_rules:
+        from tokendyn.probe.axis import axis_rules
         from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
         from tokendyn.probe.shares import as_edges
         from tokendyn.probe.tokenloss import pi_old
 
         rules = [make_rule(name, objective, seed=options.seed) for name in cfg.compare_rules]
+        rules += axis_rules(objective, cfg.compare_c_sweep, cfg.compare_eta_sweep)
         results = compare_rules(
-            model, batch, rules, modes=("equal_norm",), lr=cfg.lr, full=full, precision=cfg.step_precision
+            model,
+            batch,
+            rules,
+            modes=("equal_norm",),
+            lr=cfg.lr,
+            full=full,
+            precision=cfg.step_precision,
+            inner_steps=cfg.compare_inner_steps,
         )
         frames["paired"] = paired_frame(results, batch, pi_old(model, batch), as_edges(edges), step=0)
         if "token_view" in frames:
             from tokendyn.probe.token_view import token_rules_frame
 
-            frames["token_view_rules"] = token_rules_frame(results, frames["token_view"])
+            named = {key: r for key, r in results.items() if r.sweep is None}  # sweep points apart
+            frames["token_view_rules"] = token_rules_frame(named, frames["token_view"])
     write_frames(out, frames, rank=0)
 
 

@@ -59,6 +59,8 @@ SAMPLE_KEYS = (
     "lopti_stage2_mask",
     "sampling_per_token_logps",  # vLLM's log-probs (the off-policy mask's)
     "importance_sampling_ratio",  # vLLM's importance-sampling correction, (B, T) or (B, 1)
+    "lp_reg_proxy_logp",  # Lp-Reg's min-p proxy of pi_old (policy_loss lp_reg)
+    "sequence_rewards",  # the rewards, for the paired comparison's W-REINFORCE rule
 )
 
 
@@ -201,6 +203,8 @@ class TrainerProbe(TrainerCallback):
             temperature=t.temperature,
             sampling_logp=sample.get("sampling_per_token_logps"),
             is_ratio=sample.get("importance_sampling_ratio") if self.objective.is_correction else None,
+            proxy_logp=sample.get("lp_reg_proxy_logp"),
+            rewards=sample.get("sequence_rewards"),
         )
         self.objective = step_objective(self.objective, t)
         stage_masks = None
@@ -223,7 +227,8 @@ class TrainerProbe(TrainerCallback):
             if self.config.compare_rules:
                 frames["paired"], results = self._paired(model, batch, sample, step, full)
                 if "token_view" in frames:
-                    frames["token_view_rules"] = token_rules_frame(results, frames["token_view"])
+                    named = {key: r for key, r in results.items() if r.sweep is None}  # sweep points apart
+                    frames["token_view_rules"] = token_rules_frame(named, frames["token_view"])
             if "real_change" in self.analyses:
                 view = frames.pop("token_view", None)  # written with its real dpi, after the optimizer step
                 self._pending_real = (completion_probs(model, batch), batch, step, view)
@@ -242,9 +247,12 @@ class TrainerProbe(TrainerCallback):
         is the run's loss on the advantages before Reweight; Reweight's alpha and Lopti's eta are the run's, else the
         paper's 0.3 and 0.5; the optimizer mode steps a copy of the run's optimizer (not under FSDP2). ``full``: the
         analyses' full step of the batch (`analyze_update`), reused as the base rule's equal_norm update when it is
-        that update (a GRPO run's; not Reweight's, whose analyses train on the reweighted advantages)."""
+        that update (a GRPO run's; not Reweight's, whose analyses train on the reweighted advantages). The sweeps'
+        points (``compare_c_sweep``, ``compare_eta_sweep``: `tokendyn.probe.axis`) follow the named rules; every rule
+        makes ``compare_inner_steps`` updates per stage."""
         from dataclasses import replace
 
+        from tokendyn.probe.axis import axis_rules
         from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
         from tokendyn.probe.shares import as_edges
         from tokendyn.probe.tokenloss import pi_old
@@ -257,7 +265,7 @@ class TrainerProbe(TrainerCallback):
         seed = t.cov_seed() if hasattr(t, "cov_seed") else int(t.args.seed)
         rules = [
             make_rule(name, self.objective, alpha=alpha, eta=eta, seed=seed) for name in cfg.compare_rules
-        ]
+        ] + axis_rules(self.objective, cfg.compare_c_sweep, cfg.compare_eta_sweep)
         modes = cfg.compare_modes
         if is_fully_sharded(model) and "optimizer" in modes:
             modes = tuple(m for m in modes if m != "optimizer")
@@ -271,6 +279,7 @@ class TrainerProbe(TrainerCallback):
             optimizer=t.optimizer,
             full=full,
             precision=cfg.step_precision,
+            inner_steps=cfg.compare_inner_steps,
         )
         frame = paired_frame(results, batch, pi_old(model, batch), as_edges(self.edges), step=step)
         return frame, results

@@ -15,6 +15,16 @@ Two step sizes (``modes``):
 * ``optimizer``: one step of a copy of the run's optimizer (its state and learning rate, e.g. AdamW's moments) per
   stage; the run's optimizer itself is never touched.
 
+``inner_steps`` k (default 1): each stage of each rule takes k updates on the same batch, pi_old fixed at theta_0, as
+TRL's ``num_iterations`` does, so from the second update on r_t != 1 and the ratio-based rules (DPPO, ASPO, CE-GPPO,
+clip-higher, CISPO), which at r = 1 are GRPO exactly, act. With k > 1 every rule's steps in equal_norm mode are plain
+SGD at one lr, corrected once so that its total displacement ||theta_r - theta_0|| equals the first rule's at lr (the
+achieved ratio recorded, as for Lopti).
+
+Sweeps (`tokendyn.probe.axis`): the Reweight / Delta-log-p family as one parameter c (A_t <- (1 + c (1 - pi_old,t))
+A_t; c = -alpha is the Reweight rule, c = 0 the base rule) and Lopti's eta, each value a rule of its own from the same
+state; with them every rule's entropy change and KL to the first rule's updated policy are measured too.
+
 Per rule: the update share of each token, s_t = <grad l_t(r), dtheta_r> / <grad L(r), dtheta_r> (its part of the
 first-order change of the rule's loss along the rule's own update, summing to 1; one JVP of the per-token loss at
 theta_0, `tokendyn.probe.shares.token_shares`). Records: `paired`, one row per
@@ -37,60 +47,79 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from tokendyn.probe.bins import bin_bounds
-from tokendyn.probe.change import (
-    InPlaceUpdate,
-    OptimizerFactory,
-    Resolution,
-    _state_to_host,
-    fix_pi_old,
-    resolution_columns,
-    warn_unresolved,
-)
-from tokendyn.probe.float64 import original
-from tokendyn.probe.parallel import local, sum_over_ranks
+from tokendyn.probe.change import InPlaceUpdate, Resolution, fix_pi_old, warn_unresolved
+from tokendyn.probe.compare_optim import NormalizedSGD, _set_lr, optimizer_copy
+from tokendyn.probe.distributions import measure
+from tokendyn.probe.forward import completion_proxy_logp
+from tokendyn.probe.paired_records import paired_frame
+from tokendyn.probe.parallel import local
+from tokendyn.probe.rules import SURROGATES
 from tokendyn.probe.shares import dot64, token_shares
 from tokendyn.probe.tokenloss import (
     PPO_FAMILY,
     Objective,
     ProbeBatch,
     analysis_forward,
-    bin_index,
 )
-from tokendyn.records import to_frame
-from tokendyn.remedies import lopti_masks
+from tokendyn.remedies import logp_reweight_advantages, lopti_masks, w_reinforce_advantages
 from tokendyn.vocab import COMPARE_MODES, COMPARE_RULES
 
 RULES, MODES = COMPARE_RULES, COMPARE_MODES
+__all__ = [
+    "NormalizedSGD",
+    "optimizer_copy",
+    "paired_frame",
+]  # (re-exported: their homes are compare_optim, paired_records)
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One update rule: its objective, Reweight's alpha (0: off) and Lopti's eta (None: one stage)."""
+    """One update rule: its objective, Reweight's alpha (0: off), the Delta-log-p reweight's c (0: off),
+    W-REINFORCE's lambda (None: the batch's advantages) and Lopti's eta (None: one stage); ``sweep``: the point
+    (kind "c" / "eta", value) of the comparison's sweep it is (`tokendyn.probe.axis`), None for a named rule."""
 
     name: str
     objective: Objective
     alpha: float = 0.0
     eta: float | None = None
     order: str = "low_first"
+    logp_c: float = 0.0
+    w_lambda: float | None = None
+    sweep: tuple[str, float] | None = None
 
 
-def make_rule(name: str, base: Objective, *, alpha: float = 0.3, eta: float = 0.5, seed: int = 0) -> Rule:
+# the rules that replace PPO's surrogate (`tokendyn.probe.rules`), compared by their registered defaults
+SURROGATE_RULES = ("clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "aspo", "ce_gppo", "lp_reg")
+
+
+def make_rule(
+    name: str,
+    base: Objective,
+    *,
+    alpha: float = 0.3,
+    eta: float = 0.5,
+    seed: int = 0,
+    c: float = 0.1,
+    lam: float = 0.1,
+) -> Rule:
     """The rule ``name`` on top of the run's loss ``base``: reweight (A <- (alpha pi_old + 1 - alpha) A), lopti (two
-    stages at eta, low first), reweight_lopti, clip_cov / kl_cov (`Objective.policy_loss`, verl's defaults), 80_20
-    (top 20 % entropy tokens), gspo (sequence ratio, clip 3e-4 / 4e-4). Clip-Cov draws on a generator seeded with
-    ``seed`` (never torch's global one: the comparison must not move the run's random stream). A rule the base loss
-    cannot take raises ValueError naming it."""
+    stages at eta, low first), reweight_lopti, logp_reweight (A <- (1 + c - c pi_old) A), w_reinforce (A = lam on
+    reward 1, -1 on reward 0: needs batch.rewards), a rule replacing PPO's surrogate (`SURROGATE_RULES`:
+    `Objective.policy_loss` with its registered defaults: clip_cov / kl_cov verl's, dppo_tv, dppo_kl, aspo, ce_gppo,
+    lp_reg their authors'), 80_20 (top 20 % entropy tokens), gspo (sequence ratio, clip 3e-4 / 4e-4). Clip-Cov
+    draws on a generator seeded with ``seed`` (never torch's global one: the comparison must not move the run's
+    random stream). A rule the base loss cannot take raises ValueError naming it."""
     if name not in RULES:
         raise ValueError(f"compare: rule must be one of {', '.join(RULES)}, got {name!r}")
-    if name in ("clip_cov", "kl_cov"):
+    if name in SURROGATE_RULES:
+        needs_clip = SURROGATES[name].needs_clip
         if (
             base.loss_type not in PPO_FAMILY
             or base.importance_sampling_level != "token"
-            or base.eps_low is None
+            or (needs_clip and base.eps_low is None)
         ):
             raise ValueError(
-                f"compare: rule {name} needs a clipped PPO-family base loss (loss_type one of "
+                f"compare: rule {name} needs a{' clipped' if needs_clip else ''} PPO-family base loss (loss_type one of "
                 f"{', '.join(PPO_FAMILY)}, token ratios), got loss_type={base.loss_type!r}"
             )
         seed = base.cov_seed if base.cov_seed is not None else seed
@@ -109,6 +138,10 @@ def make_rule(name: str, base: Objective, *, alpha: float = 0.3, eta: float = 0.
                 delta=None,
             ),
         )
+    if name == "logp_reweight":
+        return Rule(name, base, logp_c=c)
+    if name == "w_reinforce":
+        return Rule(name, base, w_lambda=lam)
     return Rule(
         name,
         base,
@@ -118,11 +151,20 @@ def make_rule(name: str, base: Objective, *, alpha: float = 0.3, eta: float = 0.
 
 
 def rule_batch(rule: Rule, batch: ProbeBatch) -> ProbeBatch:
-    """The batch the rule trains on: Reweight's advantages A_t (alpha pi_old,t + 1 - alpha) (pi_old fixed)."""
-    if not rule.alpha:
-        return batch
-    weight = rule.alpha * torch.exp(batch.old_logp.to(torch.float64)) + 1.0 - rule.alpha
-    return replace(batch, advantages=batch.advantages * weight.to(batch.advantages.device))
+    """The batch the rule trains on: W-REINFORCE's advantages from batch.rewards, then Reweight's A_t (alpha
+    pi_old,t + 1 - alpha) or the Delta-log-p reweight's A_t (1 + c - c pi_old,t) (pi_old fixed)."""
+    if rule.w_lambda is not None:
+        if batch.rewards is None:
+            raise ValueError(f"compare: rule {rule.name} needs the batch's rewards (ProbeBatch.rewards)")
+        adv = w_reinforce_advantages(batch.rewards.to(torch.float64), rule.w_lambda)
+        batch = replace(batch, advantages=adv.to(batch.advantages.device))
+    if rule.alpha:
+        weight = rule.alpha * torch.exp(batch.old_logp.to(torch.float64)) + 1.0 - rule.alpha
+        batch = replace(batch, advantages=batch.advantages * weight.to(batch.advantages.device))
+    if rule.logp_c:
+        adv = logp_reweight_advantages(batch.advantages, batch.old_logp.to(torch.float64), rule.logp_c)
+        batch = replace(batch, advantages=adv.to(batch.advantages.device))
+    return batch
 
 
 def rule_stages(rule: Rule, batch: ProbeBatch) -> list[torch.Tensor | None]:
@@ -133,69 +175,26 @@ def rule_stages(rule: Rule, batch: ProbeBatch) -> list[torch.Tensor | None]:
     return [first, second]
 
 
-def optimizer_copy(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
-    """A factory of copies of ``optimizer`` (unwrapped from accelerate's wrapper): same class, same parameter groups
-    and hyperparameters (the current learning rate included), its state copied (cast to the stepped parameters'
-    dtype: float64 copies of them, `tokendyn.probe.float64`), so that its steps leave the original and its state
-    untouched."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-
-    def make(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-        # the parameters stepped, by the run's parameter each is (or, float64 steps, stands in for)
-        by_original = {id(original(p)): p for p in params}
-        groups = [
-            {
-                **{k: v for k, v in g.items() if k != "params"},
-                "params": [by_original[id(p)] for p in g["params"] if id(p) in by_original],
-            }
-            for g in inner.param_groups
-        ]
-        copy = type(inner)(groups)
-        copy.load_state_dict(_state_to_host(inner.state_dict()))
-        return copy
-
-    return make
-
-
-class NormalizedSGD(torch.optim.Optimizer):
-    """SGD whose step has a given norm: theta <- theta - (target / ||g||) g over all parameters (float64 norm, summed
-    over FSDP2 ranks), or plain SGD theta <- theta - lr g while ``target`` is None; ``grad_norm`` keeps the last
-    ||g||. No state: its steps are exactly undone by restoring the parameters."""
-
-    def __init__(self, params, model: nn.Module, lr: float) -> None:
-        super().__init__(params, {"lr": float(lr)})
-        self.model, self.target, self.grad_norm = model, None, float("nan")
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        sq = torch.tensor([sum(dot64(local(x), local(x)) for x in grads)], dtype=torch.float64)
-        self.grad_norm = float(sum_over_ranks(sq, self.model)) ** 0.5
-        for group in self.param_groups:
-            if self.target is None:
-                scale = group["lr"]
-            else:
-                scale = self.target / self.grad_norm if self.grad_norm > 0 else 0.0
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-scale)
-
-
-def _set_lr(update: InPlaceUpdate, lr: float) -> None:
-    for group in update.optimizer.param_groups:
-        group["lr"] = lr
-
-
-def _apply(update: InPlaceUpdate, batch: ProbeBatch, objective: Objective, stages, *, first=None, keep=False):
-    """The rule's stages, in place. ``keep``: the first stage's gradient at theta_0 is kept in
-    ``update.last_gradient``; ``first``: such a gradient from an earlier pass (that stage's forward and backward
-    skipped)."""
+def _apply(
+    update: InPlaceUpdate,
+    batch: ProbeBatch,
+    objective: Objective,
+    stages,
+    *,
+    first=None,
+    keep=False,
+    repeats=1,
+):
+    """The rule's stages, each ``repeats`` updates on the same batch (pi_old fixed), in place. ``keep``: the first
+    update's gradient at theta_0 is kept in ``update.last_gradient``; ``first``: such a gradient from an earlier pass
+    (that update's forward and backward skipped)."""
     update.objective = objective
     for i, mask in enumerate(stages):
-        if i == 0:
-            update.step(batch, mask, gradient=first, keep_gradient=keep)
-        else:
-            update.step(batch, mask)
+        for j in range(repeats):
+            if i == 0 and j == 0:
+                update.step(batch, mask, gradient=first, keep_gradient=keep)
+            else:
+                update.step(batch, mask)
 
 
 def _displacement(update: InPlaceUpdate) -> dict[str, torch.Tensor]:
@@ -222,7 +221,13 @@ def reuses(full: FullUpdate, rule: Rule, batch: ProbeBatch, lr: float) -> bool:
     """Whether ``full`` is ``rule``'s equal_norm update on ``batch`` at ``lr``: one stage, no Reweight, the same
     objective, the same completions, mask and advantages, the same lr."""
     b = full.batch
-    same_rule = rule.eta is None and not rule.alpha and rule.objective == full.objective
+    same_rule = (
+        rule.eta is None
+        and not rule.alpha
+        and not rule.logp_c
+        and rule.w_lambda is None
+        and rule.objective == full.objective
+    )
     if not (same_rule and float(lr) == float(full.lr) and full.grad_norm > 0):
         return False
     if (b.temperature, b.normalizer) != (batch.temperature, batch.normalizer):
@@ -251,7 +256,8 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 class RuleResult:
     """One rule in one mode: dpi (B, C) float64, the update shares s_t (B, C), ||dtheta|| / ||theta_0||, the lr,
     the achieved norm over the target (equal_norm; 1 for one-stage rules), and how finely the step was resolved
-    (`tokendyn.probe.change.Resolution`)."""
+    (`tokendyn.probe.change.Resolution`); with ``distributions``: the entropy change dH_t and the KL to the first
+    rule's updated policy (B, C) float64 (`tokendyn.probe.axis.measure`); k inner updates; the rule's sweep point."""
 
     delta: torch.Tensor
     shares: torch.Tensor | None
@@ -259,6 +265,10 @@ class RuleResult:
     lr: float | None
     norm_ratio: float | None
     resolution: Resolution | None = None
+    entropy: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+    inner_steps: int = 1
+    sweep: tuple[str, float] | None = None
 
 
 @analysis_forward
@@ -273,6 +283,8 @@ def compare_rules(
     shares: bool = True,
     full: FullUpdate | None = None,
     precision: str = "float64",
+    inner_steps: int = 1,
+    distributions: bool | None = None,
 ) -> dict[tuple[str, str], RuleResult]:
     """(rule name, mode) -> `RuleResult`, every rule from the same theta_0 and pi_old (module docstring). The model's
     parameters (bitwise), ``.grad`` and ``optimizer`` (and its state) are left as they were. The first rule is
@@ -283,17 +295,29 @@ def compare_rules(
     and lr), that rule's result is taken from it instead of being recomputed: its dpi, ||g|| (so the target
     T = lr ||g||), its shares (the analyses' s_t along g, over their sum) and ||dtheta|| / ||theta_0|| = lr ||g|| /
     ||theta_0||; and pi at theta_0 is the analyses' (no forward; it must then have been measured in the same
-    ``precision``). ``precision``: the steps' (`tokendyn.probe.change.InPlaceUpdate`), float64 by default."""
+    ``precision``). ``precision``: the steps' (`tokendyn.probe.change.InPlaceUpdate`), float64 by default.
+    ``inner_steps``: k updates per stage on the same batch (module docstring; ``full`` is reused only at k = 1). A
+    rule reading Lp-Reg's proxy gets it from theta_0 (`completion_proxy_logp`) when the batch has none.
+    ``distributions`` (default: on when a rule is a sweep point): each rule's entropy change and KL to the first
+    rule's updated policy (`tokendyn.probe.axis`; then ``full`` is not reused: the first rule's update is made here,
+    its distribution kept in host memory)."""
+    if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
+        raise ValueError(f"compare: inner_steps must be an integer >= 1, got {inner_steps!r}")
+    k = inner_steps
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"compare: mode must be one of {', '.join(MODES)}, got {mode!r}")
     if "optimizer" in modes and optimizer is None:
         raise ValueError("compare: mode 'optimizer' needs the run's optimizer")
-    reuse = full is not None and bool(rules) and reuses(full, rules[0], batch, lr)
+    dist = any(r.sweep is not None for r in rules) if distributions is None else bool(distributions)
+    reuse = not dist and full is not None and bool(rules) and k == 1 and reuses(full, rules[0], batch, lr)
     if reuse:
         batch, pi0 = full.batch, full.pi0
     else:
         batch, pi0 = fix_pi_old(model, batch, precision=precision)
+    proxy = next((r.objective for r in rules if r.objective.needs_proxy), None)
+    if proxy is not None and batch.proxy_logp is None:
+        batch = replace(batch, proxy_logp=completion_proxy_logp(model, batch, proxy.lp_reg_kappa))
     mask = batch.completion_mask
     out: dict[tuple[str, str], RuleResult] = {}
     for mode in modes:
@@ -306,6 +330,8 @@ def compare_rules(
                 pi0 = update.pi_start(batch, pi0)
             theta0 = update.start_norm2**0.5
             target = None
+            start = measure(model, batch) if dist else None  # H at theta_0
+            reference = None  # the first rule's updated log-softmax (KL)
             for i, rule in enumerate(rules):
                 if reuse and i == 0 and mode == "equal_norm":
                     target = lr * full.grad_norm
@@ -317,23 +343,25 @@ def compare_rules(
                         lr,
                         1.0,
                         update.resolution(target),
+                        sweep=rule.sweep,
                     )
                     continue
                 rb, stages = rule_batch(rule, batch), rule_stages(rule, batch)
                 step_lr, ratio = None, None
                 if mode == "optimizer":
-                    _apply(update, rb, rule.objective, stages)
-                elif len(stages) == 1:  # one step of norm `target` (the first rule: plain SGD at lr sets it)
+                    _apply(update, rb, rule.objective, stages, repeats=k)
+                elif (
+                    len(stages) == 1 and k == 1
+                ):  # one step of norm `target` (the first rule's at lr sets it)
                     opt = update.optimizer
-                    opt.target = target
+                    opt.target, opt.norm_lr = target, lr if target is None else None
                     _apply(update, rb, rule.objective, stages)
-                    norm = opt.grad_norm
-                    target = lr * norm if target is None else target
+                    norm, target, opt.norm_lr = opt.grad_norm, opt.target, None
                     step_lr = target / norm if norm > 0 else 0.0
-                else:  # Lopti's two stages at one lr: plain SGD at lr, then that lr corrected once to the target
+                else:  # several steps (Lopti's stages, k > 1) at one lr: plain SGD at lr, corrected once to the target
                     update.optimizer.target = None
                     _set_lr(update, lr)
-                    _apply(update, rb, rule.objective, stages, keep=True)
+                    _apply(update, rb, rule.objective, stages, keep=True, repeats=k)
                     achieved = update.relative_step() * theta0
                     step_lr = lr
                     if target is None:
@@ -343,12 +371,17 @@ def compare_rules(
                         update.load(update.initial())
                         step_lr = lr * target / achieved
                         _set_lr(update, step_lr)
-                        _apply(update, rb, rule.objective, stages, first=first)
+                        _apply(update, rb, rule.objective, stages, first=first, repeats=k)
                         del first
                     update.last_gradient = None
-                pi = update.probs(batch)
+                m = None
+                if dist:
+                    m = measure(model, batch, reference, keep=reference is None)
+                    pi, reference = m.pi, reference if reference is not None else m.log_softmax
+                else:
+                    pi = update.probs(batch)
                 step = update.relative_step()
-                resolution = update.resolution(step * theta0, steps=len(stages))
+                resolution = update.resolution(step * theta0, steps=len(stages) * k)
                 warn_unresolved(f"compare (rule {rule.name}, mode {mode})", resolution)
                 if mode == "equal_norm":
                     ratio = step * theta0 / target if target else float("nan")
@@ -361,65 +394,18 @@ def compare_rules(
                     s = s / total if total != 0 else None
                     del direction
                 delta = torch.where(mask.to(pi.device), pi - pi0.to(pi.device), torch.zeros_like(pi))
-                out[(rule.name, mode)] = RuleResult(delta, s, step, step_lr, ratio, resolution)
+                out[(rule.name, mode)] = RuleResult(
+                    delta,
+                    s,
+                    step,
+                    step_lr,
+                    ratio,
+                    resolution,
+                    entropy=torch.where(mask.to(pi.device), m.entropy - start.entropy, 0.0) if m else None,
+                    kl=torch.where(mask.to(pi.device), m.kl, 0.0)
+                    if m and m.kl is not None
+                    else (torch.zeros_like(delta) if m else None),  # the first rule: its KL to itself is 0
+                    inner_steps=k,
+                    sweep=rule.sweep,
+                )
     return out
-
-
-def paired_frame(
-    results: dict[tuple[str, str], RuleResult],
-    batch: ProbeBatch,
-    pi_old: torch.Tensor,
-    edges: torch.Tensor,
-    *,
-    step: int,
-    reference: str = "base",
-):
-    """The `paired` record: one row per (rule, mode, sequence, bin of pi_old) with sums over that sequence's tokens
-    of the bin: count, the signs of A, correct / tie counts of dpi, sum dpi, sum dpi(reference), sum of the paired
-    difference and its square, the sum of the update shares; and the rule's lr, ||dtheta|| / ||theta||, norm ratio."""
-    mask = batch.completion_mask
-    bins = bin_index(pi_old.to(mask.device), mask, edges)
-    adv = batch.advantages.to(mask.device)
-    rows: dict[str, list] = {}
-    k = edges.numel() - 1
-    for (rule, mode), res in results.items():
-        ref = results.get((reference, mode))
-        d = res.delta.to(mask.device)
-        d_ref = ref.delta.to(mask.device) if ref is not None else torch.zeros_like(d)
-        s = res.shares.to(mask.device) if res.shares is not None else None
-        for i in range(mask.size(0)):
-            for b in range(k):
-                m = bins[i] == b
-                n = int(m.sum())
-                if n == 0:
-                    continue
-                a, x, diff = adv[i][m], d[i][m], (d[i] - d_ref[i])[m]
-                lo, hi = bin_bounds(edges, b)
-                values = {
-                    "step": step,
-                    "rule": rule,
-                    "mode": mode,
-                    "seq": i,
-                    "bin": b,
-                    "bin_lo": lo,
-                    "bin_hi": hi,
-                    "count": n,
-                    "n_pos": int((a > 0).sum()),
-                    "n_neg": int((a < 0).sum()),
-                    "up_pos": int(((a > 0) & (x > 0)).sum()),
-                    "down_neg": int(((a < 0) & (x < 0)).sum()),
-                    "tie_pos": int(((a > 0) & (x == 0)).sum()),
-                    "tie_neg": int(((a < 0) & (x == 0)).sum()),
-                    "sum_dpi": float(x.sum()),
-                    "sum_dpi_ref": float(d_ref[i][m].sum()),
-                    "sum_diff": float(diff.sum()),
-                    "sum_diff2": float((diff * diff).sum()),
-                    "sum_share": float(s[i][m].sum()) if s is not None else None,
-                    "lr": res.lr,
-                    "param_step": res.param_step,
-                    "norm_ratio": res.norm_ratio,
-                    **resolution_columns(res.resolution),
-                }
-                for c, v in values.items():
-                    rows.setdefault(c, []).append(v)
-    return to_frame("paired", rows)

@@ -15,10 +15,12 @@ from functools import partial
 from trl import GRPOConfig
 
 from tokendyn.config import ProbeConfig, ProbeConfigError
+from tokendyn.probe.rules import SURROGATES
+from tokendyn.probe.rules import params as rule_params
 from tokendyn.probe.tokenloss import POLICY_LOSSES, Objective, surrogate_problem
 from tokendyn.remedies import CLIP_COV_DEFAULTS, KL_COV_DEFAULTS, LOPTI_ORDERS
 
-ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp")
+ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp", "w_reinforce")
 
 
 def _is_number(value) -> bool:
@@ -71,8 +73,21 @@ def with_probe_fields(cls):
     return cls
 
 
+def with_rule_fields(cls):
+    """Add one field per registered rule parameter that TRL's `GRPOConfig` does not have (`tokendyn.probe.rules`:
+    name, published default, help) to ``cls`` (before ``@dataclass``): a new rule's parameters need no line here."""
+    annotations = cls.__dict__.get("__annotations__", {})
+    for p in rule_params():
+        if not p.trl:
+            annotations[p.name] = float
+            setattr(cls, p.name, field(default=p.default, metadata={"help": p.help}))
+    cls.__annotations__ = annotations
+    return cls
+
+
 @dataclass
 @with_probe_fields
+@with_rule_fields
 class TokendynGRPOConfig(GRPOConfig):
     r"""
     Configuration of [`TokendynGRPOTrainer`]: all of [`trl.GRPOConfig`] and the fields below.
@@ -145,11 +160,28 @@ class TokendynGRPOConfig(GRPOConfig):
             "choices": list(LOPTI_ORDERS),
         },
     )
+    logp_reweight_c: float = field(
+        default=0.0,
+        metadata={
+            "help": "Delta-log-p direction reweight (Huang et al. 2026, 'Beyond Magnitude'): each token's advantage is "
+            "multiplied by 1 + c - c * pi_old(token), up-weighting low-probability tokens (the mirror image of "
+            "advantage_reweight_alpha). 0.0 (default) is off; the authors use 0.2 (Qwen2.5-Math-7B) and 0.1 "
+            "(Qwen3-8B). >= 0; exclusive with advantage_reweight_alpha."
+        },
+    )
+    w_reinforce_lambda: float = field(
+        default=0.1,
+        metadata={
+            "help": "W-REINFORCE (advantage_estimator 'w_reinforce'): advantage lambda on responses with reward 1, "
+            "-1 on reward 0, the reward itself otherwise (no baseline); the authors recommend 0.1. >= 0."
+        },
+    )
     advantage_estimator: str = field(
         default="grpo",
         metadata={
-            "help": "Advantage estimator: 'grpo' (TRL's group-normalised rewards) or 'reinforce_pp' (REINFORCE++: "
-            "returns whitened over all valid tokens of the rollout batch, no group baseline).",
+            "help": "Advantage estimator: 'grpo' (TRL's group-normalised rewards), 'reinforce_pp' (REINFORCE++: "
+            "returns whitened over all valid tokens of the rollout batch, no group baseline) or 'w_reinforce' "
+            "(W-REINFORCE: lambda on correct, -1 on incorrect responses, `w_reinforce_lambda`).",
             "choices": list(ADVANTAGE_ESTIMATORS),
         },
     )
@@ -159,37 +191,12 @@ class TokendynGRPOConfig(GRPOConfig):
         metadata={
             "help": "The surrogate: 'ppo' (TRL's, by loss_type), 'clip_cov' (Clip-Cov: detach the gradient of a few "
             "random tokens of high advantage/log-prob covariance) or 'kl_cov' (KL-Cov: an |log ratio| penalty on "
-            "the tokens of largest covariance); Cui et al. 2025, as verl's policy loss modes.",
+            "the tokens of largest covariance; Cui et al. 2025, as verl's policy loss modes), 'dppo_tv' / 'dppo_kl' "
+            "(DPPO's trust-region mask on pi - pi_old, as verl's modes), 'aspo' (ASPO: IS weight 1/r for A > 0), "
+            "'ce_gppo' (CE-GPPO: bounded gradient on clipped tokens) or 'lp_reg' (Lp-Reg: a KL pull to a min-p "
+            "proxy on the lowest-pi negative tokens). Each rule's parameters are the fields named after it.",
             "choices": list(POLICY_LOSSES),
         },
-    )
-    clip_cov_ratio: float = field(
-        default=CLIP_COV_DEFAULTS["clip_cov_ratio"],
-        metadata={
-            "help": "Clip-Cov: fraction of the micro-batch's tokens detached (verl's default 2e-4). (0, 1]."
-        },
-    )
-    clip_cov_lb: float = field(
-        default=CLIP_COV_DEFAULTS["clip_cov_lb"],
-        metadata={
-            "help": "Clip-Cov: lower bound of the covariance of a candidate token (verl's default 1.0)."
-        },
-    )
-    clip_cov_ub: float = field(
-        default=CLIP_COV_DEFAULTS["clip_cov_ub"],
-        metadata={
-            "help": "Clip-Cov: upper bound of the covariance of a candidate token (verl's default 5.0)."
-        },
-    )
-    kl_cov_ratio: float = field(
-        default=KL_COV_DEFAULTS["kl_cov_ratio"],
-        metadata={
-            "help": "KL-Cov: fraction of the micro-batch's tokens penalised (verl's default 2e-4). (0, 1]."
-        },
-    )
-    ppo_kl_coef: float = field(
-        default=KL_COV_DEFAULTS["ppo_kl_coef"],
-        metadata={"help": "KL-Cov: coefficient of the |log ratio| penalty (verl's default 0.1). >= 0."},
     )
     kl_clamp: bool = field(
         default=False,
@@ -299,10 +306,20 @@ class TokendynGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"policy_loss must be one of {', '.join(POLICY_LOSSES)}; got {self.policy_loss!r}"
             )
-        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+        for p in rule_params():
+            problem = p.problem(getattr(self, p.name))
+            if problem:
+                raise ValueError(problem)
+        for name in ("logp_reweight_c", "w_reinforce_lambda"):
             value = getattr(self, name)
-            if not _is_number(value) or not 0.0 < value <= 1.0:
-                raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+            if not _is_number(value) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.logp_reweight_c and self.advantage_reweight_alpha:
+            raise ValueError(
+                "advantage_reweight_alpha and logp_reweight_c are mirror images (low-pi tokens tamed vs protected): "
+                f"set one of them, got advantage_reweight_alpha={self.advantage_reweight_alpha!r}, "
+                f"logp_reweight_c={self.logp_reweight_c!r}"
+            )
         if not (
             _is_number(self.clip_cov_lb)
             and _is_number(self.clip_cov_ub)
@@ -311,8 +328,6 @@ class TokendynGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"clip_cov_lb, clip_cov_ub: two numbers with lb < ub, got {self.clip_cov_lb!r}, {self.clip_cov_ub!r}"
             )
-        if not _is_number(self.ppo_kl_coef) or self.ppo_kl_coef < 0:
-            raise ValueError(f"ppo_kl_coef must be a number >= 0, got {self.ppo_kl_coef!r}")
         problem = surrogate_problem(
             self.policy_loss, self.loss_type, self.importance_sampling_level, self.delta
         )
@@ -399,6 +414,20 @@ PRESETS = {
     ),  # "Beyond the 80/20 rule" (Wang et al. 2025): top-20 % entropy tokens
     "clip_cov": dict(policy_loss="clip_cov", **CLIP_COV_DEFAULTS),
     "kl_cov": dict(policy_loss="kl_cov", **KL_COV_DEFAULTS),
+    # the camp that protects low-probability tokens (REMEDIES_BOTH_CAMPS.md), by their authors' settings; the
+    # ratio-based ones (DPPO, ASPO, CE-GPPO) act only with more than one update per rollout (num_iterations > 1)
+    **{
+        name: dict(policy_loss=name, **{p.name: p.default for p in SURROGATES[name].params})
+        for name in ("dppo_tv", "dppo_kl", "aspo")
+    },
+    "ce_gppo": dict(
+        policy_loss="ce_gppo", epsilon=0.2, epsilon_high=0.2, ce_gppo_beta1=0.5, ce_gppo_beta2=1.0
+    ),
+    "lp_reg": dict(
+        policy_loss="lp_reg", epsilon=1.0, epsilon_high=9.0, beta=0.0, lp_reg_kappa=0.02, lp_reg_rho=0.01
+    ),
+    "logp_reweight": dict(logp_reweight_c=0.1),
+    "w_reinforce": dict(advantage_estimator="w_reinforce", w_reinforce_lambda=0.1, epsilon=0.2),
 }
 
 

@@ -20,8 +20,13 @@ only where it plugs into TRL's loop:
   gradient is the clamped loss's exactly; the loss value TRL logs lacks those constants.
 * ``advantage_std_eps``: the group-normalised advantages recomputed from TRL's gathered rewards with that epsilon
   (`tokendyn.remedies.grpo_advantages`, the official code's unbiased std; TRL's own is 1e-4).
-* ``policy_loss`` clip_cov / kl_cov: the loss of the micro-batch is `tokendyn.probe.tokenloss.loss_terms` with TRL's
-  aggregation (``_cov_loss``), on TRL's forward; Clip-Cov draws on a generator seeded per micro-step (``cov_seed``).
+* ``policy_loss`` other than "ppo" (Clip-Cov, KL-Cov, DPPO-TV / -KL, ASPO, CE-GPPO, Lp-Reg: `tokendyn.probe.rules`):
+  the loss of the micro-batch is `tokendyn.probe.tokenloss.loss_terms` with TRL's aggregation (``_rule_loss``), on
+  TRL's forward (with its entropies for ASPO); Clip-Cov draws on a generator seeded per micro-step (``cov_seed``).
+  Lp-Reg's min-p proxy of pi_old is computed once per rollout batch, at the sampling policy (one forward without
+  grad, ``lp_reg_proxy_logp`` in the batch, split and shuffled with it by TRL).
+* The advantage rules: ``logp_reweight_c`` (the Delta-log-p reweight, Reweight's mirror) where Reweight is applied;
+  ``advantage_estimator="w_reinforce"`` (lambda / -1 from the gathered rewards) where REINFORCE++ is swapped in.
 * ``_issue_warnings_after_load`` (resuming): the keys tied to a key the checkpoint held (a tied LM head) are not
   reported as missing.
 
@@ -39,8 +44,16 @@ import torch
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
+from ..probe.forward import completion_proxy_logp
 from ..probe.tokenloss import Objective, ProbeBatch, loss_terms
-from ..remedies import grpo_advantages, lopti_masks, reinforce_pp_advantages, reweight_advantages
+from ..remedies import (
+    grpo_advantages,
+    logp_reweight_advantages,
+    lopti_masks,
+    reinforce_pp_advantages,
+    reweight_advantages,
+    w_reinforce_advantages,
+)
 
 STAGE_MASK_KEYS = {1: "lopti_stage1_mask", 2: "lopti_stage2_mask"}
 
@@ -59,6 +72,8 @@ class TokendynGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         cfg = self.args
         self.advantage_reweight_alpha = float(getattr(cfg, "advantage_reweight_alpha", 0.0))
+        self.logp_reweight_c = float(getattr(cfg, "logp_reweight_c", 0.0))
+        self.w_reinforce_lambda = float(getattr(cfg, "w_reinforce_lambda", 0.1))
         self.lopti_eta = getattr(cfg, "lopti_eta", None)
         self.lopti_quantile = getattr(cfg, "lopti_quantile", None)
         self.lopti_order = getattr(cfg, "lopti_order", "low_first")
@@ -75,6 +90,11 @@ class TokendynGRPOTrainer(GRPOTrainer):
         self.advantage_std_eps = getattr(cfg, "advantage_std_eps", None)
         self.policy_loss = getattr(cfg, "policy_loss", "ppo")
         self._objective = Objective.from_config(cfg) if self.policy_loss != "ppo" else None
+        self._needs_proxy = self._objective is not None and self._objective.needs_proxy
+        # the sequences' rewards kept in the batch for the probe's paired comparison of W-REINFORCE
+        self._keep_rewards = bool(getattr(cfg, "probe_every", 0)) and "w_reinforce" in (
+            getattr(cfg, "probe_compare_rules", None) or ()
+        )
         self.probe = None
         if getattr(cfg, "probe_every", 0):
             from tokendyn.hooks.trainer import TrainerProbe
@@ -86,6 +106,8 @@ class TokendynGRPOTrainer(GRPOTrainer):
     def _modifies_batch(self) -> bool:
         return (
             self.advantage_reweight_alpha > 0
+            or self.logp_reweight_c > 0
+            or self._needs_proxy
             or self.lopti_enabled
             or self.advantage_estimator != "grpo"
             or self.advantage_std_eps is not None
@@ -114,6 +136,8 @@ class TokendynGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
+        if self._keep_rewards and self.model.training:
+            output["sequence_rewards"] = self._rewards_local(output["advantages"])
         if not self.model.training or not self._modifies_batch:
             if self.probe is not None and self.model.training:
                 self.probe.rollout(output)
@@ -124,10 +148,13 @@ class TokendynGRPOTrainer(GRPOTrainer):
         advantages = output["advantages"]
         if self.advantage_estimator == "reinforce_pp":
             advantages = self._reinforce_pp_local(mask)
+        elif self.advantage_estimator == "w_reinforce":
+            rewards = self._rewards_local(advantages)
+            advantages = w_reinforce_advantages(rewards, self.w_reinforce_lambda).to(advantages.dtype)
         elif self.advantage_std_eps is not None:
             advantages = self._grpo_local(advantages)
         output["raw_advantages"] = advantages
-        needs_pi_old = self.advantage_reweight_alpha > 0 or self.lopti_enabled
+        needs_pi_old = self.advantage_reweight_alpha > 0 or self.logp_reweight_c > 0 or self.lopti_enabled
         if needs_pi_old and output.get("old_per_token_logps") is None:
             output["old_per_token_logps"] = self._sampling_logps(output)
         old_logp = output.get("old_per_token_logps")
@@ -135,7 +162,13 @@ class TokendynGRPOTrainer(GRPOTrainer):
             advantages = reweight_advantages(advantages, old_logp, self.advantage_reweight_alpha)
             weight = self.advantage_reweight_alpha * torch.exp(old_logp) + 1 - self.advantage_reweight_alpha
             self._log_global_mean("reweight/mean_weight", (weight * mask).sum(), mask.sum())
+        if self.logp_reweight_c > 0:
+            advantages = logp_reweight_advantages(advantages, old_logp, self.logp_reweight_c)
+            weight = 1 + self.logp_reweight_c - self.logp_reweight_c * torch.exp(old_logp)
+            self._log_global_mean("logp_reweight/mean_weight", (weight * mask).sum(), mask.sum())
         output["advantages"] = advantages
+        if self._needs_proxy:
+            output["lp_reg_proxy_logp"] = self._proxy_logps(output)
         if self.lopti_enabled:
             stage1, stage2 = self._stage_masks(old_logp, mask)
             output[STAGE_MASK_KEYS[1]], output[STAGE_MASK_KEYS[2]] = stage1, stage2
@@ -164,6 +197,32 @@ class TokendynGRPOTrainer(GRPOTrainer):
                 batch_size=self.args.per_device_train_batch_size,
             )
         return logps
+
+    def _proxy_logps(self, output: dict) -> torch.Tensor:
+        """Lp-Reg's log pi_proxy(o_t) (B, C) at the sampling policy (`tokendyn.probe.forward.completion_proxy_logp`,
+        min-p with ``lp_reg_kappa``, at the sampling temperature): one forward without grad per rollout batch."""
+        if "pixel_values" in output:
+            raise ValueError("Lp-Reg: multimodal inputs (pixel_values) are not supported")
+        batch = ProbeBatch(
+            input_ids=torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1),
+            attention_mask=torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
+            completion_mask=output["completion_mask"],
+            advantages=torch.zeros(output["completion_ids"].size(0)),
+            temperature=self.temperature,
+        )
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            proxy = completion_proxy_logp(self.model, batch, self._objective.lp_reg_kappa)
+        return proxy.to(output["completion_ids"].device)
+
+    def _rewards_local(self, like: torch.Tensor) -> torch.Tensor:
+        """This process's rows of the gathered rewards (weighted sum over the reward functions; NaN where every
+        function returned None), (B_local,)."""
+        rewards_per_func = self._last_rewards_per_func
+        weights = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        start = self.accelerator.process_index * like.size(0)
+        return rewards[start : start + like.size(0)].to(like.device)
 
     def _gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """(B, T_local) on every process -> (B * num_processes, T_max), right-padded with 0."""
@@ -264,23 +323,24 @@ class TokendynGRPOTrainer(GRPOTrainer):
             self.probe.begin(inputs, stage)
         try:
             if self.policy_loss != "ppo":
-                return self._cov_loss(model, inputs)
+                return self._rule_loss(model, inputs)
             return super()._compute_loss(model, inputs)
         finally:
             self._kl_stage_pending = None
 
-    def _cov_loss(self, model, inputs):
-        """The micro-batch's Clip-Cov / KL-Cov loss: TRL's forward, the per-token terms of `loss_terms` (the rule
-        the analyses differentiate), TRL's aggregation: dapo's normalizer spans the accumulation window, the other
-        loss types are divided by the accumulation steps."""
+    def _rule_loss(self, model, inputs):
+        """The micro-batch's loss of a registered rule (``policy_loss``: Clip-Cov, KL-Cov, DPPO, ASPO, CE-GPPO,
+        Lp-Reg): TRL's forward (and its entropies where the rule reads H_t), the per-token terms of `loss_terms` (the
+        rule the analyses differentiate), TRL's aggregation: dapo's normalizer spans the accumulation window, the
+        other loss types are divided by the accumulation steps."""
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        logps, _, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=False
-        )
         objective = replace(self._objective, cov_seed=self.cov_seed())
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=objective.needs_entropy
+        )
         train = self.model.training  # in eval TRL neither accumulates nor splits the batch
         accumulation = self.current_gradient_accumulation_steps if train else 1
         normalizer = None
@@ -299,8 +359,9 @@ class TokendynGRPOTrainer(GRPOTrainer):
             normalizer=normalizer,
             sampling_logp=inputs.get("sampling_per_token_logps"),
             is_ratio=inputs.get("importance_sampling_ratio") if objective.is_correction else None,
+            proxy_logp=inputs.get("lp_reg_proxy_logp") if objective.needs_proxy else None,
         )
-        loss = loss_terms(logps, batch, objective).sum()
+        loss = loss_terms(logps, batch, objective, entropies if objective.needs_entropy else None).sum()
         if objective.loss_type != "dapo":
             loss = loss / accumulation
         self._metrics["train" if train else "eval"]["policy_loss"].append(

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..probe.rules import SURROGATES
 from ..tasks.arith.generator import HELDOUT_SIZE, MAX_DIGITS, MIN_DIGITS
 from ..tasks.kk.generator import MAX_PEOPLE, MIN_PEOPLE
 
@@ -193,7 +194,10 @@ def method_name(cfg) -> str:
     """The run's name in records and figures: the estimator or loss (GRPO, REINFORCE++, GSPO, CISPO, SAPO, VESPO,
     LUSPO), then each remedy on top."""
     loss_type = getattr(cfg, "loss_type", "dapo")
-    if getattr(cfg, "advantage_estimator", "grpo") != "grpo":
+    estimator = getattr(cfg, "advantage_estimator", "grpo")
+    if estimator == "w_reinforce":
+        base = f"W-REINFORCE(l={getattr(cfg, 'w_reinforce_lambda', 0.1):g})"
+    elif estimator != "grpo":
         base = "REINFORCE++"
     elif loss_type in LOSS_NAMES:
         base = LOSS_NAMES[loss_type]
@@ -207,9 +211,11 @@ def method_name(cfg) -> str:
         parts.append("80/20" if top == 0.2 else f"top-entropy(q={top:g})")
     policy_loss = getattr(cfg, "policy_loss", "ppo")
     if policy_loss != "ppo":
-        parts.append({"clip_cov": "Clip-Cov", "kl_cov": "KL-Cov"}[policy_loss])
+        parts.append(SURROGATES[policy_loss].title)
     if getattr(cfg, "advantage_reweight_alpha", 0.0):
         parts.append(f"Reweight(a={cfg.advantage_reweight_alpha:g})")
+    if getattr(cfg, "logp_reweight_c", 0.0):
+        parts.append(f"LogpReweight(c={cfg.logp_reweight_c:g})")
     if getattr(cfg, "lopti_eta", None) is not None:
         order = "" if cfg.lopti_order == "low_first" else ", high first"
         parts.append(f"Lopti(eta={cfg.lopti_eta:g}{order})")

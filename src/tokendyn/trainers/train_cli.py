@@ -206,12 +206,18 @@ def short_help(parser) -> None:
     (TRL's ~200 fields are accepted either way)."""
     import argparse as ap
 
-    keep = own_fields() | set(COMMON_TRL_FIELDS) | {"help", "config"}
-    hidden = 0
+    from ..probe.rules import params
+
+    # each per-token rule's parameters (dppo_tv_delta, aspo_*, ...): the rule is chosen by --policy_loss in the short
+    # help, its published defaults rarely change, so its parameters are listed by --help-all
+    rule_params = {p.name for p in params()}
+    keep = (own_fields() - rule_params) | set(COMMON_TRL_FIELDS) | {"help", "config"}
+    hidden = tuned = 0
     for action in parser._actions:
         if action.dest not in keep and action.help != ap.SUPPRESS:
             action.help = ap.SUPPRESS
-            hidden += 1
+            tuned += action.dest in rule_params
+            hidden += action.dest not in rule_params
 
     def rank(action) -> int:  # tokendyn's own first, then the common TRL fields (each in its declared order)
         return 0 if action.dest in own_fields() or action.dest in ("help", "config") else 1
@@ -224,8 +230,8 @@ def short_help(parser) -> None:
         "`--config run.yaml` sets any of them (flags win)."
     )
     parser.epilog = (
-        f"{hidden} more TRL GRPOConfig / transformers TrainingArguments flags are accepted: "
-        "`tokendyn train --help-all` lists them."
+        f"{tuned} parameters of the per-token rules of --policy_loss (published defaults) and {hidden} more TRL "
+        "GRPOConfig / transformers TrainingArguments flags are accepted: `tokendyn train --help-all` lists them."
     )
 
 

@@ -1,4 +1,6 @@
-"""tokendyn inside verl (0.9.x): Advantage Reweighting and Lopti as a registered verl policy loss (`loss`), where each
+"""tokendyn inside verl (0.9.x): Advantage Reweighting, the Delta-log-p reweight, Lopti and the per-token rules verl
+lacks (ASPO, CE-GPPO) as a registered verl policy loss (`loss`), W-REINFORCE as an advantage estimator
+(`advantages`), where each
 response token sits inside verl's actor engine (`layout`), and the probe attached to the engine's actor module
 (`probe`). All of tokendyn's verl glue is this package (and `verl_plugin`, the entry point that imports it), so an
 upgrade of verl touches one place.
@@ -18,16 +20,19 @@ on the CPU (`backend`: the platform "cpu" and a Hugging Face ``generate`` rollou
 internal that leans on is named in `internals`.
 """
 
+from tokendyn.integrations.verl.advantages import register_estimator
 from tokendyn.integrations.verl.backend import register_backend
 from tokendyn.integrations.verl.loss import (
     LOPTI_STAGES,
     LOSS_NAME,
+    TOKENDYN_RULES,
     VERL_SERIES,
     TokendynPolicyLossConfig,
     VerlConfigError,
     check_stage,
     check_version,
     disable_trl_value_head_patch,
+    entropy_ppo_loss,
     lopti_ppo_loss,
     register_loss,
     stage_advantages,
@@ -39,9 +44,11 @@ from tokendyn.integrations.verl.worker import install as install_worker
 
 def register() -> None:
     """Register the tokendyn loss with verl (`loss.register_loss`), wrap the actor worker's update
-    (`worker.install`) and register the CPU backend's platform "cpu" and rollout "hf" (`backend.register_backend`,
-    active only with ``VERL_PLATFORM=cpu``); idempotent."""
+    (`worker.install`), register the advantage estimator ``w_reinforce`` (`advantages.register_estimator`) and
+    the CPU backend's platform "cpu" and rollout "hf" (`backend.register_backend`, active only with
+    ``VERL_PLATFORM=cpu``); idempotent."""
     register_loss()
+    register_estimator()
     install_worker()
     register_backend()
 
@@ -49,16 +56,19 @@ def register() -> None:
 __all__ = [
     "LOPTI_STAGES",
     "LOSS_NAME",
+    "TOKENDYN_RULES",
     "VERL_SERIES",
     "TokendynPolicyLossConfig",
     "VerlConfigError",
     "check_stage",
     "check_version",
     "disable_trl_value_head_patch",
+    "entropy_ppo_loss",
     "install_worker",
     "lopti_ppo_loss",
     "register",
     "register_backend",
+    "register_estimator",
     "register_loss",
     "stage_advantages",
     "stage_mask",

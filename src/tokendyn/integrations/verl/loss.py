@@ -16,14 +16,18 @@ and hands everything else to the base mode's own function, unchanged:
     A_t <- (alpha pi_old(o_t) + 1 - alpha) A_t            (`remedies.reweight_advantages`; pi_old = exp(old_log_prob))
     A_t <- A_t [t in the active Lopti group]              (`lopti_stage` low / high; `remedies.lopti_masks`)
 
-with the response mask untouched, so a token-mean loss still divides by every token of the batch, as the official
-fork's Lopti does. Which group is active is the trainer's to say between its two actor updates (`lopti_stage` is a
+(or A_t <- (1 + c - c pi_old(o_t)) A_t, the Delta-log-p reweight, `logp_reweight_c`), with the response mask
+untouched, so a token-mean loss still divides by every token of the batch, as the official fork's Lopti does. A
+base mode of `TOKENDYN_RULES` (ASPO, CE-GPPO: rules verl has no mode for) runs tokendyn's registered rule
+(`tokendyn.probe.rules`) through verl's `agg_loss` instead (`rule_policy_loss`). Which group is active is the trainer's to say between its two actor updates (`lopti_stage` is a
 mutable field); "all" (the default) is the plain update.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from verl.trainer.ppo import core_algos
@@ -31,24 +35,59 @@ from verl.workers.config.actor import PolicyLossConfig
 
 from tokendyn.config import ProbeConfig, ProbeConfigError
 from tokendyn.config import resolve as resolve_probe_config
-from tokendyn.remedies import lopti_masks, reweight_advantages
+from tokendyn.probe.rules import SURROGATES, TokenInputs
+from tokendyn.remedies import logp_reweight_advantages, lopti_masks, reweight_advantages
 from tokendyn.vocab import LOPTI_ORDERS
 
 LOSS_NAME = "tokendyn"
 VERL_SERIES = "0.9"  # the verl minor series this glue is written against (`check_version`)
 LOPTI_STAGES = ("all", "low", "high")
+# tokendyn's per-token rules that verl 0.9 has no loss mode for, trained as `base_loss_mode` by the tokendyn loss
+# (`tokendyn.probe.rules`; their parameters are fields of `TokendynPolicyLossConfig`, with the published defaults)
+TOKENDYN_RULES = ("aspo", "ce_gppo")
+# rules that cannot run inside verl's policy-loss call: the one-line reason (`TokendynPolicyLossConfig` raises it)
+UNAVAILABLE_RULES = {
+    "lp_reg": "Lp-Reg needs log pi_proxy(o_t), a min-p filter of pi_old's whole distribution at every response "
+    "position, and verl's policy-loss call sees only log pi_old of the sampled token (it would take an extra "
+    "old-policy forward over the batch, as the authors' compute_minp_log_prob, not built here): train Lp-Reg with "
+    "tokendyn's TRL trainer (policy_loss='lp_reg')",
+}
 
 
 class VerlConfigError(ValueError):
     """A bad tokendyn option in a verl config: the message is one line naming the field and its allowed values."""
 
 
+def with_rule_fields(cls):
+    """One field per parameter of the rules in `TOKENDYN_RULES` (`tokendyn.probe.rules.SURROGATES`: name, published
+    default), added before ``@dataclass``: a new rule's parameters need no line here."""
+    annotations = cls.__dict__.get("__annotations__", {})
+    for name in TOKENDYN_RULES:
+        for p in SURROGATES[name].params:
+            annotations[p.name] = "float"
+            setattr(cls, p.name, field(default=p.default))
+    cls.__annotations__ = annotations
+    return cls
+
+
+def rule_params():
+    """The parameters (`tokendyn.probe.rules.Param`) of every rule in `TOKENDYN_RULES`, each once."""
+    return tuple(p for name in TOKENDYN_RULES for p in SURROGATES[name].params)
+
+
 @dataclass
+@with_rule_fields
 class TokendynPolicyLossConfig(PolicyLossConfig):
     """verl's `PolicyLossConfig` with tokendyn's fields (validated when built, one line per bad value).
 
-    base_loss_mode: the registered verl loss the tokendyn loss runs under (not "tokendyn" itself).
+    base_loss_mode: the loss the tokendyn loss runs under: a registered verl loss (not "tokendyn" itself; verl's
+        own function, e.g. "dppo_tv" / "dppo_kl" with verl's clip_ratio_low / clip_ratio_high as delta and
+        clip_ratio_c as C), or one of tokendyn's rules verl lacks (`TOKENDYN_RULES`: "aspo", "ce_gppo"; their
+        parameters are the fields named after them: ``aspo_eps``, ``ce_gppo_beta1``, ...). "lp_reg" is refused in
+        one line (`UNAVAILABLE_RULES`).
     reweight_alpha: Advantage Reweighting's alpha in [0, 1] (0: off).
+    logp_reweight_c: the Delta-log-p reweight's c >= 0, A <- (1 + c - c pi_old) A (0: off; the authors: 0.1, 0.2);
+        exclusive with reweight_alpha (its mirror image).
     lopti_eta: Lopti's threshold on pi_old in (0, 1), or None. Set (or lopti_quantile), verl's actor worker runs
         Lopti's two updates per batch (`integrations.verl.worker`).
     lopti_quantile: instead of a fixed eta, the threshold is this empirical quantile of pi_old over the batch's
@@ -65,11 +104,12 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
     probe_save_batches: save the batches of the first n updates under ``probe_dir/batches`` as `tokendyn probe`
         rollouts files (`integrations.verl.batches`), to replay them offline; 0 (the default): none."""
 
-    _mutable_fields = PolicyLossConfig._mutable_fields | {"lopti_stage", "lopti_batch_eta"}
+    _mutable_fields = PolicyLossConfig._mutable_fields | {"lopti_stage", "lopti_batch_eta", "token_entropy"}
 
     loss_mode: str = LOSS_NAME
     base_loss_mode: str = "vanilla"
     reweight_alpha: float = 0.0
+    logp_reweight_c: float = 0.0
     lopti_eta: float | None = None
     lopti_quantile: float | None = None
     lopti_order: str = "low_first"
@@ -77,19 +117,28 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
     lopti_batch_eta: float | None = (
         None  # the current batch's threshold from lopti_quantile (set by the update)
     )
+    token_entropy: Any = None  # H_t (B, T) of the current micro-batch, for ASPO (set by `entropy_ppo_loss`)
     probe_dir: str | None = None
     probe_options: dict = field(default_factory=dict)
     probe_analyses_every: int = 0
     probe_save_batches: int = 0
 
     def __post_init__(self) -> None:
-        known = sorted(n for n in core_algos.POLICY_LOSS_REGISTRY if n != LOSS_NAME)
-        if self.base_loss_mode == LOSS_NAME or self.base_loss_mode not in core_algos.POLICY_LOSS_REGISTRY:
-            raise VerlConfigError(
-                f"policy_loss.base_loss_mode: must be a registered verl loss other than '{LOSS_NAME}' "
-                f"({', '.join(known)}), got {self.base_loss_mode!r}"
-            )
+        check_base_mode(self.base_loss_mode)
+        for p in rule_params():
+            if p.problem(getattr(self, p.name)):
+                raise VerlConfigError(
+                    f"policy_loss.{p.name}: must be {p.allowed}, got {getattr(self, p.name)!r}"
+                )
         _unit("reweight_alpha", self.reweight_alpha, closed=True)
+        c = self.logp_reweight_c
+        if isinstance(c, bool) or not isinstance(c, int | float) or not math.isfinite(c) or c < 0:
+            raise VerlConfigError(f"policy_loss.logp_reweight_c: must be a number >= 0 (0: off), got {c!r}")
+        if c and self.reweight_alpha:
+            raise VerlConfigError(
+                "policy_loss.logp_reweight_c: exclusive with reweight_alpha (mirror images: low-pi tokens protected "
+                f"vs tamed), got reweight_alpha={self.reweight_alpha!r}, logp_reweight_c={c!r}"
+            )
         for name in ("lopti_eta", "lopti_quantile"):
             if getattr(self, name) is not None:
                 _unit(name, getattr(self, name), closed=False)
@@ -139,6 +188,8 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
         parts = [f"verl {self.base_loss_mode}"]
         if self.reweight_alpha:
             parts.append(f"Reweight(a={self.reweight_alpha:g})")
+        if self.logp_reweight_c:
+            parts.append(f"LogpReweight(c={self.logp_reweight_c:g})")
         order = "" if self.lopti_order == "low_first" else ", high first"
         if self.lopti_eta is not None:
             parts.append(f"Lopti(eta={self.lopti_eta:g}{order})")
@@ -151,6 +202,13 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
         return {
             "base_loss_mode": self.base_loss_mode,
             "advantage_reweight_alpha": self.reweight_alpha,
+            "logp_reweight_c": self.logp_reweight_c,
+            **{
+                p.name: getattr(self, p.name)
+                for p in (
+                    SURROGATES[self.base_loss_mode].params if self.base_loss_mode in TOKENDYN_RULES else ()
+                )
+            },
             "lopti_eta": self.lopti_eta,
             "lopti_quantile": self.lopti_quantile,
             "lopti_order": self.lopti_order,
@@ -175,6 +233,40 @@ class TokendynPolicyLossConfig(PolicyLossConfig):
                 "`tokendyn probe` (e.g. on a saved verl batch), not inside verl's worker yet; leave it empty"
             )
         return config
+
+
+def check_base_mode(mode) -> None:
+    """`base_loss_mode` must be a registered verl loss other than "tokendyn", or one of `TOKENDYN_RULES`; a rule of
+    `UNAVAILABLE_RULES` fails with its reason, a tokendyn rule that verl has since registered under the same name
+    fails too (the glue must then choose), each in one line."""
+    if mode in UNAVAILABLE_RULES:
+        raise VerlConfigError(
+            f"policy_loss.base_loss_mode: {mode!r} cannot run in verl's loss: {UNAVAILABLE_RULES[mode]}"
+        )
+    if mode in TOKENDYN_RULES:
+        if mode in core_algos.POLICY_LOSS_REGISTRY:
+            raise VerlConfigError(
+                f"policy_loss.base_loss_mode: {mode!r} is both a tokendyn rule and a registered verl loss in this "
+                "verl: tokendyn's verl glue needs updating"
+            )
+        return
+    if mode == LOSS_NAME or mode not in core_algos.POLICY_LOSS_REGISTRY:
+        known = sorted(n for n in core_algos.POLICY_LOSS_REGISTRY if n != LOSS_NAME)
+        raise VerlConfigError(
+            f"policy_loss.base_loss_mode: must be a registered verl loss other than '{LOSS_NAME}' "
+            f"({', '.join(known)}) or one of tokendyn's rules ({', '.join(TOKENDYN_RULES)}), got {mode!r}"
+        )
+
+
+def needs_entropy(opts) -> bool:
+    """The tokendyn loss reads each token's entropy H_t (ASPO's clip range by entropy): `entropy_ppo_loss` hands it
+    over (verl's policy-loss call has no entropy argument)."""
+    mode = getattr(opts, "base_loss_mode", None)
+    return (
+        getattr(opts, "loss_mode", None) == LOSS_NAME
+        and mode in TOKENDYN_RULES
+        and SURROGATES[mode].needs_entropy
+    )
 
 
 def _unit(name: str, value, *, closed: bool) -> None:
@@ -215,12 +307,70 @@ def stage_advantages(
     alpha: float,
     eta: float | None,
     stage: str,
+    logp_c: float = 0.0,
 ) -> torch.Tensor:
-    """The advantages the update of `stage` optimises: Reweighted by alpha (the paper's Eq. 4 on pi_old), then
-    zeroed outside `stage_mask` ("all": unchanged)."""
+    """The advantages the update of `stage` optimises: Reweighted by alpha (the paper's Eq. 4 on pi_old,
+    `remedies.reweight_advantages`) or by the Delta-log-p reweight's c (1 + c - c pi_old,
+    `remedies.logp_reweight_advantages`), then zeroed outside `stage_mask` ("all": unchanged)."""
     keep = stage_mask(old_log_prob, response_mask, eta, stage)
     adv = reweight_advantages(advantages, old_log_prob, alpha) if alpha else advantages
+    adv = logp_reweight_advantages(adv, old_log_prob, logp_c) if logp_c else adv
     return adv if stage == "all" else adv * keep.to(adv.dtype)
+
+
+def rule_objective(config):
+    """The tokendyn `Objective` whose rule the tokendyn loss trains for a base mode of `TOKENDYN_RULES`: the rule
+    (``policy_loss``), its parameters from the loss config, PPO's clip range from verl's actor config
+    (clip_ratio_low / clip_ratio_high, each falling back to clip_ratio, as verl's vanilla); token-mean ("bnpo")
+    stands for the aggregation, which verl's `agg_loss` does."""
+    from tokendyn.probe.objective import Objective
+
+    opts = config.policy_loss
+    eps = float(config.clip_ratio)
+    low = float(config.clip_ratio_low) if config.clip_ratio_low is not None else eps
+    high = float(config.clip_ratio_high) if config.clip_ratio_high is not None else eps
+    params = {p.name: float(getattr(opts, p.name)) for p in SURROGATES[opts.base_loss_mode].params}
+    try:
+        return Objective(
+            eps_low=low, eps_high=high, loss_type="bnpo", policy_loss=opts.base_loss_mode, **params
+        )
+    except ValueError as exc:
+        raise VerlConfigError(f"actor.{str(exc).removeprefix('objective: ')}") from None
+
+
+def rule_policy_loss(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+):
+    """A rule of `TOKENDYN_RULES` in verl's policy-loss form: pg_t from the registered rule
+    (`tokendyn.probe.rules.SURROGATES`, on r_t = exp(log pi_t - log pi_old,t), the entropies from
+    `entropy_ppo_loss` for ASPO), times verl's rollout IS weights when given, aggregated by verl's `agg_loss`
+    (``loss_agg_mode``, the global batch info): the same pg_t as tokendyn's TRL path and analyses."""
+    opts = config.policy_loss
+    rule = SURROGATES[opts.base_loss_mode]
+    mask = response_mask.bool()
+    entropy = None
+    if rule.needs_entropy:
+        entropy = opts.token_entropy
+        if entropy is None:
+            raise VerlConfigError(
+                f"actor.calculate_entropy: base_loss_mode {opts.base_loss_mode!r} reads each token's entropy: set "
+                "actor_rollout_ref.actor.calculate_entropy=True (the tokendyn worker hands it to the loss)"
+            )
+        entropy = entropy.detach().to(log_prob.dtype)
+    log_ratio = torch.where(mask, log_prob - old_log_prob, torch.zeros_like(log_prob))
+    inputs = TokenInputs(
+        logp=log_prob, old=old_log_prob.detach(), log_ratio=log_ratio, ratio=torch.exp(log_ratio),
+        adv=advantages, mask=mask, entropy=entropy,
+    )  # fmt: skip
+    pg = rule(rule_objective(config), inputs)
+    if rollout_is_weights is not None:
+        pg = pg * rollout_is_weights
+    loss = core_algos.agg_loss(
+        loss_mat=pg, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
+    )
+    m = mask.to(log_prob.dtype)
+    ppo_kl = (-(log_ratio.detach()) * m).sum() / m.sum().clamp(min=1.0)
+    return loss, {"actor/ppo_kl": float(ppo_kl)}
 
 
 def tokendyn_policy_loss(
@@ -232,14 +382,19 @@ def tokendyn_policy_loss(
     config=None,
     rollout_is_weights: torch.Tensor | None = None,
 ):
-    """verl's policy-loss signature: the base mode's loss on `stage_advantages`, its metrics plus the share of
-    tokens whose advantages this stage kept (`actor/tokendyn/stage_token_share`)."""
+    """verl's policy-loss signature: the base mode's loss on `stage_advantages` (verl's registered function, or
+    `rule_policy_loss` for tokendyn's rules), its metrics plus the share of tokens whose advantages this stage kept
+    (`actor/tokendyn/stage_token_share`)."""
     opts = config.policy_loss
     adv = stage_advantages(
-        advantages, old_log_prob, response_mask, opts.reweight_alpha, opts.eta, opts.lopti_stage
-    )
+        advantages, old_log_prob, response_mask, opts.reweight_alpha, opts.eta, opts.lopti_stage,
+        opts.logp_reweight_c,
+    )  # fmt: skip
     kept = stage_mask(old_log_prob, response_mask, opts.eta, opts.lopti_stage)
-    base = core_algos.get_policy_loss_fn(opts.base_loss_mode)
+    if opts.base_loss_mode in TOKENDYN_RULES:
+        base = rule_policy_loss
+    else:
+        base = core_algos.get_policy_loss_fn(opts.base_loss_mode)
     loss, metrics = base(
         old_log_prob=old_log_prob,
         log_prob=log_prob,
@@ -296,6 +451,31 @@ def lopti_ppo_loss(config, model_output, data, dp_group=None):
         )
         loss = loss + config.entropy_coeff * ent_out
     return loss, metrics
+
+
+def entropy_ppo_loss(config, model_output, data, dp_group=None, *, inner=None):
+    """``inner`` (verl's `ppo_loss`, or `lopti_ppo_loss`) with each response token's entropy H_t handed to the
+    tokendyn loss for a rule that reads it (ASPO, `needs_entropy`): verl's policy-loss call has no entropy
+    argument, so the padded, detached H_t sits in the loss config's mutable ``token_entropy`` for this call only.
+    verl computes H_t with ``actor.calculate_entropy=True`` (or an entropy bonus). Any other config: ``inner``."""
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    inner = ppo_loss if inner is None else inner
+    opts = config.policy_loss
+    if not needs_entropy(opts):
+        return inner(config, model_output, data, dp_group)
+    entropy = model_output.get("entropy")
+    if entropy is None:
+        raise VerlConfigError(
+            f"actor.calculate_entropy: base_loss_mode {opts.base_loss_mode!r} reads each token's entropy: set "
+            "actor_rollout_ref.actor.calculate_entropy=True"
+        )
+    opts.token_entropy = no_padding_2_padding(entropy, data).detach()
+    try:
+        return inner(config, model_output, data, dp_group)
+    finally:
+        opts.token_entropy = None
 
 
 def check_version() -> str:

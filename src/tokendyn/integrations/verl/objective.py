@@ -30,7 +30,13 @@ from typing import Any
 
 import torch
 
-from tokendyn.integrations.verl.loss import LOSS_NAME, stage_mask
+from tokendyn.integrations.verl.loss import (
+    LOSS_NAME,
+    TOKENDYN_RULES,
+    VerlConfigError,
+    needs_entropy,
+    stage_mask,
+)
 from tokendyn.probe.tokenloss import ProbeBatch
 
 
@@ -44,7 +50,8 @@ class VerlObjective:
 
     @property
     def needs_entropy(self) -> bool:
-        return bool(self.actor_config.entropy_coeff)
+        """H_t is an input: an entropy bonus, or a tokendyn rule that reads it (ASPO)."""
+        return bool(self.actor_config.entropy_coeff) or needs_entropy(self.actor_config.policy_loss)
 
     def loss(
         self, logp: torch.Tensor, batch: ProbeBatch, entropy: torch.Tensor | None = None
@@ -69,6 +76,14 @@ class VerlObjective:
             keep = stage_mask(old, mask, opts.eta, opts.lopti_stage)
         saved = dict(cfg.global_batch_info)
         cfg.global_batch_info.update(info)  # ppo_loss sets these from the batch the same way
+        if needs_entropy(opts):
+            if entropy is None:
+                raise ValueError(
+                    f"verl objective: base_loss_mode {opts.base_loss_mode!r} needs the entropies H_t"
+                )
+            opts.token_entropy = (
+                entropy.detach()
+            )  # as `loss.entropy_ppo_loss` hands them to the loss in training
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.seed)
@@ -93,6 +108,8 @@ class VerlObjective:
         finally:
             cfg.global_batch_info.clear()
             cfg.global_batch_info.update(saved)
+            if needs_entropy(opts):
+                opts.token_entropy = None
         return loss
 
     def terms(
@@ -114,3 +131,76 @@ class VerlObjective:
         m = mask.to(logp.dtype)
         spread = value.detach() * m / m.sum().clamp(min=1.0)
         return torch.where(mask, first + spread, torch.zeros_like(first))
+
+
+AGGREGATIONS = {"token-mean": "bnpo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum": "luspo"}
+DPPO_MODES = {"dppo_tv": "dppo_tv_delta", "dppo_kl": "dppo_kl_delta"}
+
+
+def tokendyn_objective(actor_config):
+    """The tokendyn `Objective` (`tokendyn.probe.objective`) that trains what a verl actor config trains, for the
+    base modes tokendyn has a rule for; else a `VerlConfigError` in one line naming what it would not reproduce.
+
+    base mode (``loss_mode``, or ``base_loss_mode`` under "tokendyn")   -> ``policy_loss`` and its parameters
+        dppo_tv / dppo_kl   -> dppo_tv / dppo_kl, delta = clip_ratio_low = clip_ratio_high (verl's delta; the rule
+                               has one), dppo_is_cap = clip_ratio_c (verl's C)
+        aspo / ce_gppo      -> the rule, its parameters from the loss config, eps from clip_ratio_low / _high
+    loss_agg_mode -> ``loss_type``: token-mean -> bnpo (p_t / N), seq-mean-token-mean -> grpo (p_t / (n_i B)),
+        seq-mean-token-sum -> luspo (p_t / B), seq-mean-token-sum-norm with loss_scale_factor S -> dr_grpo with
+        max_completion_length S (the batch taken as one rank, as `VerlObjective` takes it).
+
+    The advantage rewrites (reweight_alpha, logp_reweight_c, a Lopti stage) act on the batch, not the objective:
+    the batch's advantages are `loss.stage_advantages` of verl's. Not reproduced, each refused: verl's other modes
+    (vanilla's dual clip, gspo, geo_mean, ... have no tokendyn rule of the same formula; the analyses inside verl
+    run verl's own function, `VerlObjective`, for every mode), a KL loss (verl's kl_loss_type estimators), an
+    entropy bonus, token-sum aggregation."""
+    from tokendyn.integrations.verl.loss import rule_objective
+    from tokendyn.probe.objective import Objective
+
+    cfg = actor_config
+    opts = cfg.policy_loss
+    tokendyn = getattr(opts, "loss_mode", None) == LOSS_NAME
+    mode = opts.base_loss_mode if tokendyn else opts.get("loss_mode", "vanilla")
+    agg = cfg.loss_agg_mode
+    extra = {}
+    if agg == "seq-mean-token-sum-norm" and cfg.loss_scale_factor is not None:
+        loss_type = "dr_grpo"
+        extra["max_completion_length"] = int(cfg.loss_scale_factor)
+    elif agg in AGGREGATIONS:
+        loss_type = AGGREGATIONS[agg]
+    else:
+        raise VerlConfigError(
+            f"actor.loss_agg_mode: {agg!r} has no tokendyn Objective aggregation (token-mean, seq-mean-token-mean, "
+            "seq-mean-token-sum, or seq-mean-token-sum-norm with loss_scale_factor set)"
+        )
+    if cfg.use_kl_loss or cfg.entropy_coeff:
+        raise VerlConfigError(
+            "actor.use_kl_loss / entropy_coeff: the tokendyn Objective of a verl config reproduces the policy loss "
+            f"alone, got use_kl_loss={cfg.use_kl_loss!r}, entropy_coeff={cfg.entropy_coeff!r}"
+        )
+    if mode in TOKENDYN_RULES:
+        return replace_loss_type(rule_objective(cfg), loss_type, extra)
+    if mode in DPPO_MODES:
+        eps = float(cfg.clip_ratio)
+        low = float(cfg.clip_ratio_low) if cfg.clip_ratio_low is not None else eps
+        high = float(cfg.clip_ratio_high) if cfg.clip_ratio_high is not None else eps
+        if low != high:
+            raise VerlConfigError(
+                f"actor.clip_ratio_low / clip_ratio_high: {mode}'s delta must be one number for the tokendyn rule "
+                f"(verl's takes the low one for A <= 0, the high one for A > 0), got {low!r} and {high!r}"
+            )
+        return Objective(
+            loss_type=loss_type, policy_loss=mode, dppo_is_cap=float(cfg.clip_ratio_c), **{DPPO_MODES[mode]: high},
+            **extra,
+        )  # fmt: skip
+    raise VerlConfigError(
+        f"actor.policy_loss: verl's {mode!r} has no tokendyn Objective of the same formula (those: "
+        f"{', '.join([*DPPO_MODES, *TOKENDYN_RULES])}); the analyses inside verl run verl's own function for it"
+    )
+
+
+def replace_loss_type(objective, loss_type: str, extra: dict):
+    """``objective`` with verl's aggregation (`tokendyn_objective`)."""
+    from dataclasses import replace
+
+    return replace(objective, loss_type=loss_type, **extra)

@@ -10,6 +10,8 @@ process) so that a run whose actor loss is tokendyn's gets, from its config alon
   stages' metrics are returned together (the mean of both, as verl reduces
   them), and tokendyn's own keys once per stage: ``actor/tokendyn/{low|high}/...``.
 
+- each token's entropy handed to the tokendyn loss when its base mode reads it (ASPO: `loss.entropy_ppo_loss`).
+
 Any other loss mode passes through untouched. The wrapper keeps the method's verl dispatch attributes
 (`functools.wraps` copies the `register` decorator's), so the Ray worker group still finds it. `install` runs in
 every worker through the plugin entry point (`register`); it is idempotent.
@@ -24,7 +26,12 @@ import torch.distributed
 
 from tokendyn.integrations.verl.batches import save_batch
 from tokendyn.integrations.verl.lopti import lopti_update
-from tokendyn.integrations.verl.loss import TokendynPolicyLossConfig, lopti_ppo_loss
+from tokendyn.integrations.verl.loss import (
+    TokendynPolicyLossConfig,
+    entropy_ppo_loss,
+    lopti_ppo_loss,
+    needs_entropy,
+)
 from tokendyn.integrations.verl.probe import METRIC_PREFIX, EngineProbe
 
 _MARK = "_tokendyn_wrapped"
@@ -87,24 +94,26 @@ def tokendyn_train_mini_batch(worker, data, original):
         return original(worker, data)
     probe = worker_probe(worker, opts)
     save_update_batch(worker, data, opts)
+    plain_loss = worker.loss_fn
     try:
         if not opts.lopti:
+            if not needs_entropy(opts):
+                return original(worker, data)
+            worker.loss_fn = partial(entropy_ppo_loss, config=config)  # ASPO reads H_t
             return original(worker, data)
-        plain_loss = worker.loss_fn  # Lopti's stages train with KL and entropy restricted to the active group
-        worker.loss_fn = partial(lopti_ppo_loss, config=config)
-        try:
-            outputs = lopti_update(
-                lambda d: original(worker, d),
-                data,
-                config,
-                order=opts.lopti_order,
-                probe=probe,
-                group=worker.engine.get_data_parallel_group(),
-                restricted=True,
-            )
-        finally:
-            worker.loss_fn = plain_loss
+        # Lopti's stages train with KL and entropy restricted to the active group (and H_t handed over for ASPO)
+        worker.loss_fn = partial(entropy_ppo_loss, config=config, inner=lopti_ppo_loss)
+        outputs = lopti_update(
+            lambda d: original(worker, d),
+            data,
+            config,
+            order=opts.lopti_order,
+            probe=probe,
+            group=worker.engine.get_data_parallel_group(),
+            restricted=True,
+        )
     finally:
+        worker.loss_fn = plain_loss
         if probe is not None:
             probe.writer.flush()
     if any(out is None for out in outputs.values()):  # a rank that collects no outputs
