@@ -185,3 +185,22 @@ def test_markdown_keeps_pipes_inside_cells():
     text = markdown(pl.DataFrame({"claim": ["||g_b|| falls"], "value": [1e-5]}))
     row = text.splitlines()[2]
     assert row.count(" | ") == 1 and "\\|\\|g_b\\|\\|" in row and "1e-05" in row
+
+
+def test_both_camps_compares_every_rule_in_the_grpo_runs_only_and_keeps_earlier_studies(tmp_path):
+    """`tokendyn study --both-camps`: the GRPO runs compare both camps over 2 inner updates and sweep c and eta, the
+    other methods compare nothing; a study without the option has the identity it had before the option existed
+    (its finished runs are reused), one with it another identity."""
+    from tokendyn.commands.study import BOTH_CAMPS, _config, _identity
+    from tokendyn.vocab import RULE_CAMPS
+
+    size = with_size(QUICK, both_camps=True)
+    _, grpo = _config(tmp_path / "g", "grpo", 0, size, None, {})
+    _, lopti = _config(tmp_path / "l", "lopti", 0, size, None, {})
+    camps = {RULE_CAMPS[r] for r in grpo.probe_compare_rules}
+    assert camps == {"tames", "protects", "other"} and grpo.probe_compare_inner_steps == 2
+    assert list(grpo.probe_compare_c_sweep) == BOTH_CAMPS["probe_compare_c_sweep"]
+    assert min(grpo.probe_compare_c_sweep) < 0 < max(grpo.probe_compare_c_sweep)
+    assert not lopti.probe_compare_rules and not lopti.probe_compare_c_sweep
+    assert "both_camps" not in _identity(QUICK, None, {})
+    assert _identity(size, None, {}) != _identity(QUICK, None, {})

@@ -32,6 +32,27 @@ METHODS: dict[str, dict] = {
 }
 DONE = "study_done.json"
 
+# `--both-camps`: the comparison of the GRPO runs (their own states), every rule of both camps; K = 2 inner updates so
+# that the ratio-based rules (DPPO, ASPO, CE-GPPO) act (at K = 1, r = 1 and they are GRPO exactly); the c axis from
+# Reweight's alpha = 0.6 (c = -0.6) to the Delta-log-p reweight's c = 0.6, and Lopti's eta
+BOTH_CAMPS = dict(
+    probe_compare_rules=[
+        "reweight",
+        "lopti",
+        "logp_reweight",
+        "dppo_tv",
+        "dppo_kl",
+        "aspo",
+        "ce_gppo",
+        "lp_reg",
+        "w_reinforce",
+        "clip_cov",
+    ],  # fmt: skip
+    probe_compare_inner_steps=2,
+    probe_compare_c_sweep=[-0.6, -0.3, -0.1, 0.1, 0.3, 0.6],
+    probe_compare_eta_sweep=[0.3, 0.5, 0.7],
+)
+
 
 @dataclass(frozen=True)
 class StudySize:
@@ -46,6 +67,9 @@ class StudySize:
     probe_every: int  # rollouts between probed rollouts (every method probed on as many rollouts)
     probe_sample_sequences: int  # sequences of a probed rollout used by the rebalancing analyses
     n_boot: int = 2000
+    # the GRPO runs compare every rule of both camps (BOTH_CAMPS) from their own states, K = 2 inner updates each,
+    # and sweep the c axis and Lopti's eta: the study's "both camps" sections (`tokendyn study --both-camps`)
+    both_camps: bool = False
 
 
 # the full study: ~75-90 min on one thread (measured per rollout: GRPO ~6 s, Lopti ~15 s with the probes; evaluation
@@ -91,6 +115,8 @@ def _identity(size: StudySize, model: str | None, overrides: dict) -> dict:
     d = asdict(size)
     for k in ("methods", "seeds", "n_boot"):
         d.pop(k)
+    if not d["both_camps"]:  # a study from before the option: its finished runs are reused
+        d.pop("both_camps")
     return json.loads(json.dumps({**d, "model": model, "overrides": overrides}))  # as read back from json
 
 
@@ -117,6 +143,8 @@ def _config(out: Path, method: str, seed: int, size: StudySize, model: str | Non
     fields.update(METHODS[method])
     if method == "grpo":  # the paired comparison on GRPO's own states: the Fig. 2b rows' paired verdicts
         fields.update(probe_compare_rules=list(PAIRED_RULES), probe_compare_modes=[PAIRED_MODE])
+        if size.both_camps:
+            fields.update(BOTH_CAMPS)
     fields.update(overrides)
     cfg = TokendynGRPOConfig(**fields)
     cfg.probe_every = size.probe_every * optimizer_steps_per_rollout(cfg)  # probe cadence counted in rollouts

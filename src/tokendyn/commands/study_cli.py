@@ -1,4 +1,5 @@
-"""``tokendyn study [--quick] [--out DIR] [--methods grpo,reweight,lopti] [--seeds 0,1,2] [--rollouts R]``."""
+"""``tokendyn study [--quick] [--out DIR] [--methods grpo,reweight,lopti] [--seeds 0,1,2] [--rollouts R]
+[--both-camps]``."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ def register(sub) -> None:
     p.add_argument(
         "--eval-n", type=int, default=None, help=f"held-out puzzles per size, 1..100 (default {FULL.eval_n})"
     )
+    p.add_argument(
+        "--both-camps",
+        action="store_true",
+        help="the GRPO runs also compare, from their own states, the rules that protect low-probability tokens "
+        "(Delta-log-p reweight, DPPO-TV/KL, ASPO, CE-GPPO) beside those that tame them, over 2 inner updates, and "
+        "sweep the c axis and Lopti's eta: the report's both-camps table, figure and guidance",
+    )
     p.set_defaults(func=run)
 
 
@@ -63,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         "people": args.people,
         "eval_people": args.eval_people,
         "eval_n": args.eval_n,
+        "both_camps": args.both_camps or None,
     }
     size = with_size(size, **{k: v for k, v in changes.items() if v is not None})
     report = study(Path(args.out), size, model=args.model)

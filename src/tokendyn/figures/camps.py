@@ -91,7 +91,11 @@ def both_camps(paired: pl.DataFrame | None) -> Figure:
                         if marks[i][j]:
                             ax.text(j, i, marks[i][j], ha="center", va="center", fontsize=12, color="black")
                 ax.set_xticks(
-                    range(len(bins)), [f"[{lo:g}, {hi:g}{']' if hi >= 1 else ')'}" for _, lo, hi in bins]
+                    range(len(bins)),
+                    [f"[{lo:g}, {hi:g}{']' if hi >= 1 else ')'}" for _, lo, hi in bins],
+                    rotation=30,
+                    ha="right",
+                    fontsize=8,
                 )
                 ax.set_yticks(range(len(rules)), [f"{camp} · {rule}" for camp, rule in rules])
                 for i in range(1, len(rules)):  # a line between camps
