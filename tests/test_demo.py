@@ -75,3 +75,27 @@ def test_token_histogram_bins_are_half_open_and_the_last_closed():
     assert shares == pytest.approx([1 / 6, 1 / 6, 2 / 6, 2 / 6])
     with pytest.raises(ValueError, match="no sampled tokens"):
         token_histogram([])
+
+
+def test_the_accuracy_table_reads_the_arithmetic_tasks_difficulties():
+    """The report's held-out accuracy table and curves take the arithmetic task's per-difficulty columns
+    (heldout/accuracy_2digit) as they take K&K's per-size ones (the real LLM's demo had no table before)."""
+    import polars as pl
+
+    from tokendyn.figures.training import accuracy_table, heldout_sizes
+
+    m = pl.DataFrame(
+        {
+            "run": ["GRPO", "GRPO", "GRPO + Lopti(eta=0.5)", "GRPO + Lopti(eta=0.5)"],
+            "rollout": [0, 7, 0, 7],
+            "heldout/accuracy_2digit": [0.19, 0.59, 0.19, 0.435],
+            "heldout/accuracy": [0.19, 0.59, 0.19, 0.435],
+        }
+    )
+    assert heldout_sizes(m) == [("heldout/accuracy_2digit", "2 digits")]
+    table = accuracy_table(m, last=1)
+    rows = {r["run"]: r for r in table.iter_rows(named=True)}
+    assert rows["starting policy"]["2 digits"] == pytest.approx(0.19)
+    assert rows["GRPO"]["2 digits"] == pytest.approx(0.59)
+    assert rows["GRPO + Lopti(eta=0.5)"]["mean"] == pytest.approx(0.435)
+    assert rows["GRPO + Lopti(eta=0.5)"]["vs GRPO (%)"] == pytest.approx((0.435 / 0.59 - 1) * 100)

@@ -380,3 +380,13 @@ def test_the_readme_is_short_and_starts_with_the_two_commands():
     assert len(lines) <= 250, f"README.md has {len(lines)} lines (at most 250: the manuals live in docs/)"
     first_screen = "\n".join(lines[:40])
     assert "make demo" in first_screen and "make test" in first_screen
+
+
+def test_the_readme_real_llm_table_is_the_demos():
+    """The README's real-LLM *what reproduces* rows (between the real-llm markers) are the real LLM's demo table
+    (docs/real_llm/demo/reproduces.md, the demo's figures/reproduces.md copied unedited), row for row."""
+    block = _block(README, "real-llm")
+    demo = (ROOT / "docs" / "real_llm" / "demo" / "reproduces.md").read_text()
+    assert block.startswith("| phenomenon |") and block.count("\n") >= 10
+    assert block in demo
+    assert demo[demo.index(block) :].startswith("| phenomenon |")

@@ -15,12 +15,17 @@ from matplotlib.ticker import MaxNLocator
 from tokendyn.figures.data import MissingRecords, need, run_order
 from tokendyn.figures.style import new_figure, run_colors, run_markers, themed
 
-HELDOUT = re.compile(r"^heldout/accuracy_(\d+)ppl$")
+# held-out accuracy per difficulty: K&K puzzle sizes (..._3ppl) or the arithmetic task's operand digits (..._2digit)
+HELDOUT = re.compile(r"^heldout/accuracy_(\d+)(ppl|digit)$")
+UNITS = {"ppl": "people", "digit": "digits"}
 LAST_EVALS = 3  # the paper averages the last three checkpoints
 
 
-def heldout_sizes(metrics: pl.DataFrame) -> list[int]:
-    return sorted(int(m.group(1)) for c in metrics.columns if (m := HELDOUT.match(c)))
+def heldout_sizes(metrics: pl.DataFrame) -> list[tuple[str, str]]:
+    """(column, label) of each difficulty's held-out accuracy, by difficulty: ("heldout/accuracy_3ppl", "3 people"),
+    ("heldout/accuracy_2digit", "2 digits")."""
+    found = sorted((int(m.group(1)), c, m.group(2)) for c in metrics.columns if (m := HELDOUT.match(c)))
+    return [(c, f"{k} {UNITS[unit]}") for k, c, unit in found]
 
 
 def _x(metrics: pl.DataFrame) -> str:
@@ -77,7 +82,7 @@ def training_curves(metrics: pl.DataFrame | None) -> Figure:
     panels = [("reward", "training reward")]
     acc_cols = [c for c in m.columns if c.startswith("rewards/") and "accuracy" in c and c.endswith("/mean")]
     panels += [(c, "training accuracy") for c in acc_cols[:1]]
-    panels += [(f"heldout/accuracy_{k}ppl", f"held-out accuracy, {k} people") for k in sizes]
+    panels += [(col, f"held-out accuracy, {label}") for col, label in sizes]
     if len(sizes) > 1 and "heldout/accuracy" in m.columns:
         panels.append(("heldout/accuracy", "held-out accuracy, mean over sizes"))
     panels = [(c, t) for c, t in panels if c in m.columns and m[c].drop_nulls().len()]
@@ -173,7 +178,13 @@ def _cell(v, col: str) -> str:
     if v is None:
         return "–"
     if isinstance(v, float):
-        return f"{v:+.1f}%" if "%" in col else f"{v:.2f}" if "people" in col or col == "mean" else f"{v:g}"
+        return (
+            f"{v:+.1f}%"
+            if "%" in col
+            else f"{v:.2f}"
+            if col.endswith(("people", "digits")) or col == "mean"
+            else f"{v:g}"
+        )
     return str(v)
 
 
@@ -189,35 +200,35 @@ def accuracy_table(metrics: pl.DataFrame | None, last: int = LAST_EVALS) -> pl.D
         )
     x = _x(m)
     rows = []
-    start = m.filter(pl.col(f"heldout/accuracy_{sizes[0]}ppl").is_not_null() & (pl.col(x) == 0))
+    start = m.filter(pl.col(sizes[0][0]).is_not_null() & (pl.col(x) == 0))
     if start.height:  # the evaluation before the first update: every run starts from the same policy
         row = {"run": "starting policy"}
-        for k in sizes:
-            v = start[f"heldout/accuracy_{k}ppl"].drop_nulls()
-            row[f"{k} people"] = float(v.mean()) if v.len() else None
+        for col, label in sizes:
+            v = start[col].drop_nulls()
+            row[label] = float(v.mean()) if v.len() else None
         row["evaluations"] = 1
         rows.append(row)
     for run in run_order(m):
         d = m.filter(pl.col("run") == run)
         row: dict = {"run": run}
-        evals = d.filter(pl.col(f"heldout/accuracy_{sizes[0]}ppl").is_not_null()).sort(x).tail(last)
-        for k in sizes:
-            v = evals[f"heldout/accuracy_{k}ppl"].drop_nulls()
-            row[f"{k} people"] = float(v.mean()) if v.len() else None
-        vals = [row[f"{k} people"] for k in sizes if row[f"{k} people"] is not None]
+        evals = d.filter(pl.col(sizes[0][0]).is_not_null()).sort(x).tail(last)
+        for col, label in sizes:
+            v = evals[col].drop_nulls()
+            row[label] = float(v.mean()) if v.len() else None
+        vals = [row[label] for _, label in sizes if row[label] is not None]
         row["mean"] = sum(vals) / len(vals) if vals else None
         row["evaluations"] = evals.height
         row["at rollout" if x == "rollout" else "at step"] = float(evals[x].max()) if evals.height else None
         rows.append(row)
     n = _puzzles(m)
     for row in rows:
-        vals = [row[f"{k} people"] for k in sizes if row.get(f"{k} people") is not None]
+        vals = [row[label] for _, label in sizes if row.get(label) is not None]
         row["mean"] = sum(vals) / len(vals) if vals else None
         if n and row["mean"] is not None:  # 95% Wilson interval over every puzzle the mean pools
             lo, hi = wilson(row["mean"], n * len(vals) * max(1, row["evaluations"]))
             row["mean 95% CI"] = f"[{lo:.2f}, {hi:.2f}]"
     table = pl.DataFrame(rows, infer_schema_length=None)
-    first = ["run", *(f"{k} people" for k in sizes), "mean", "mean 95% CI"]
+    first = ["run", *(label for _, label in sizes), "mean", "mean 95% CI"]
     present = [c for c in first if c in table.columns]
     table = table.select(*(pl.col(c) for c in present), pl.exclude(present))
     base = [r for r in rows if r["run"].strip().upper() == "GRPO"]
