@@ -48,9 +48,8 @@ class DemoSize:
     # and Lopti's update with its own from the same states (the Fig. 2b paired rows); False: optimizer steps
     probe_in_rollouts: bool = False
     trainer: tuple[tuple[str, object], ...] = ()  # trainer fields of this size (the policy's own settings)
-    kk_histogram: int = (
-        0  # K&K 3-person test puzzles sampled twice at T = 0.7 for the Fig. 1a histogram (0: off)
-    )
+    # K&K 3-person test puzzles sampled twice at T = 0.7 for the starting policy's Fig. 1a histogram (0: off)
+    kk_histogram: int = 0
 
 
 FULL = DemoSize(rollouts=15, people=(3, 4, 5), eval_people=(3, 4, 5, 6, 7), eval_n=20, eval_every=5,
