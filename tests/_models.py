@@ -206,3 +206,21 @@ def single_token_direct(model, batch: Batch, tokens: dict, temperature: float = 
         (g,) = torch.autograd.grad(logps[r, j], hidden[point], retain_graph=True)
         expected.append(g[r, s - batch.c - 1 + j].double().norm().item() * abs(w))
     return expected
+
+
+def float64_probe_setup(model_dir, seed: int, temperature: float):
+    """(the model at ``model_dir`` in float64, a ProbeBatch of 6 random rows of 5 prompt + up to 9 completion ids
+    with mixed-sign advantages): the batch the rule comparisons' float64 references run on."""
+    from transformers import AutoModelForCausalLM
+
+    from tokendyn.probe.tokenloss import ProbeBatch
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    b, p, c = 6, 5, 9
+    ids = torch.randint(3, model.config.vocab_size, (b, p + c), generator=g)
+    lengths = torch.tensor([9, 7, 5, 9, 3, 8])
+    cmask = torch.arange(c).unsqueeze(0) < lengths.unsqueeze(1)
+    attn = torch.cat([torch.ones(b, p, dtype=torch.long), cmask.long()], 1)
+    adv = torch.tensor([1.2, -0.7, 0.4, -1.5, 0.9, -0.3])
+    return model, ProbeBatch(ids, attn, cmask, adv, temperature=temperature)

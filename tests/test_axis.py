@@ -10,14 +10,14 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from _models import float64_probe_setup
 
 from tokendyn.config import ProbeConfig, ProbeConfigError
 from tokendyn.probe.axis import axis_rules
 from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
 from tokendyn.probe.float64 import exact_float64
 from tokendyn.probe.shares import as_edges
-from tokendyn.probe.tokenloss import Objective, ProbeBatch
+from tokendyn.probe.tokenloss import Objective
 
 torch.set_num_threads(1)
 TEMP, LR = 0.7, 0.02
@@ -26,15 +26,7 @@ BASE = Objective(eps_low=0.2, eps_high=0.24, loss_type="dapo")
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
-    g = torch.Generator().manual_seed(11)
-    b, p, c = 6, 5, 9
-    ids = torch.randint(3, model.config.vocab_size, (b, p + c), generator=g)
-    lengths = torch.tensor([9, 7, 5, 9, 3, 8])
-    cmask = torch.arange(c).unsqueeze(0) < lengths.unsqueeze(1)
-    attn = torch.cat([torch.ones(b, p, dtype=torch.long), cmask.long()], 1)
-    adv = torch.tensor([1.2, -0.7, 0.4, -1.5, 0.9, -0.3])
-    return model, ProbeBatch(ids, attn, cmask, adv, temperature=TEMP)
+    return float64_probe_setup(tiny_model_dir, 11, TEMP)
 
 
 def test_sweep_points_are_the_named_rules_bitwise(setup):

@@ -10,12 +10,12 @@ import copy
 
 import pytest
 import torch
+from _models import float64_probe_setup
 from test_both_camps import aspo_closed_form, ce_gppo_closed_form
-from transformers import AutoModelForCausalLM
 
 from tokendyn.probe.compare import compare_rules, make_rule
 from tokendyn.probe.float64 import exact_float64
-from tokendyn.probe.tokenloss import Objective, ProbeBatch
+from tokendyn.probe.tokenloss import Objective
 
 torch.set_num_threads(1)
 TEMP, LR = 0.7, 0.02
@@ -25,15 +25,7 @@ NAMES = ("base", "dppo_tv", "aspo", "ce_gppo")
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
-    g = torch.Generator().manual_seed(5)
-    b, p, c = 6, 5, 9
-    ids = torch.randint(3, model.config.vocab_size, (b, p + c), generator=g)
-    lengths = torch.tensor([9, 7, 5, 9, 3, 8])
-    cmask = torch.arange(c).unsqueeze(0) < lengths.unsqueeze(1)
-    attn = torch.cat([torch.ones(b, p, dtype=torch.long), cmask.long()], 1)
-    adv = torch.tensor([1.2, -0.7, 0.4, -1.5, 0.9, -0.3])
-    return model, ProbeBatch(ids, attn, cmask, adv, temperature=TEMP)
+    return float64_probe_setup(tiny_model_dir, 5, TEMP)
 
 
 def logp_entropy(model, batch):

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tokendyn.common import UsageError
+from tokendyn.vocab import RULE_CAMPS
 
 # method name -> fields of TokendynGRPOConfig (the paper's K&K settings: alpha 0.3, eta 0.5)
 METHODS: dict[str, dict] = {
@@ -36,18 +37,8 @@ DONE = "study_done.json"
 # that the ratio-based rules (DPPO, ASPO, CE-GPPO) act (at K = 1, r = 1 and they are GRPO exactly); the c axis from
 # Reweight's alpha = 0.6 (c = -0.6) to the Delta-log-p reweight's c = 0.6, and Lopti's eta
 BOTH_CAMPS = dict(
-    probe_compare_rules=[
-        "reweight",
-        "lopti",
-        "logp_reweight",
-        "dppo_tv",
-        "dppo_kl",
-        "aspo",
-        "ce_gppo",
-        "lp_reg",
-        "w_reinforce",
-        "clip_cov",
-    ],  # fmt: skip
+    # every rule with a camp but the combinations and variants of one (Reweight + Lopti, KL-Cov, 80/20, GSPO)
+    probe_compare_rules=[r for r in RULE_CAMPS if r not in ("reweight_lopti", "kl_cov", "80_20", "gspo")],
     probe_compare_inner_steps=2,
     probe_compare_c_sweep=[-0.6, -0.3, -0.1, 0.1, 0.3, 0.6],
     probe_compare_eta_sweep=[0.3, 0.5, 0.7],
