@@ -44,7 +44,8 @@ def _ratio(w: np.ndarray, num: np.ndarray, den: np.ndarray) -> np.ndarray:
         return np.where(d > 0, n / np.where(d > 0, d, 1.0), np.nan)
 
 
-def _interval(draws: np.ndarray) -> tuple[float, float]:
+def percentile_interval(draws: np.ndarray) -> tuple[float, float]:
+    """The 2.5 and 97.5 percentiles of the finite bootstrap draws (NaN, NaN when none is finite)."""
     ok = draws[np.isfinite(draws)]
     if ok.size == 0:
         return float("nan"), float("nan")
@@ -98,13 +99,13 @@ def paired_summary(
             }
             for name, (nu, de) in stats.items():
                 row[name] = float(_ratio(ones, nu, de)[0])
-                row[f"{name}_lo"], row[f"{name}_hi"] = _interval(_ratio(w, nu, de))
+                row[f"{name}_lo"], row[f"{name}_hi"] = percentile_interval(_ratio(w, nu, de))
             cd = _ratio(w, num, den) - _ratio(w, ref_num, ref_den)
             row["correct_diff"] = float(_ratio(ones, num, den)[0] - _ratio(ones, ref_num, ref_den)[0])
-            row["correct_diff_lo"], row["correct_diff_hi"] = _interval(cd)
+            row["correct_diff_lo"], row["correct_diff_hi"] = percentile_interval(cd)
             share = t["sum_share"].to_numpy().astype(np.float64)
             row["share"] = float(share.sum() / steps)
-            row["share_lo"], row["share_hi"] = _interval(w @ share / steps)
+            row["share_lo"], row["share_hi"] = percentile_interval(w @ share / steps)
             rows.append(row)
     out = pl.DataFrame(rows).join(bins, on="bin", how="left")
     order = {r: i for i, r in enumerate(frame["rule"].unique(maintain_order=True))}

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from tokendyn.analysis.paired import percentile_interval
+
 SWEEP_SUMS = ("count", "n_pos", "n_neg", "up_pos", "down_neg", "tie_pos", "tie_neg", "sum_dpi", "sum_share",
               "sum_dentropy", "sum_kl_ref")  # fmt: skip
 # name -> (numerator column(s), denominator column(s)) of a ratio of sums; "steps": divided by the probed steps
@@ -121,17 +123,9 @@ def sweep_summary(
                        "tokens": int(cube["count"][:, j, k].sum()), "units": keys.height}  # fmt: skip
                 for name in STATS:
                     row[name] = float(point[name][j, k])
-                    row[f"{name}_lo"], row[f"{name}_hi"] = _interval(draws[name][:, j, k])
+                    row[f"{name}_lo"], row[f"{name}_hi"] = percentile_interval(draws[name][:, j, k])
                 out.append(row)
     return pl.DataFrame(out).join(edges, on="bin", how="left").sort("mode", "value", "bin")
-
-
-def _interval(x: np.ndarray) -> tuple[float, float]:
-    ok = x[np.isfinite(x)]
-    if ok.size == 0:
-        return float("nan"), float("nan")
-    lo, hi = np.quantile(ok, [0.025, 0.975])
-    return float(lo), float(hi)
 
 
 def best_value(values: list[float], stat: np.ndarray) -> float:
@@ -167,13 +161,15 @@ def guidance(
         argmax = np.array([best_value(values, d) for d in draws])
         zero = int(np.argmin(np.abs(np.asarray(values))))
         peak = np.nanmax(draws, axis=1) if np.isfinite(draws).any() else np.full(len(draws), np.nan)
-        lo, hi = _interval(argmax)
+        lo, hi = percentile_interval(argmax)
+        peak_lo, peak_hi = percentile_interval(peak)
+        at_lo, at_hi = percentile_interval(draws[:, zero])
         out.append({
             "sweep": sweep, "mode": mode, "statistic": f"{statistic}, top bin", "bin": bins[top], "best": best,
             "best_lo": lo, "best_hi": hi, "peak": float(np.nanmax(point)) if np.isfinite(point).any() else None,
-            "peak_lo": _interval(peak)[0], "peak_hi": _interval(peak)[1], "at": values[zero],
-            "at_value": float(point[zero]), "at_value_lo": _interval(draws[:, zero])[0],
-            "at_value_hi": _interval(draws[:, zero])[1], "values": ",".join(f"{v:g}" for v in values),
+            "peak_lo": peak_lo, "peak_hi": peak_hi, "at": values[zero],
+            "at_value": float(point[zero]), "at_value_lo": at_lo, "at_value_hi": at_hi,
+            "values": ",".join(f"{v:g}" for v in values),
             "units": keys.height,
         })  # fmt: skip
     return pl.DataFrame(out)
