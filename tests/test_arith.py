@@ -217,6 +217,16 @@ def test_train_arith_on_the_embedded_default_writes_records_and_heldout_accuracy
     for d in (1, 2):
         again = sum(r["correct"] for r in rows if r["digits"] == d) / 4
         assert again == held[f"heldout/accuracy_{d}digit"][-1]
+    # every problem's outcome at every evaluated step, the logged rates their means
+    per = pl.read_parquet(out / "heldout.parquet")
+    assert per.columns == ["step", "digits", "problem", "correct"] and per.height == 3 * 2 * 4
+    for row in held.iter_rows(named=True):
+        for d in (1, 2):
+            mine = per.filter((pl.col("step") == row["step"]) & (pl.col("digits") == d)).sort("problem")
+            assert mine["problem"].to_list() == [0, 1, 2, 3]
+            assert mine["correct"].mean() == row[f"heldout/accuracy_{d}digit"]
+    final = per.filter(pl.col("step") == 2).sort("digits", "problem")["correct"].to_list()
+    assert final == [r["correct"] for r in sorted(rows, key=lambda r: (r["digits"], r["problem"]))]
 
 
 @pytest.mark.parametrize(

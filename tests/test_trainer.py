@@ -124,10 +124,11 @@ def test_defaults_reproduce_trl_exactly(tiny_model_dir, tmp_path, overrides):
 
 
 # --------------------------------------------------------------------------- Lopti against a plain loop
-def _plain_two_stage_loop(model_dir, rollout, args, *, eta, quantile, alpha, order, lr):
+def _plain_two_stage_loop(model_dir, rollout, args, *, eta, quantile, alpha, order, lr, stages=None):
     """The official semantics, written out: pi_old and pi_ref from sampling time; stage masks from pi_old; each stage
     is a full update (num_iterations passes over the rollout batch, GA micro-batches per SGD step) with advantages and
-    KL masked to the stage's tokens and the loss denominator over all completion tokens."""
+    KL masked to the stage's tokens and the loss denominator over all completion tokens. ``stages``: the two stages'
+    masks per micro-batch given instead of the split by pi_old (the random-halves control)."""
     policy = AutoModelForCausalLM.from_pretrained(model_dir)
     ref = AutoModelForCausalLM.from_pretrained(model_dir)
     with torch.no_grad():
@@ -143,9 +144,10 @@ def _plain_two_stage_loop(model_dir, rollout, args, *, eta, quantile, alpha, ord
     if quantile is not None:
         pis = torch.cat([o.exp()[m.bool()] for o, m in zip(old, masks, strict=True)])
         eta = torch.quantile(pis.double(), quantile).item()
-    low = [(o.exp() < eta) & m.bool() for o, m in zip(old, masks, strict=True)]
-    high = [(o.exp() >= eta) & m.bool() for o, m in zip(old, masks, strict=True)]
-    stages = [low, high] if order == "low_first" else [high, low]
+    if stages is None:
+        low = [(o.exp() < eta) & m.bool() for o, m in zip(old, masks, strict=True)]
+        high = [(o.exp() >= eta) & m.bool() for o, m in zip(old, masks, strict=True)]
+        stages = [low, high] if order == "low_first" else [high, low]
     total_tokens = sum(m.sum() for m in masks)
     eps_low, eps_high = args.epsilon, args.epsilon_high or args.epsilon
     ga = args.gradient_accumulation_steps
@@ -232,6 +234,54 @@ def test_lopti_matches_plain_two_stage_loop(tiny_model_dir, tmp_path, case):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
         max_move = max(max_move, (a - initial[name]).abs().max().item())
     assert max_move > 1e-3  # the updates were real
+
+
+def test_random_halves_is_two_stages_on_random_halves(tiny_model_dir, tmp_path):
+    """Lopti's step-count control: the same two full stages (two SGD steps on one rollout batch, KL masked per stage,
+    every token in the denominator) equal the plain loop run on the batch's own halves; the halves are a random
+    partition of each rank's valid tokens into ceil / floor halves, not a split by pi_old, and not Lopti's stages."""
+    lr = 1e-3
+    args = _config(
+        tmp_path, beta=0.1, max_grad_norm=0.0, use_bias_correction_kl=False, random_halves=True, max_steps=2
+    )
+    trainer = _trainer(tiny_model_dir, args, sgd_lr=lr)
+    trainer.train()
+    rollout = trainer._buffered_inputs
+    assert trainer.current_stage() == 0 and not any("lopti_stage1_mask" in b for b in rollout)
+    first = torch.cat([b["halves_stage1_mask"].flatten() for b in rollout])
+    second = torch.cat([b["halves_stage2_mask"].flatten() for b in rollout])
+    valid = torch.cat([b["completion_mask"].flatten() for b in rollout]).bool()
+    assert not (first & second).any() and torch.equal(first | second, valid)
+    # TRL shuffles the batch into micro-batches after the split: the whole batch's halves are ceil / floor of n
+    assert int(first.sum()) - int(second.sum()) in (0, 1)
+    pi_old = torch.cat([b["old_per_token_logps"].flatten() for b in rollout]).exp()[valid]
+    low = pi_old < float(pi_old.median())
+    assert not torch.equal(first[valid], low) and not torch.equal(first[valid], ~low)  # not a split by pi_old
+    stages = [[b["halves_stage1_mask"] for b in rollout], [b["halves_stage2_mask"] for b in rollout]]
+    reference = _plain_two_stage_loop(
+        tiny_model_dir,
+        rollout,
+        args,
+        eta=None,
+        quantile=None,
+        alpha=0.0,
+        order="low_first",
+        lr=lr,
+        stages=stages,
+    )
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    max_move = 0.0
+    for (name, a), (_, b) in zip(trainer.model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
+        max_move = max(max_move, (a - initial[name]).abs().max().item())
+    assert max_move > 1e-3
+    # a second run with the same seed draws the same halves; another seed other ones
+    again = _trainer(tiny_model_dir, _config(tmp_path, random_halves=True, max_steps=2, seed=0))
+    again.train()
+    assert all(
+        torch.equal(a["halves_stage1_mask"], b["halves_stage1_mask"])
+        for a, b in zip(rollout, again._buffered_inputs, strict=True)
+    )
 
 
 def test_lopti_schedule_masks_and_stage_order(tiny_model_dir, tmp_path):
@@ -427,6 +477,8 @@ def test_two_processes_share_the_batch_statistics(tiny_model_dir, tmp_path):
         (dict(lopti_quantile=1.2), r"lopti_quantile must be None \(off\) or a number in the open interval"),
         (dict(lopti_eta=0.5, lopti_quantile=0.5), "lopti_eta and lopti_quantile are mutually exclusive"),
         (dict(lopti_order="middle_first"), "lopti_order must be one of low_first, high_first"),
+        (dict(random_halves=True, lopti_eta=0.5), "random_halves is Lopti's control"),
+        (dict(random_halves="yes"), "random_halves must be true or false"),
         (dict(advantage_estimator="ppo"), "advantage_estimator must be one of grpo, reinforce_pp"),
         (
             dict(lopti_eta=0.5, steps_per_generation=1, gradient_accumulation_steps=2),

@@ -277,3 +277,65 @@ def test_the_gpu_recipe_with_lora_under_a_one_process_ddp_launch():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "1 passed" in proc.stdout
+
+
+def _prompt_reward(constant):
+    """The vowel reward, but a constant one on the prompts in ``constant``: their groups carry no signal."""
+    from test_trainer import vowel_reward
+
+    def reward(prompts, completions, **kwargs):
+        graded = vowel_reward(completions)
+        return [1.0 if p in constant else g for p, g in zip(prompts, graded, strict=True)]
+
+    return reward
+
+
+def _capturing_rollouts(trainer):
+    seen = []
+    original = trainer.probe.rollout
+
+    def rollout(output):
+        original(output)
+        seen.append((output, trainer.probe._sample_rows))
+
+    trainer.probe.rollout = rollout
+    return seen
+
+
+def test_the_analysis_sample_is_the_first_sequences_with_a_signal(tiny_model_dir, tmp_path):
+    """Half the prompts give their group one reward (advantage 0): the analysed rows are the first
+    probe_sample_sequences rows of the batch with a non-zero advantage, in the batch's order, not its first rows."""
+    from test_trainer import PROMPTS
+
+    args = _config(tmp_path, max_steps=2, probe_every=1, probe_sample_sequences=6)
+    trainer = _trainer(tiny_model_dir, args)
+    trainer.reward_funcs = [_prompt_reward(set(PROMPTS[::2]))]
+    seen = _capturing_rollouts(trainer)
+    trainer.train()
+    assert seen
+    for output, sample in seen:
+        adv = output["advantages"]
+        has = adv.reshape(adv.size(0), -1).ne(0).any(dim=1).tolist()
+        assert 0 < sum(has) < len(has)  # both kinds of rows in the batch
+        want = [i for i, h in enumerate(has) if h][:6]
+        assert want != list(range(len(want)))  # the first rows would not have been the sample
+        assert torch.equal(sample["completion_ids"], output["completion_ids"][want])
+        assert torch.equal(sample["advantages"], output["advantages"][want])
+
+
+def test_a_rollout_without_signal_is_noted_and_not_analysed(tiny_model_dir, tmp_path, recwarn):
+    """Every group's rewards equal: one `notes` row says so, no analysis record is written, no warning printed."""
+    from test_trainer import PROMPTS
+
+    args = _config(tmp_path, max_steps=1, probe_every=1, probe_sample_sequences=4)
+    trainer = _trainer(tiny_model_dir, args)
+    trainer.reward_funcs = [_prompt_reward(set(PROMPTS))]
+    trainer.train()
+    records = tmp_path / "run" / "records"
+    notes = pl.read_parquet(sorted(records.glob("notes-*.parquet")))
+    assert notes["code"].to_list() == ["no_signal_sample_step_0"]
+    assert "no sequence of the rollout batch has a non-zero advantage" in notes["message"][0]
+    for kind in ("shares", "prob_change", "influence"):
+        assert not list(records.glob(f"{kind}-*.parquet"))
+    assert list(records.glob("binstats-*.parquet"))  # the recorder itself still ran
+    assert not [w for w in recwarn if "probe:" in str(w.message)]

@@ -211,6 +211,26 @@ def lopti_masks(
     return (low, high) if order == "low_first" else (high, low)
 
 
+def random_halves_masks(completion_mask: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lopti's step-count control: the valid tokens split into two random halves, not by pi_old::
+
+        order = a uniformly random permutation of the n valid tokens (row-major), drawn from ``seed``
+        first  = the tokens order[0 .. ceil(n / 2) - 1],  second = the other floor(n / 2)
+
+    Same shapes and contract as `lopti_masks` (bool (B, T), disjoint, union = ``completion_mask``), so a trainer
+    runs it through Lopti's two stages: two optimizer steps per rollout batch as Lopti takes, without its split by
+    probability. Deterministic in ``seed`` (a CPU generator; the masks land on ``completion_mask``'s device)."""
+    if completion_mask.dim() != 2:
+        raise ValueError(f"completion_mask must have shape (B, T), got {tuple(completion_mask.shape)}")
+    valid = completion_mask.bool()
+    where = valid.flatten().nonzero().squeeze(1).cpu()
+    order = torch.randperm(where.numel(), generator=torch.Generator().manual_seed(int(seed)))
+    first = torch.zeros(valid.numel(), dtype=torch.bool)
+    first[where[order[: (where.numel() + 1) // 2]]] = True
+    first = first.view_as(valid).to(valid.device)
+    return first, valid & ~first
+
+
 # ------------------------------------------------------------------------------------- covariance remedies
 # "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models" (Cui et al., 2025), as verl 0.9.1
 # defines them (`verl.trainer.ppo.core_algos`, policy loss modes "clip_cov" and "kl_cov"; defaults of

@@ -34,6 +34,7 @@ from transformers import TrainerCallback
 
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.rollouts import dump_rollouts
+from tokendyn.probe.batch import signal_first, signal_rows
 from tokendyn.probe.change import completion_probs, fix_pi_old, real_change
 from tokendyn.probe.parallel import is_fully_sharded
 from tokendyn.probe.probe import GradientProbe
@@ -127,19 +128,24 @@ class TrainerProbe(TrainerCallback):
 
     def rollout(self, output: dict) -> None:
         """Called by the trainer with each rollout batch it generates (this rank's rows, before TRL's shuffle): on a
-        probed rollout, keep the analysed sample, the first ``probe_sample_sequences`` rows of the global batch
-        (a collective: every rank calls it)."""
+        probed rollout, keep the analysed sample: the first ``probe_sample_sequences`` rows of the global batch that
+        carry a signal (some scored token with A != 0; `tokendyn.probe.batch.signal_rows`), fewer when the batch
+        has fewer, none when it has none (a collective: every rank calls it)."""
         t = self.trainer
         if not self.analyses or not self.due() or t._step % self._generate_every():
             return
         acc = t.accelerator
-        # the first S global rows lie in the first min(S, n) rows of each rank's n
-        rows = slice(0, min(self.sample, output["completion_ids"].size(0)))
+        mask = output["completion_mask"]
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+        # the first S global rows with signal lie in the first min(S, n) rows of each rank's n, signal rows first
+        rows = signal_first(output["advantages"], mask, self.sample)
+        output = {**output, "has_signal": signal_rows(output["advantages"], mask)}
         pad_id = t._tokenizer.pad_token_id  # (pad value, left side) as TRL pads each rank's batch
         padding = {"prompt_ids": (pad_id, True), "prompt_mask": (0, True), "completion_ids": (pad_id, False)}
         padding["tool_mask"] = (1, False)
         sample = {}
-        for key in SAMPLE_KEYS:
+        for key in (*SAMPLE_KEYS, "has_signal"):
             value = output.get(key)
             if value is None:
                 continue
@@ -151,7 +157,9 @@ class TrainerProbe(TrainerCallback):
                 if value.dim() > 1:
                     value = acc.pad_across_processes(value, dim=1, pad_index=pad_index, pad_first=first)
                 value = acc.gather(value).to(dtype)
-            sample[key] = value[: self.sample]
+            sample[key] = value
+        keep = sample.pop("has_signal").bool().nonzero().squeeze(1)[: self.sample]
+        sample = {key: value[keep] for key, value in sample.items()}
         self._sample_rows = sample if acc.is_main_process or self._sharded() else None
 
     def _sharded(self) -> bool:
@@ -190,6 +198,17 @@ class TrainerProbe(TrainerCallback):
             raise RuntimeError(
                 "probe: no rollout batch was handed to TrainerProbe.rollout before its analyses"
             )
+        if (
+            sample["completion_ids"].size(0) == 0
+        ):  # every group's rewards equal: nothing to analyse but rounding
+            self.probe.note(
+                f"no_signal_sample_step_{t.state.global_step}",
+                f"step {t.state.global_step}: no sequence of the rollout batch has a non-zero advantage (every "
+                "group's rewards are equal), so this step's analyses are skipped",
+                step=t.state.global_step,
+                warn=False,
+            )
+            return
         mask = sample["completion_mask"]
         if "tool_mask" in sample:
             mask = mask * sample["tool_mask"]

@@ -162,3 +162,19 @@ class ProbeBatch:
             proxy_logp=pick(self.proxy_logp),
             rewards=pick(self.rewards),
         )
+
+
+def signal_rows(advantages: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: the rows that carry an update signal, some scored token with A_t != 0. A row without one (a group
+    whose rewards are all equal, under GRPO) moves nothing through the policy-gradient term; an analysis of it
+    measures rounding. ``advantages``: (B,) or (B, C); ``completion_mask``: (B, C)."""
+    a = advantages if advantages.dim() == 2 else advantages.reshape(-1, 1).expand_as(completion_mask)
+    return ((a != 0) & completion_mask.bool()).any(dim=1)
+
+
+def signal_first(advantages: torch.Tensor, completion_mask: torch.Tensor, n: int) -> torch.Tensor:
+    """The indices of the first ``min(n, B)`` rows once the rows with signal (`signal_rows`) are put before those
+    without, each part in its own order: the analysis sample's candidates of one rank."""
+    has = signal_rows(advantages, completion_mask)
+    order = torch.cat([has.nonzero().squeeze(1), (~has).nonzero().squeeze(1)])
+    return order[: min(int(n), has.numel())]

@@ -170,13 +170,14 @@ class GradientProbe:
                 "scaled LM head): the exact checks at the LM head and the direct gradients are off",
             )
 
-    def note(self, code: str, message: str, step: int | None = None) -> None:
-        """Warn once per ``code`` and keep the note for the records (kind ``notes``, handed to the sink with the
-        next finished micro-batch, or at detach)."""
+    def note(self, code: str, message: str, step: int | None = None, warn: bool = True) -> None:
+        """Warn once per ``code`` (``warn=False``: no warning, the record alone) and keep the note for the records
+        (kind ``notes``, handed to the sink with the next finished micro-batch, or at detach)."""
         if code in self._noted:
             return
         self._noted.add(code)
-        warnings.warn(f"probe: {message}", stacklevel=3)
+        if warn:
+            warnings.warn(f"probe: {message}", stacklevel=3)
         self._notes.append({"step": step, "rank": self.rank, "code": code, "message": message})
 
     @property

@@ -124,11 +124,22 @@ class HeldoutEvalCallback(TrainerCallback):
 class ArithHeldoutEvalCallback(HeldoutEvalCallback):
     """Greedy accuracy per difficulty on the arithmetic task's held-out split (its first ``min(n, split size)``
     problems, `tokendyn.trainers.arith_eval`), at the same steps as `HeldoutEvalCallback`, ``max_completion_length``
-    new tokens at most: ``heldout/accuracy_{d}digit`` and their mean ``heldout/accuracy``."""
+    new tokens at most: ``heldout/accuracy_{d}digit`` and their mean ``heldout/accuracy``; and every problem's
+    outcome in ``OUTPUT_DIR/heldout.parquet`` (step, digits, problem, correct; rewritten atomically after each
+    evaluation, a resumed run keeping the rows of the steps it does not repeat), for intervals paired by problem."""
+
+    FILE = "heldout.parquet"
 
     def __init__(self, trainer, digits: list[int], n: int, eval_steps: int | float, cfg, done=None):
         super().__init__(trainer, [], n, eval_steps, cfg.temperature, "", done)
         self.digits, self.max_new_tokens = list(digits), int(cfg.max_completion_length)
+        self.path = Path(cfg.output_dir) / self.FILE
+        self.outcomes: list[dict] = []
+        if self.path.is_file():
+            import polars as pl
+
+            kept = pl.read_parquet(self.path).filter(pl.col("step").is_in(sorted(self.done)))
+            self.outcomes = kept.to_dicts()
 
     def _evaluate(self, state) -> None:
         if state.global_step in self.done:
@@ -148,6 +159,18 @@ class ArithHeldoutEvalCallback(HeldoutEvalCallback):
             mine = [r["correct"] for r in rows if r["digits"] == d]
             logs[f"heldout/accuracy_{d}digit"] = sum(mine) / len(mine)
         logs["heldout/accuracy"] = sum(logs.values()) / len(logs)
+        step = int(state.global_step)
+        self.outcomes += [
+            {"step": step, "digits": r["digits"], "problem": r["problem"], "correct": int(r["correct"])}
+            for r in rows
+        ]
+        if self.trainer.accelerator.is_main_process:
+            import polars as pl
+
+            from ..records import write_parquet
+
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_parquet(pl.DataFrame(self.outcomes), self.path)
         self.trainer.log(logs)
 
 

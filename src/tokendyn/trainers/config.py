@@ -160,6 +160,15 @@ class TokendynGRPOConfig(GRPOConfig):
             "choices": list(LOPTI_ORDERS),
         },
     )
+    random_halves: bool = field(
+        default=False,
+        metadata={
+            "help": "Lopti's step-count control: two update stages per rollout batch as Lopti's (same optimizer "
+            "steps, same masking of the advantages and the KL term, every token still counted in the loss's "
+            "denominator), each valid token's stage a random half (`tokendyn.remedies.random_halves_masks`), not "
+            "pi_old < eta. Tells a Lopti effect of the split from one of its two steps. Exclusive with Lopti."
+        },
+    )
     logp_reweight_c: float = field(
         default=0.0,
         metadata={
@@ -261,6 +270,11 @@ class TokendynGRPOConfig(GRPOConfig):
         """Whether Lopti's two-stage update is on."""
         return self.lopti_eta is not None or self.lopti_quantile is not None
 
+    @property
+    def two_stages(self) -> bool:
+        """Whether each rollout batch is updated in two stages (Lopti, or its random-halves control)."""
+        return self.lopti_enabled or bool(self.random_halves)
+
     def _validate_tokendyn_fields(self) -> None:
         alpha = self.advantage_reweight_alpha
         if not _is_number(alpha) or not 0.0 <= alpha <= 1.0:
@@ -275,6 +289,13 @@ class TokendynGRPOConfig(GRPOConfig):
             raise ValueError(
                 "lopti_eta and lopti_quantile are mutually exclusive: set one of them (or neither to disable Lopti), "
                 f"got lopti_eta={self.lopti_eta!r}, lopti_quantile={self.lopti_quantile!r}"
+            )
+        if not isinstance(self.random_halves, bool):
+            raise ValueError(f"random_halves must be true or false, got {self.random_halves!r}")
+        if self.random_halves and self.lopti_enabled:
+            raise ValueError(
+                "random_halves is Lopti's control (random stages instead of pi_old < eta): set it or Lopti, got "
+                f"random_halves=True with lopti_eta={self.lopti_eta!r}, lopti_quantile={self.lopti_quantile!r}"
             )
         if self.lopti_order not in LOPTI_ORDERS:
             raise ValueError(
@@ -359,7 +380,7 @@ class TokendynGRPOConfig(GRPOConfig):
                 )
 
     def _validate_lopti_schedule(self) -> None:
-        if not self.lopti_enabled:
+        if not self.two_stages:
             return
         passes = self.steps_per_generation * self.num_iterations
         if passes % self.gradient_accumulation_steps != 0:

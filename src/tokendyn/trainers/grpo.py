@@ -11,7 +11,10 @@ only where it plugs into TRL's loop:
 * Lopti runs as TRL's generation buffer with twice the passes: ``num_iterations`` is doubled internally, so the
   sampler's repeat count and ``_prepare_inputs``' regeneration period agree; passes 0..mu-1 are stage 1 and
   mu..2mu-1 stage 2 (``current_stage``). The optimizer and its state are simply TRL's, carried over.
-* ``_compute_loss``: in a Lopti stage, masks the advantages to that stage's tokens; the loss mask (and so every
+* ``random_halves`` (Lopti's step-count control): the same two-stage schedule, each stage's tokens a random half
+  (`tokendyn.remedies.random_halves_masks`, seeded per run, rollout and rank) under keys of their own; it is not
+  Lopti (``current_stage()`` is 0, the probe records plain "train" steps).
+* ``_compute_loss``: in a Lopti stage (or a random half), masks the advantages to that stage's tokens; the loss mask (and so every
   denominator) is left alone, so all completion tokens are still counted. The KL term is masked per stage by
   replacing pi_ref with the (detached) current pi on the other stage's tokens, right after the forward pass
   (``_get_per_token_logps_and_entropies``): k3(x, x) = 0 with zero gradient, exactly.
@@ -50,12 +53,16 @@ from ..remedies import (
     grpo_advantages,
     logp_reweight_advantages,
     lopti_masks,
+    random_halves_masks,
     reinforce_pp_advantages,
     reweight_advantages,
     w_reinforce_advantages,
 )
 
 STAGE_MASK_KEYS = {1: "lopti_stage1_mask", 2: "lopti_stage2_mask"}
+# Lopti's step-count control (``random_halves``): its two stages under keys of their own, so that nothing reads them
+# as Lopti's low / high groups (the probe records its steps as ordinary "train" updates)
+HALVES_MASK_KEYS = {1: "halves_stage1_mask", 2: "halves_stage2_mask"}
 
 
 class TokendynGRPOTrainer(GRPOTrainer):
@@ -79,8 +86,9 @@ class TokendynGRPOTrainer(GRPOTrainer):
         self.lopti_order = getattr(cfg, "lopti_order", "low_first")
         self.advantage_estimator = getattr(cfg, "advantage_estimator", "grpo")
         self.lopti_enabled = self.lopti_eta is not None or self.lopti_quantile is not None
+        self.random_halves = bool(getattr(cfg, "random_halves", False))
         self.passes_per_stage = self.num_iterations  # mu: passes over one rollout batch in one stage
-        if self.lopti_enabled:
+        if self.lopti_enabled or self.random_halves:
             self.num_iterations = 2 * self.passes_per_stage  # read by _get_train_sampler and _prepare_inputs
         self._last_loss_inputs: dict | None = None
         self._last_loss_stage = 0
@@ -109,6 +117,7 @@ class TokendynGRPOTrainer(GRPOTrainer):
             or self.logp_reweight_c > 0
             or self._needs_proxy
             or self.lopti_enabled
+            or self.random_halves
             or self.advantage_estimator != "grpo"
             or self.advantage_std_eps is not None
         )
@@ -122,7 +131,14 @@ class TokendynGRPOTrainer(GRPOTrainer):
         """Lopti stage of micro-step ``step`` (default: the one about to run or running, ``self._step``):
         0 without Lopti or outside training, else 1 for the first ``steps_per_generation * mu`` micro-steps of each
         rollout batch and 2 for the next as many."""
-        if not self.lopti_enabled or not self.model.training:
+        if not self.lopti_enabled:
+            return 0
+        return self._two_stage_index(step)
+
+    def _two_stage_index(self, step: int | None = None) -> int:
+        """0 outside training or without two stages (Lopti or ``random_halves``), else the stage (1, 2) of
+        micro-step ``step`` (default ``self._step``) in the rollout batch's schedule."""
+        if not (self.lopti_enabled or self.random_halves) or not self.model.training:
             return 0
         step = self._step if step is None else step
         per_stage = self.args.steps_per_generation * self.passes_per_stage
@@ -174,6 +190,11 @@ class TokendynGRPOTrainer(GRPOTrainer):
             output[STAGE_MASK_KEYS[1]], output[STAGE_MASK_KEYS[2]] = stage1, stage2
             self._log_global_mean("lopti/stage1_fraction", stage1.sum(), mask.sum())
             self._log_global_mean("lopti/stage2_fraction", stage2.sum(), mask.sum())
+        if self.random_halves:  # a seed per (run, rollout, rank): a resumed run draws as an uninterrupted one
+            seed = (int(self.args.seed) * 1_000_003 + int(self.state.global_step)) * 1024
+            first, second = random_halves_masks(mask, seed + self.accelerator.process_index)
+            output[HALVES_MASK_KEYS[1]], output[HALVES_MASK_KEYS[2]] = first, second
+            self._log_global_mean("random_halves/stage1_fraction", first.sum(), mask.sum())
         if self.probe is not None:
             self.probe.rollout(output)
         return output
@@ -305,8 +326,10 @@ class TokendynGRPOTrainer(GRPOTrainer):
         stage = self.current_stage()
         if self.probe is not None:  # rebalancing analyses see the batch before any stage masking
             self.probe.analyze(inputs)
-        if stage:
-            keep = inputs[STAGE_MASK_KEYS[stage]]
+        split = self._two_stage_index()  # Lopti's stage, or the random half of its control
+        if split:
+            keys = STAGE_MASK_KEYS if self.lopti_enabled else HALVES_MASK_KEYS
+            keep = inputs[keys[split]]
             inputs = dict(inputs)  # the buffered batch is reused by later passes: never modify it
             advantages = inputs["advantages"]
             if advantages.dim() == 1:

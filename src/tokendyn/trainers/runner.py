@@ -221,6 +221,8 @@ def method_name(cfg) -> str:
         parts.append(f"Lopti(eta={cfg.lopti_eta:g}{order})")
     if getattr(cfg, "lopti_quantile", None) is not None:
         parts.append(f"Lopti(q={cfg.lopti_quantile:g})")
+    if getattr(cfg, "random_halves", False):
+        parts.append("RandomHalves")
     return " + ".join(parts)
 
 
@@ -228,7 +230,7 @@ def optimizer_steps_per_rollout(cfg) -> int:
     """Optimizer steps TRL takes on one generation batch (x2 with Lopti's two stages)."""
     per = cfg.steps_per_generation * cfg.num_iterations // cfg.gradient_accumulation_steps
     lopti = getattr(cfg, "lopti_eta", None) is not None or getattr(cfg, "lopti_quantile", None) is not None
-    return max(1, per) * (2 if lopti else 1)
+    return max(1, per) * (2 if lopti or getattr(cfg, "random_halves", False) else 1)
 
 
 def apply_rollouts(run: RunArguments, cfg) -> None:

@@ -201,6 +201,10 @@ def own_fields() -> set[str]:
     return {f.name for f in fields(RunArguments)} | {f.name for f in fields(TokendynGRPOConfig)} - trl
 
 
+# controls a study sets, not a method a user trains with: listed by --help-all
+STUDY_CONTROLS = ("random_halves",)
+
+
 def short_help(parser) -> None:
     """`tokendyn train --help` lists tokendyn's flags and a few common TRL ones; `--help-all` lists every flag
     (TRL's ~200 fields are accepted either way)."""
@@ -210,13 +214,13 @@ def short_help(parser) -> None:
 
     # each per-token rule's parameters (dppo_tv_delta, aspo_*, ...): the rule is chosen by --policy_loss in the short
     # help, its published defaults rarely change, so its parameters are listed by --help-all
-    rule_params = {p.name for p in params()}
+    rule_params = {p.name for p in params()} | set(STUDY_CONTROLS)
     keep = (own_fields() - rule_params) | set(COMMON_TRL_FIELDS) | {"help", "config"}
     hidden = tuned = 0
     for action in parser._actions:
         if action.dest not in keep and action.help != ap.SUPPRESS:
             action.help = ap.SUPPRESS
-            tuned += action.dest in rule_params
+            tuned += action.dest in rule_params and action.dest not in STUDY_CONTROLS
             hidden += action.dest not in rule_params
 
     def rank(action) -> int:  # tokendyn's own first, then the common TRL fields (each in its declared order)
@@ -230,7 +234,8 @@ def short_help(parser) -> None:
         "`--config run.yaml` sets any of them (flags win)."
     )
     parser.epilog = (
-        f"{tuned} parameters of the per-token rules of --policy_loss (published defaults) and {hidden} more TRL "
+        f"{tuned} parameters of the per-token rules of --policy_loss (published defaults) and the study's controls "
+        f"(--random_halves), and {hidden} more TRL "
         "GRPOConfig / transformers TrainingArguments flags are accepted: `tokendyn train --help-all` lists them."
     )
 
