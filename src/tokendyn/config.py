@@ -175,8 +175,9 @@ class ProbeConfig:
     # -- the rebalancing analyses on a sample of the batch
     sample_sequences: int = _opt(
         8,
-        "Sequences of the rollout batch the rebalancing analyses run on (the first ones of all processes, in rank "
-        "order; run and written by rank 0); 0 = no analyses.",
+        "Sequences of the rollout batch the rebalancing analyses run on (in training: the first ones with a non-zero "
+        "advantage of all processes, in rank order, a rollout without any noted and skipped; run and written by "
+        "rank 0); 0 = no analyses.",
     )
     analyses: tuple[str, ...] = _opt(
         ANALYSES,

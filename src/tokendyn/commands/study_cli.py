@@ -35,6 +35,26 @@ def register(sub) -> None:
         "--quick", action="store_true", help="a smoke-test size (seconds to minutes), as the test suite runs"
     )
     p.add_argument("--model", default=None, help="policy directory or hub id (default: the embedded default)")
+    p.add_argument(
+        "--policy",
+        choices=["default", "smollm2-135m"],
+        default="default",
+        help="default: the K&K study on the embedded default (or --model); smollm2-135m: the seeded study on the "
+        "real LLM on sums (GRPO, Reweight, Lopti, Lopti's two controls, the protecting camp; >= 4 training seeds; "
+        "docs/study/llm)",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: write the tables, figures and study.md from the runs finished in --out",
+    )
+    p.add_argument(
+        "--no-report",
+        action="store_true",
+        help="train the missing runs, write no report (a worker of a study)",
+    )
+    p.add_argument("--work", default=None, help="--policy smollm2-135m: where runs train (weights; default "
+                   "runs/llm-study-work), removed as each run ends")  # fmt: skip
     p.add_argument("--methods", type=_names, default=None,
                    help=f"comma-separated from {', '.join(METHODS)} (default {','.join(FULL.methods)})")  # fmt: skip
     p.add_argument("--seeds", type=_ints("seeds"), default=None, help="comma-separated seeds (default 0,1,2)")
@@ -61,6 +81,9 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    if args.policy != "default":
+        return _run_llm(args)
+
     from .study import FULL, QUICK, study, with_size
 
     size = QUICK if args.quick else FULL
@@ -76,4 +99,35 @@ def run(args: argparse.Namespace) -> int:
     size = with_size(size, **{k: v for k, v in changes.items() if v is not None})
     report = study(Path(args.out), size, model=args.model)
     print(f"study: {report}")
+    return 0
+
+
+def _run_llm(args: argparse.Namespace) -> int:
+    """`tokendyn study --policy smollm2-135m`: the seeded study on the real LLM (`tokendyn.commands.llm_study`)."""
+    from pathlib import Path
+
+    from tokendyn.common import UsageError
+
+    from .llm_study import FULL, QUICK, llm_study, with_size
+    from .llm_study_report import write_llm_study
+
+    for flag, value in (
+        ("--people", args.people),
+        ("--eval-people", args.eval_people),
+        ("--model", args.model),
+    ):
+        if value is not None:
+            raise UsageError(f"{flag}: not an option of --policy {args.policy} (sums on the packaged model)")
+    size = QUICK if args.quick else FULL
+    changes = {"methods": args.methods, "seeds": args.seeds, "rollouts": args.rollouts, "eval_n": args.eval_n}
+    size = with_size(size, **{k: v for k, v in changes.items() if v is not None})
+    if args.both_camps:
+        size = with_size(size, both_camps=True)
+    out = Path(args.out if args.out != "runs/study" else "runs/study-llm")
+    if args.report_only:
+        print(f"study: {write_llm_study(out, size)}")
+        return 0
+    llm_study(out, size, model=args.policy, work_dir=args.work)
+    if not args.no_report:
+        print(f"study: {write_llm_study(out, size)}")
     return 0

@@ -72,3 +72,48 @@ def accuracy_figure(acc: pl.DataFrame, path: Path) -> Path:
         finish(fig, "Held-out accuracy, 95 % intervals")
         fig.savefig(path)
     return path
+
+
+def accuracy_curve_figure(acc: pl.DataFrame, path: Path) -> Path:
+    """The seeded study's held-out accuracy after each evaluated rollout, one series per method (the starting
+    policy at rollout 0), 95 % intervals over training seeds and problems."""
+    methods = [m for m in acc["method"].unique(maintain_order=True).to_list() if m != "start"]
+    with themed():
+        fig, axes = new_figure(1, 1, w=6.4, h=4.0)
+        ax = axes[0, 0]
+        span = max(1, int(acc["rollout"].max()))
+        for k, (m, dx) in enumerate(zip(methods, offsets(len(methods), 0.08 * span), strict=True)):
+            r = acc.filter(pl.col("method") == m).sort("rollout")
+            x = [v + dx for v in r["rollout"].to_list()]
+            y = r["accuracy"].to_numpy()
+            err = [y - r["lo"].to_numpy(), r["hi"].to_numpy() - y]
+            seeds = int(r["seeds"].max())
+            ax.errorbar(x, y, yerr=err, fmt="o-", color=_color(m, k), capsize=3, label=f"{m} ({seeds} seeds)")
+        ax.set_xlabel("rollouts trained")
+        ax.set_ylabel("held-out accuracy (greedy)")
+        ax.legend(fontsize=7, ncol=2)
+        finish(fig, "Held-out accuracy over training, 95 % intervals over seeds and problems")
+        fig.savefig(path)
+    return path
+
+
+def difference_figure(diffs: pl.DataFrame, path: Path) -> Path:
+    """Each method minus GRPO (paired by training seed and problem) with its 95 % two-stage interval; 0 dashed."""
+    rows = diffs.filter(pl.col("minus") == "grpo")
+    names = rows["method"].to_list()
+    with themed():
+        fig, axes = new_figure(1, 1, w=6.4, h=0.5 * max(3, len(names)) + 1.0)
+        ax = axes[0, 0]
+        y = list(range(len(names)))[::-1]
+        d = rows["difference"].to_numpy()
+        err = [d - rows["lo"].to_numpy(), rows["hi"].to_numpy() - d]
+        for k, m in enumerate(names):
+            ax.errorbar(
+                [d[k]], [y[k]], xerr=[[err[0][k]], [err[1][k]]], fmt="o", color=_color(m, k), capsize=3
+            )
+        ax.axvline(0.0, color="0.4", ls="--", lw=1)
+        ax.set_yticks(y, [f"{m} ({s} seeds)" for m, s in zip(names, rows["seeds"].to_list(), strict=True)])
+        ax.set_xlabel("held-out accuracy minus GRPO's")
+        finish(fig, f"After {int(rows['rollout'].max())} rollouts, 95 % intervals over seeds and problems")
+        fig.savefig(path)
+    return path

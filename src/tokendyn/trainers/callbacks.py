@@ -66,7 +66,8 @@ class ParquetLogCallback(TrainerCallback):
 class HeldoutEvalCallback(TrainerCallback):
     """Greedy accuracy per puzzle size on the official test puzzles, at step 0, every ``eval_steps``
     and at the end, logged through the trainer (so ``report_to`` backends see it) right after the
-    trainer's own log of that step. ``done``: steps already evaluated (a resumed run does not repeat them)."""
+    trainer's own log of that step. ``done``: steps already evaluated (a resumed run does not repeat them);
+    ``at_start=False``: not at step 0 (a study evaluates its shared starting policy once)."""
 
     def __init__(
         self,
@@ -77,8 +78,10 @@ class HeldoutEvalCallback(TrainerCallback):
         temperature: float,
         template: str,
         done: set[int] | None = None,
+        at_start: bool = True,
     ):
         self.trainer, self.people, self.n = trainer, list(people), n
+        self.at_start = at_start
         self.every = max(1, int(eval_steps or 1))
         self.temperature, self.template = temperature, template
         self.done: set[int] = set(done or ())
@@ -110,7 +113,7 @@ class HeldoutEvalCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         # step 0 only: a resumed run's checkpoint step was evaluated before the checkpoint if it was due (its row is
         # kept, see `done`), and must not gain a row an uninterrupted run does not have
-        if state.is_world_process_zero and state.global_step == 0:
+        if state.is_world_process_zero and state.global_step == 0 and self.at_start:
             self._evaluate(state)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -130,8 +133,17 @@ class ArithHeldoutEvalCallback(HeldoutEvalCallback):
 
     FILE = "heldout.parquet"
 
-    def __init__(self, trainer, digits: list[int], n: int, eval_steps: int | float, cfg, done=None):
-        super().__init__(trainer, [], n, eval_steps, cfg.temperature, "", done)
+    def __init__(
+        self,
+        trainer,
+        digits: list[int],
+        n: int,
+        eval_steps: int | float,
+        cfg,
+        done=None,
+        at_start: bool = True,
+    ):
+        super().__init__(trainer, [], n, eval_steps, cfg.temperature, "", done, at_start)
         self.digits, self.max_new_tokens = list(digits), int(cfg.max_completion_length)
         self.path = Path(cfg.output_dir) / self.FILE
         self.outcomes: list[dict] = []

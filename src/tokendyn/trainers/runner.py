@@ -357,11 +357,14 @@ def check_lengths(model, tokenizer, prompts: list[str], cfg) -> None:
     warnings.warn(f"{msg}; it runs (rotary positions), beyond the context it was trained on", stacklevel=2)
 
 
-def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=None) -> dict:
+def train(
+    run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=None, eval_at_start: bool = True
+) -> dict:
     """Build the trainer, train (or resume: `tokendyn.trainers.resume`), evaluate; returns a summary (also written
     into ``run.json``). The run directory is created only once the model and the trainer are built. ``reward``: a
     TRL reward function used instead of the task's own (the official K&K reward, or arith's; the task's accuracy is
-    still logged)."""
+    still logged). ``eval_at_start=False``: no held-out evaluation at step 0 (a study evaluates its shared starting
+    policy once)."""
     import torch
 
     from ..common import write_json
@@ -422,7 +425,13 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
     if run.eval_n and run.task == "arith":
         trainer.add_callback(
             ArithHeldoutEvalCallback(
-                trainer, run.arith_eval_digits or run.arith_digits, run.eval_n, cfg.eval_steps, cfg, done=done
+                trainer,
+                run.arith_eval_digits or run.arith_digits,
+                run.eval_n,
+                cfg.eval_steps,
+                cfg,
+                done=done,
+                at_start=eval_at_start,
             )
         )
     elif run.eval_n:
@@ -435,6 +444,7 @@ def train(run: RunArguments, cfg, callbacks=(), progress: bool = True, reward=No
                 cfg.temperature,
                 run.template,
                 done=done,
+                at_start=eval_at_start,
             )
         )
     meta = {

@@ -1,0 +1,290 @@
+"""The real-LLM study's report from its finished run folders alone (no training): tables (parquet), figures and
+study.md. `tokendyn study --policy smollm2-135m --out DIR --report-only`.
+
+Sections: what ran and what it cost; held-out accuracy per method and rollout (intervals over seeds and problems,
+two-stage bootstrap: `tokendyn.analysis.seeds`); each method minus GRPO with its verdict; GRPO's across-seed spread;
+Lopti's two controls and which one its effect follows; the mechanism per method from the runs' probed steps (the
+low bin's share of the update, the top bin's correct ratio, entropy) beside its accuracy; the claim table of
+Figures 1-2; the both-camps comparison and sweep from the GRPO runs' own states, with its guidance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .llm_study import CAMP, DONE, ORDER, PAPER_METHODS, START, LLMStudySize
+
+CONTROL_PAIRS = (
+    ("lopti", "grpo"),
+    ("random_halves", "grpo"),
+    ("lopti_half_lr", "grpo"),
+    ("lopti", "random_halves"),
+    ("lopti", "lopti_half_lr"),
+)
+
+
+def finished_runs(out: Path) -> dict[tuple[str, int], Path]:
+    """(method, seed) -> folder of every finished run under OUT/runs (its done marker present)."""
+    found = {}
+    for d in sorted((out / "runs").glob("*-s*")):
+        if not (d / DONE).is_file() or d.name.startswith("."):
+            continue
+        method, _, seed = d.name.rpartition("-s")
+        if method in CAMP and seed.isdigit():
+            found[(method, int(seed))] = d
+    return found
+
+
+def load_evals(out: Path, runs: dict[tuple[str, int], Path]):
+    """Every finished run's outcomes, the starting policy's as rollout 0 of every method and seed that ran."""
+    import polars as pl
+
+    parts = [pl.read_parquet(d / "eval.parquet") for d in runs.values()]
+    start = out / START / "eval.parquet"
+    if start.is_file() and (out / START / DONE).is_file():
+        s = pl.read_parquet(start)
+        parts.append(s)  # the starting policy's own row
+        for method, seed in runs:
+            parts.append(
+                s.with_columns(
+                    pl.lit(method).alias("method"), pl.lit(seed).cast(s["seed"].dtype).alias("seed")
+                )
+            )
+    if not parts:
+        return pl.DataFrame()
+    return pl.concat([p.with_columns(pl.col("seed").cast(pl.Int64), pl.col("rollout").cast(pl.Int64))
+                      for p in parts], how="vertical_relaxed")  # fmt: skip
+
+
+def control_reading(diff) -> str:
+    """Which one Lopti's effect follows, read off the controls' intervals (CONTROL_PAIRS) by the rule written out
+    in the sentence itself."""
+
+    def row(m, ref):
+        r = diff.filter((diff["method"] == m) & (diff["minus"] == ref)) if diff.height else diff
+        return None if not r.height else (r["difference"][0], r["lo"][0], r["hi"][0])
+
+    def side(x):
+        return 0 if x is None or (x[1] <= 0 <= x[2]) else (1 if x[1] > 0 else -1)
+
+    lopti = row("lopti", "grpo")
+    if lopti is None:
+        return "Lopti's runs are not finished: no reading of its controls yet."
+    s = side(lopti)
+    parts = []
+    if s == 0:
+        parts.append(f"Lopti − GRPO is not resolved ({lopti[0]:+.3f} [{lopti[1]:+.3f}, {lopti[2]:+.3f}])")
+    else:
+        word = "above" if s > 0 else "below"
+        parts.append(f"Lopti lies {word} GRPO ({lopti[0]:+.3f} [{lopti[1]:+.3f}, {lopti[2]:+.3f}])")
+    halves, half_lr = row("random_halves", "grpo"), row("lopti_half_lr", "grpo")
+    split, lr = row("lopti", "random_halves"), row("lopti", "lopti_half_lr")
+    if halves is not None:
+        same = side(halves) == s != 0
+        parts.append(
+            f"two steps on random halves (Lopti's step count, no split) give {halves[0]:+.3f} "
+            f"[{halves[1]:+.3f}, {halves[2]:+.3f}] against GRPO"
+            + (": the step count alone moves accuracy the same way" if same else "")
+        )
+    if split is not None:
+        parts.append(
+            f"Lopti − random halves (the split itself at equal steps) {split[0]:+.3f} [{split[1]:+.3f}, "
+            f"{split[2]:+.3f}]"
+            + ("" if side(split) else ": not resolved, so the split adds nothing resolved")
+        )
+    if half_lr is not None:
+        parts.append(
+            f"Lopti at half the learning rate {half_lr[0]:+.3f} [{half_lr[1]:+.3f}, {half_lr[2]:+.3f}] against GRPO"
+            + (
+                ": halving the step removes the resolved effect, so it follows the movement per batch"
+                if s != 0 and side(half_lr) == 0 and lr is not None and side(lr) == s
+                else ""
+            )
+        )
+    return "; ".join(parts) + "."
+
+
+def mechanism_table(units: dict, runs: dict, evals, final: int, n_boot: int):
+    """Per method: the low bin's share of the update and token share, the top bin's correct ratio (A > 0,
+    counterfactual step) with intervals over seeds and probed steps, the mean entropy of its samples over training
+    (mean over seeds, their range), and its final accuracy."""
+    import polars as pl
+
+    from tokendyn.analysis import study as A
+
+    bins = A.method_bins_table(units, n_boot) if units else pl.DataFrame()
+    rows = []
+    for method in [m for m in ORDER if m in units]:
+        row = {"method": method}
+        b = bins.filter(pl.col("method") == method) if bins.height else bins
+        if b.height:
+            low, top = b.filter(pl.col("bin") == 0), b.filter(pl.col("bin") == b["bin"].max())
+            for name, r, col in (("low_update_share", low, "update_share"), ("low_token_share", low, "token_share"),
+                                 ("top_correct", top, "correct_pos")):  # fmt: skip
+                if col in r.columns and r.height:
+                    row[name], row[f"{name}_lo"], row[f"{name}_hi"] = (
+                        r[col][0],
+                        r[f"{col}_lo"][0],
+                        r[f"{col}_hi"][0],
+                    )
+        ent = []
+        for (m, _), d in runs.items():
+            if m == method:
+                e = pl.read_parquet(d / "metrics.parquet")
+                if "entropy" in e.columns:
+                    ent.append(float(e["entropy"].drop_nulls().mean()))
+        if ent:
+            row["entropy"], row["entropy_min"], row["entropy_max"] = float(np.mean(ent)), min(ent), max(ent)
+        acc = evals.filter((pl.col("method") == method) & (pl.col("rollout") == final))
+        if acc.height:
+            row["accuracy"] = float(acc["correct"].mean())
+        rows.append(row)
+    return pl.DataFrame(rows) if rows else pl.DataFrame()
+
+
+def write_llm_study(out: str | Path, size: LLMStudySize) -> Path:
+    """Read every finished run under OUT, write OUT/tables/*.parquet, OUT/figures/*.png and OUT/study.md."""
+    import polars as pl
+
+    from tokendyn.analysis import seeds as S
+    from tokendyn.analysis import study as A
+    from tokendyn.common import UsageError, atomic_write
+    from tokendyn.figures.study import accuracy_curve_figure, difference_figure
+    from tokendyn.records import write_parquet
+
+    from .study import both_camps_section
+
+    out = Path(out)
+    runs = finished_runs(out)
+    if not runs:
+        raise UsageError(
+            f"out: {str(out)!r} holds no finished run of the study (OUT/runs/<method>-s<seed>/{DONE})"
+        )
+    evals = load_evals(out, runs)
+    acc = S.accuracy_over_seeds(evals, size.n_boot)
+    trained = acc.filter(pl.col("method") != START)
+    final = int(trained["rollout"].max())
+    methods = [m for m in ORDER if any(k[0] == m for k in runs)]
+    seeds = sorted({s for _, s in runs})
+    versus = [(m, "grpo") for m in methods if m != "grpo"]
+    diffs = pl.concat(
+        [S.differences_table(evals, versus, r, size.n_boot) for r in sorted(set(trained["rollout"]) - {0})],
+        how="vertical_relaxed",
+    )
+    controls = S.differences_table(evals, CONTROL_PAIRS, final, size.n_boot, PAPER_METHODS)
+    units = {m: A.load_units({s: str(d) for (mm, s), d in runs.items() if mm == m}) for m in methods}
+    mech = mechanism_table(units, runs, evals, final, size.n_boot)
+    repro = A.reproduces_table(None, units, size.n_boot) if "grpo" in units else pl.DataFrame()
+    if repro.height:  # its Fig. 3 rows are K&K accuracy: this study's accuracy is the sections above
+        repro = repro.filter(~pl.col("phenomenon").str.starts_with("Fig. 3"))
+    camp_size = LLMStudySize(**{**size.__dict__, "methods": tuple(methods), "seeds": tuple(seeds)})
+    camps, guide, camp_figs = both_camps_section(out, camp_size)
+    tables = {"evaluations": evals, "accuracy": acc, "differences": diffs, "controls": controls,
+              "mechanism": mech, "reproduces": repro, "both_camps": camps, "guidance": guide}  # fmt: skip
+    (out / "tables").mkdir(parents=True, exist_ok=True)
+    for name, df in tables.items():
+        if df.height:
+            write_parquet(df, out / "tables" / f"{name}.parquet")
+    figs = out / "figures"
+    figs.mkdir(parents=True, exist_ok=True)
+    written = [accuracy_curve_figure(acc, figs / "accuracy.png")]
+    if diffs.height:
+        written.append(difference_figure(diffs.filter(pl.col("rollout") == final), figs / "differences.png"))
+    written += [f(figs) for f in camp_figs]
+    walls = {k: json.loads((d / DONE).read_text()) for k, d in runs.items()}
+    text = _markdown(size, runs, walls, acc, diffs, controls, mech, repro, camps, guide, final,
+                     [p.relative_to(out) for p in written])  # fmt: skip
+    path = out / "study.md"
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    return path
+
+
+def _markdown(size, runs, walls, acc, diffs, controls, mech, repro, camps, guide, final, figures) -> str:
+    import polars as pl
+
+    from tokendyn.analysis.seeds import VERDICT_TEXT
+    from tokendyn.analysis.study import VERDICT_RULE, markdown
+
+    per_method = {}
+    for (m, s), w in walls.items():
+        per_method.setdefault(m, []).append((s, w))
+    total = sum(w.get("wall_time_s", 0.0) for w in walls.values())
+    threads = sorted({w.get("threads") for w in walls.values() if w.get("threads")})
+    lines = [
+        "# Does it help? The seeded study on SmolLM2-135M-Instruct",
+        "",
+        f"Sums of {', '.join(map(str, size.digits))}-digit numbers; every method {size.rollouts} rollouts of 8 "
+        f"prompts x 4 samples, lr 1e-5 (Lopti at half: 5e-6); greedy held-out accuracy on the first {size.eval_n} "
+        f"two-digit held-out sums every {size.eval_every} rollouts (the starting policy once). Probe every "
+        f"{size.probe_every} rollouts, analyses on {size.probe_sample_sequences} sequences with a signal "
+        f"(counterfactual steps in the {size.step_precision} dtype). Intervals: 95 %, {size.n_boot} two-stage "
+        "bootstrap resamples (seeds, then problems within seeds; records: seeds, then probed steps).",
+        "",
+        "## What ran and what it cost",
+        "",
+        f"{len(runs)} finished runs, {total:,.0f} s of wall time in all"
+        + (f" ({', '.join(map(str, threads))} thread(s) per run)" if threads else "")
+        + ". Per method: seeds finished, mean wall time per run.",
+        "",
+        "| method | camp | seeds | wall s / run |",
+        "|---|---|---|---|",
+    ]
+    for m in [m for m in ORDER if m in per_method]:
+        ss = sorted(per_method[m])
+        wall = np.mean([w.get("wall_time_s", 0.0) for _, w in ss])
+        lines.append(f"| {m} | {CAMP[m]} | {', '.join(str(s) for s, _ in ss)} | {wall:,.0f} |")
+    lines += ["", "## Held-out accuracy (two-digit sums, greedy)", ""]
+    if acc.height:
+        shown = acc.with_columns(
+            pl.format(
+                "{} [{}, {}]", pl.col("accuracy").round(3), pl.col("lo").round(3), pl.col("hi").round(3)
+            ).alias("accuracy [95 %]")
+        ).select("method", "rollout", "seeds", "accuracy [95 %]", "seed_sd", "seed_min", "seed_max")
+        lines += [markdown(shown), ""]
+        grpo = acc.filter((pl.col("method") == "grpo") & (pl.col("rollout") == final))
+        if grpo.height:
+            g = grpo.row(0, named=True)
+            lines += [
+                f"GRPO's across-seed spread after {final} rollouts: the {g['seeds']} seeds' accuracies range "
+                f"{g['seed_min']:.3f}-{g['seed_max']:.3f} (sd {g['seed_sd']:.3f}).",
+                "",
+            ]
+    lines += ["## Each method minus GRPO", "", VERDICT_TEXT, ""]
+    if diffs.height:
+        lines += [markdown(diffs), ""]
+        for r in diffs.filter(pl.col("rollout") == final).iter_rows(named=True):
+            lines.append(
+                f"- **{r['method']}** − GRPO after {final} rollouts: {r['difference']:+.3f} [{r['lo']:+.3f}, "
+                f"{r['hi']:+.3f}] over {r['seeds']} seeds: {r['verdict']}."
+            )
+        lines.append("")
+    lines += ["## Lopti's controls: its split, or its two steps per batch?", ""]
+    if controls.height:
+        lines += [markdown(controls), "", control_reading(controls), ""]
+    else:
+        lines += ["Lopti's and its controls' runs are not finished yet.", ""]
+    lines += [
+        "## The mechanism on the same runs",
+        "",
+        "Per method, from its probed steps (intervals over seeds, then probed steps): the [0, .25) bin's share of "
+        "the update and of the tokens, the top bin's correct ratio (A > 0: share of rising tokens after the "
+        "counterfactual step), the mean entropy of the sampled tokens over training (mean over seeds [range]), "
+        "and the final accuracy.",
+        "",
+    ]
+    if mech.height:
+        lines += [markdown(mech), ""]
+    if repro.height:
+        lines += ["## Figures 1-2: what reproduces (GRPO's runs)", "", VERDICT_RULE, "", markdown(repro), ""]
+    if camps is not None and camps.height:
+        lines += ["## Both camps from the GRPO runs' states", "", markdown(camps.drop("run")), ""]
+    if guide is not None and guide.height:
+        from tokendyn.analysis.sweep import GUIDANCE_RULE
+
+        lines += ["## Guidance along the axis through both camps", "", GUIDANCE_RULE, "",
+                  markdown(guide.drop("run")), ""]  # fmt: skip
+    lines += [f"![{f.stem}]({f.as_posix()})" for f in figures]
+    return "\n".join(lines) + "\n"
