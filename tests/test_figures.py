@@ -8,6 +8,7 @@ import argparse
 import io
 import re
 import shutil
+from html import escape as html_escape
 from pathlib import Path
 
 import matplotlib
@@ -239,8 +240,53 @@ def test_missing_kinds_give_notes_not_a_crash(run_dirs, tmp_path):
     assert "d_gradient_norm" not in result.notes  # falls back to the activation-gradient norms
     assert "i_training" in result.figures and "f_bound" in result.figures
     assert "No `binstats` records in: bare" in html  # the run without records is named
-    assert "<div class='note'>Skipped: isolation panels: needs `influence` records" in html
+    assert (
+        "<details class='absent' id='e_isolation'><summary>Isolation: updating one interval only (Fig. 1e/f): not in "
+        "these runs (needs `influence` records; train with --probe_every N and the rebalancing analyses on"
+    ) in html
+    assert "<h2 id='e_isolation'>" not in html and "Skipped:" not in html
     assert "table:shares" in result.notes and "table:accuracy" not in result.notes
+
+
+def test_a_section_the_runs_lack_is_one_collapsed_line(run_dirs, tmp_path):
+    """A run without `paired` records: each section that reads them is one collapsed line in the report, a
+    <details> whose summary says "<section>: not in these runs (needs <records>; <how to get them>)", not a heading
+    and a paragraph of instructions; the sections the run has are drawn as before, and the console notes keep the
+    full text."""
+    run = tmp_path / "grpo"
+    shutil.copytree(run_dirs["grpo"], run)
+    for f in (run / "records").glob("paired-*.parquet"):
+        f.unlink()
+    result = build_report([run], tmp_path / "out", strict=True)
+    html = result.path.read_text()
+    how = "train with --probe_compare_rules reweight,lopti (or tokendyn probe --compare_rules)"
+    lacking = [spec for spec in FIGURES if spec.kinds == ("paired",)]
+    assert [spec.name for spec in lacking] == ["h_paired", "h_both_camps", "h_axis"]
+    summaries = {}
+    for spec in lacking:
+        assert f"<h2 id='{spec.name}'>" not in html
+        block = re.search(rf"<details class='absent' id='{spec.name}'>(.*?)</details>", html)
+        assert block, spec.name
+        # one line of summary, and inside (collapsed) only what the section would show
+        inner = re.fullmatch(r"<summary>([^<\n]+)</summary><p>([^<]*)</p>", block.group(1))
+        assert inner and inner.group(2) == html_escape(f"{spec.shows} Records: paired."), block.group(1)
+        summary = inner.group(1)
+        assert summary.startswith(f"{spec.title} ({spec.paper}): not in these runs (") and summary.endswith(
+            f"; {how})"
+        ), summary
+        summaries[spec.name] = summary
+    assert summaries["h_paired"] == (
+        f"Paired comparison of update rules (new): not in these runs (needs `paired` records; {how})"
+    )
+    for name in ("both_camps", "guidance"):  # the paired tables too
+        assert re.search(
+            rf"<details class='absent' id='table-{name}'><summary>[^<\n]+; {re.escape(how)}\)</summary>", html
+        )
+    assert "Skipped:" not in html and "class='note'" not in html
+    assert result.notes["h_paired"].startswith(
+        "Skipped: paired comparison: needs `paired` records, none found."
+    )
+    assert "<h2 id='a_token_share'>" in html and "a_token_share" in result.figures
 
 
 def test_runs_recorded_before_a_schema_grew_still_load(run_dirs, tmp_path):

@@ -34,28 +34,47 @@ def _steps(run_dir) -> list[int]:
     return sorted(pl.concat([pl.read_parquet(f) for f in files])["step"].to_list()) if files else []
 
 
+def _until(condition, deadline_s: float = 30.0) -> bool:
+    """Whether ``condition()`` comes true within ``deadline_s`` (polled every 10 ms): a wait for the thing itself,
+    as long as a loaded machine needs, instead of a fixed sleep that a slow timer thread overruns."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_writer_flushes_when_the_time_is_up(tmp_path):
+    """The timer's contract in terms that hold whatever the load: what is buffered is written without another add
+    once flush_seconds have passed since the last flush, and never before (when the records are first seen, a clock
+    started before that flush shows at least flush_seconds, however late the timer thread runs)."""
     assert FLUSH_SECONDS <= 30
+    since = time.monotonic()  # no later than the writer's last flush (its creation)
     w = RecordWriter(tmp_path, rank=0, flush_every=1000, flush_seconds=0.3)
-    w.add(_prob_change(0))
-    assert _steps(tmp_path) == []  # neither the count nor the time is up
-    time.sleep(0.5)  # no add comes: the timer writes it
-    assert _steps(tmp_path) == [0]
+    w.add(_prob_change(0))  # the count (1000 adds) is not up
+    assert _until(lambda: _steps(tmp_path) == [0])  # no add comes: the timer writes it
+    assert time.monotonic() - since >= 0.3  # not before the time is up
+    since = time.monotonic()
+    w.flush()  # nothing buffered: writes nothing, and the time counts from here
     w.add(_prob_change(1))
     w.add(_prob_change(2))
-    assert _steps(tmp_path) == [0]
-    time.sleep(0.5)
-    assert _steps(tmp_path) == [0, 1, 2]
+    assert _until(lambda: _steps(tmp_path) == [0, 1, 2])
+    assert time.monotonic() - since >= 0.3
     w.flush_seconds = 0.0  # 0: every add writes at once
     w.add(_prob_change(9))
     assert _steps(tmp_path) == [0, 1, 2, 9]
+    # an explicit flush disarms the timer: a timer armed by the add of 3 (due in 0.3 s) and left running would
+    # write 4 early; disarmed, 4 waits for its own timer (30 s) or the next flush
     w.flush_seconds = 0.3
     w.add(_prob_change(3))
-    w.flush()  # an explicit flush disarms the timer: nothing is written after it
-    files = sorted(p.name for p in (tmp_path / "records").iterdir())
-    time.sleep(0.5)
-    assert sorted(p.name for p in (tmp_path / "records").iterdir()) == files
+    w.flush()
     assert _steps(tmp_path) == [0, 1, 2, 3, 9]
+    w.flush_seconds = 30.0
+    w.add(_prob_change(4))
+    assert not _until(lambda: 4 in _steps(tmp_path), deadline_s=1.0)  # 3x the stale timer's due time
+    w.flush()
+    assert _steps(tmp_path) == [0, 1, 2, 3, 4, 9]
     with pytest.raises(ValueError, match="flush_seconds must be a number >= 0"):
         RecordWriter(tmp_path, flush_seconds=-1)
 

@@ -123,12 +123,14 @@ def load_tokenizer(path: str | os.PathLike):
 
 def check_model_source(path: str | os.PathLike, field: str = "model"):
     """The model's config (no weights loaded), or a ValueError naming ``field``: a local directory must exist and
-    hold config.json; anything else is taken as a hub id and must be resolvable."""
+    hold config.json; a packaged model's name or a .gguf file is its converted directory (`tokendyn.packaged`);
+    anything else is taken as a hub id and must be resolvable, a bare one (no ``owner/``) only from the local
+    Hugging Face cache (a typo fails at once instead of retrying the network)."""
     import re
 
     from transformers import AutoConfig
 
-    from tokendyn.packaged import is_model_source, resolve
+    from tokendyn.packaged import PACKAGED, is_model_source, resolve
 
     if is_model_source(str(path)):
         path = resolve(path, field)  # a packaged model or a .gguf file: its converted directory
@@ -142,11 +144,28 @@ def check_model_source(path: str | os.PathLike, field: str = "model"):
             raise ValueError(f"{field}: {text!r} holds no config.json (not a model directory)")
     elif not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", text):
         raise ValueError(f"{field}: {text!r} is neither a local directory nor a hub id (org/name)")
+    elif "/" not in text and not _in_hub_cache(text):
+        # a bare name (no owner) that is not downloaded: most likely a typo, and asking the hub for it would retry
+        # the network for half a minute where there is none (legacy bare ids such as gpt2 have an owner/name form)
+        raise ValueError(
+            f"{field}: {text!r} is neither a local directory, a .gguf file, a packaged model "
+            f"({', '.join(PACKAGED)}) nor a hub id (owner/name)"
+        )
     try:
         return AutoConfig.from_pretrained(str(p) if looks_local else text)
     except (OSError, ValueError, KeyError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"{field}: cannot read the model config of {text!r} ({first})") from None
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the hub model ``repo_id`` has its config.json in the local Hugging Face cache (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
 
 
 def load_policy(path: str | os.PathLike | None = None, dtype=None, attn_implementation: str | None = None):

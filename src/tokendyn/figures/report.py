@@ -1,6 +1,8 @@
 """`build_report(run_dirs, out_dir)`: every figure the records allow (PNG, SVG or PDF files), the tables (CSV), and
 ``report.html``: one self-contained file (images embedded as base64 PNG) with the tables and, under each figure, a
-plain-language reading generated from the numbers. A figure whose record kinds are missing is skipped with a note.
+plain-language reading generated from the numbers. A figure, table or the token view whose record kinds these runs
+lack is one collapsed line in the report ("<section>: not in these runs (needs <records>; <how to get them>)") and a
+note in `ReportResult.notes`.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ def build_report(
     sections = []
     for spec in FIGURES:
         say(f"figure {spec.name}")
-        image = reading = note = None
+        image = reading = note = missing = None
         try:
             fig = spec.draw(records)
             try:
@@ -174,7 +176,7 @@ def build_report(
                 plt.close(fig)
             reading = _safe(lambda s=spec: s.read(records), strict, f"reading of {spec.name}")
         except MissingRecords as exc:
-            note = _skip_note(exc)
+            note, missing = _skip_note(exc), exc
         except Exception as exc:  # noqa: BLE001  (a broken figure becomes a note unless strict)
             if strict:
                 raise
@@ -182,7 +184,7 @@ def build_report(
             note = f"Not drawn: {type(exc).__name__}: {exc}"
         if note:
             result.notes[spec.name] = note
-        sections.append((spec, image, reading, note, _partial(records, spec.kinds)))
+        sections.append((spec, image, reading, note, _partial(records, spec.kinds), missing))
     tables = []
     tdir = out / "tables"
     for name, (title, fn) in TABLES.items():
@@ -195,28 +197,30 @@ def build_report(
             path = tdir / f"{name}.csv"
             df.write_csv(path)
             result.tables[name] = path
-            tables.append((name, title, df, None))
+            tables.append((name, title, df, None, None))
         except MissingRecords as exc:
             note = _skip_note(exc)
             result.notes[f"table:{name}"] = note
-            tables.append((name, title, None, note))
+            tables.append((name, title, None, note, exc))
         except Exception as exc:  # noqa: BLE001
             if strict:
                 raise
             warnings.warn(f"table {name} failed: {exc!r}", stacklevel=2)
             note = f"Not computed: {type(exc).__name__}: {exc}"
             result.notes[f"table:{name}"] = note
-            tables.append((name, title, None, note))
+            tables.append((name, title, None, note, None))
     say("token view")
-    view = None
+    view = view_missing = None
     if records.get("token_view") is None:
-        result.notes["token_view"] = _skip_note(MissingRecords("token view", ["token_view"]))
+        view_missing = MissingRecords("token view", ["token_view"])
+        result.notes["token_view"] = _skip_note(view_missing)
     else:
         view = _safe(lambda: view_fragment(records, REPORT_VIEW_TOKENS), strict, "token view")
         if view is None:
             result.notes["token_view"] = "Not drawn: the token view failed (see the warning)."
     result.path.write_text(
-        render_html(records, sections, tables, view, result.notes.get("token_view")), encoding="utf-8"
+        render_html(records, sections, tables, view, result.notes.get("token_view"), view_missing),
+        encoding="utf-8",
     )
     return result
 
@@ -224,6 +228,16 @@ def build_report(
 def _skip_note(exc: MissingRecords) -> str:
     h = hint(exc.kinds)
     return f"Skipped: {exc}. {h[:1].upper()}{h[1:]}."
+
+
+def _absent(exc: MissingRecords) -> str:
+    """What the runs lack and how to get it, for one line: "needs `paired` records; train with ..." (the
+    exception's own text after its subject, without the "none found"; then `hint`)."""
+    text = str(exc).removeprefix(f"{exc.what}: ")
+    need = "needs " + " or ".join(f"`{k}`" for k in exc.kinds) + " records"
+    if text.startswith(f"{need}, none found"):
+        text = need + text.removeprefix(f"{need}, none found")
+    return f"{text}; {hint(exc.kinds)}"
 
 
 def _safe(fn: Callable[[], str], strict: bool, what: str) -> str | None:
@@ -257,6 +271,8 @@ h1{margin-bottom:.2em} h2{border-bottom:2px solid #ddd;padding-bottom:.2em;margi
 img{max-width:100%;height:auto;border:1px solid #eee}
 .reading{background:#f4f8fb;border-left:4px solid #4393c3;padding:.6em 1em;margin:.6em 0}
 .note{background:#fff6e5;border-left:4px solid #f0a030;padding:.6em 1em;margin:.6em 0}
+details.absent{color:#666;font-size:.9em;margin:.8em 0} details.absent summary{cursor:pointer}
+details.absent p{margin:.3em 0 0 1.2em}
 .meta{color:#666;font-size:.9em}
 table{border-collapse:collapse;font-size:.85em;margin:.5em 0 1.5em 0;display:block;overflow-x:auto}
 th,td{border:1px solid #ddd;padding:3px 7px;text-align:right;white-space:nowrap}
@@ -293,8 +309,24 @@ def table_html(df: pl.DataFrame, max_rows: int = 200) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{more}"
 
 
+def absent_html(anchor: str, section: str, exc: MissingRecords, detail: str = "") -> str:
+    """A section whose records these runs lack: one collapsed line, "<section>: not in these runs (<what is
+    missing>; <how to get it>)", with ``detail`` (what the section would show) inside."""
+    esc = html.escape
+    inside = f"<p>{esc(detail)}</p>" if detail else ""
+    return (
+        f"<details class='absent' id='{anchor}'><summary>{esc(section)}: not in these runs "
+        f"({esc(_absent(exc))})</summary>{inside}</details>"
+    )
+
+
 def render_html(
-    records: Records, sections, tables, view: str | None = None, view_note: str | None = None
+    records: Records,
+    sections,
+    tables,
+    view: str | None = None,
+    view_note: str | None = None,
+    view_missing: MissingRecords | None = None,
 ) -> str:
     esc = html.escape
     runs = "".join(
@@ -306,7 +338,13 @@ def render_html(
     toc += "<li><a href='#token-view-section'>Token view</a></li>"
     toc += "".join(f"<li><a href='#table-{n}'>{esc(t)}</a></li>" for n, t, *_ in tables)
     body = []
-    for spec, image, reading, note, partial in sections:
+    for spec, image, reading, note, partial, missing in sections:
+        if missing is not None:
+            section = f"{spec.title} ({spec.paper})"
+            body.append(
+                absent_html(spec.name, section, missing, f"{spec.shows} Records: {', '.join(spec.kinds)}.")
+            )
+            continue
         body.append(
             f"<h2 id='{spec.name}'>{esc(spec.title)} <span class='meta'>({esc(spec.paper)})</span></h2>"
         )
@@ -319,14 +357,27 @@ def render_html(
         for n in (note, partial):
             if n:
                 body.append(f"<div class='note'>{esc(n)}</div>")
-    body.append(
-        "<h2 id='token-view-section'>Token view <span class='meta'>(every token of the recorded sequences)</span></h2>"
-    )
-    body.append(
-        view if view is not None else f"<div class='note'>{esc(view_note or 'No token_view records.')}</div>"
-    )
+    if view_missing is not None:
+        body.append(
+            absent_html(
+                "token-view-section", "Token view", view_missing, "Every token of the recorded sequences."
+            )
+        )
+    else:
+        body.append(
+            "<h2 id='token-view-section'>Token view <span class='meta'>(every token of the recorded sequences)"
+            "</span></h2>"
+        )
+        body.append(
+            view
+            if view is not None
+            else f"<div class='note'>{esc(view_note or 'No token_view records.')}</div>"
+        )
     body.append("<h2>Tables</h2>")
-    for name, title, df, note in tables:
+    for name, title, df, note, missing in tables:
+        if missing is not None:
+            body.append(absent_html(f"table-{name}", title, missing))
+            continue
         body.append(f"<h3 id='table-{name}'>{esc(title)}</h3>")
         body.append(table_html(df) if df is not None else f"<div class='note'>{esc(note)}</div>")
     stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")

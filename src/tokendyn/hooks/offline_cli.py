@@ -31,7 +31,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="Hugging Face model id or local directory (default: the embedded default)",
+        help="local model directory, Hugging Face hub id (owner/name), packaged model (smollm2-135m) or .gguf file "
+        "(default: the embedded default)",
     )
     p.add_argument(
         "--rollouts",
@@ -225,9 +226,13 @@ def run(args: argparse.Namespace) -> int:
 
     from tokendyn.hooks.model_fit import check_fits, model_limits
     from tokendyn.hooks.offline import probe_rollouts
+    from tokendyn.packaged import resolve
     from tokendyn.policy import check_model_source, default_policy_dir, load_tokenizer
 
-    model_path = args.model or str(default_policy_dir())
+    model_name = args.model or str(default_policy_dir())
+    # one resolver for the config, the tokenizer and the weights: a packaged name (smollm2-135m) or a .gguf file
+    # becomes its converted directory in the cache, anything else stays as given
+    model_path = resolve(model_name, "--model")
     config = check_model_source(model_path, "--model")  # the config only: no weights yet
     tokenizer = _load("tokenizer", load_tokenizer, model_path)
     rollouts = rollouts.encode(tokenizer)  # text rows tokenized and checked before the model is loaded
@@ -241,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
     )
     from transformers import AutoModelForCausalLM
 
-    console.print(f"loading {model_path} ({args.dtype}, {device})")
+    shown = model_name if model_path == model_name else f"{model_name} ({model_path})"
+    console.print(f"loading {shown} ({args.dtype}, {device})")
     model = _load("model", AutoModelForCausalLM.from_pretrained, model_path, dtype=getattr(torch, args.dtype))
     model.to(device)
     result = probe_rollouts(
@@ -255,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
         objective=objective,
         seed=args.seed,
         progress=True,
-        meta={"model": model_path, "device": str(device), "dtype": args.dtype},
+        meta={"model": model_name, "device": str(device), "dtype": args.dtype}
+        | ({} if model_path == model_name else {"model_path": model_path}),
         positions=args.positions,
     )
     console.print(

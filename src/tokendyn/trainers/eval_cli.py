@@ -11,7 +11,12 @@ def register(sub) -> None:
     p = sub.add_parser(
         "eval", help="per-difficulty K&K accuracy on the official test puzzles (greedy and sampled)"
     )
-    p.add_argument("--model", default=None, help="policy directory or hub id (default: the embedded default)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="policy directory, hub id (owner/name), packaged model (smollm2-135m) or .gguf file (default: the "
+        "embedded default)",
+    )
     p.add_argument("--people", type=int, nargs="+", default=[3, 4, 5, 6, 7], help="puzzle sizes (2..8)")
     p.add_argument("--n", type=int, default=100, help="puzzles per size, 1..100 (the official test split)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (> 0)")
@@ -70,10 +75,15 @@ def run(args: argparse.Namespace) -> int:
 
     validate(args)
     out = check_writable(args.out, "out")
+    model_path = None
     if args.model is not None:
+        from ..packaged import resolve
         from ..policy import check_model_source
 
-        check_model_source(args.model, "model")
+        # one resolver for the config, the weights and the tokenizer (a packaged name or a .gguf file: its
+        # converted directory in the cache)
+        model_path = resolve(args.model, "model")
+        check_model_source(model_path, "model")
 
     import polars as pl
     from rich.console import Console
@@ -81,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from ..policy import default_policy_dir, load_policy
     from .evaluate import evaluate
 
-    model, tok = load_policy(args.model)
+    model, tok = load_policy(model_path)
     name = args.model or str(default_policy_dir())
     with progress_bar("eval", len(args.people) * len(args.modes)) as tick:
         results = evaluate(
