@@ -1,9 +1,9 @@
 """verl's own trainer end to end on the CPU: a real ``python -m verl.trainer.main_ppo`` (Ray, the transfer queue,
 the agent loop, tokendyn's Hugging Face rollout server, verl's weight sync, the FSDP2 actor) run in a subprocess by
 ``examples/verl_main_ppo.sh`` on the embedded default policy and K&K rows in verl's format, with the README's tokendyn
-overrides read from README.md itself (Reweight, Lopti, the probe, the analyses), two GRPO steps. Nothing of verl
-or of tokendyn is replaced; the run is checked against its own log, its records, and `tokendyn probe` run offline on
-the batch the actor trained on.
+overrides read from README.md itself (Reweight, Lopti, the probe, the analyses), two GRPO steps, logged to the
+console and to an offline W&B run. Nothing of verl or of tokendyn is replaced; the run is checked against its own
+log, its W&B history, its records, and `tokendyn probe` run offline on the batch the actor trained on.
 
 Besides: every verl internal the CPU backend leans on is still there (`internals.check`), the platform and the
 rollout are found through verl's own registries, and the rollout server's log-probs are the model's."""
@@ -21,6 +21,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from _wandb_history import exit_code, history, log_records, offline_env, run_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "verl_main_ppo.sh"
@@ -220,15 +221,19 @@ def test_bad_batch_saving_options_fail_in_one_line(options, message):
 
 
 # ---- slow: main_ppo itself -----------------------------------------------------------------------------------------
-def run_main_ppo(out: Path, ranks: int = 1) -> dict:
+def run_main_ppo(out: Path, ranks: int = 1, wandb: bool = False) -> dict:
     """``examples/verl_main_ppo.sh OUT`` with the README's tokendyn lines (probe_dir under OUT) and the batch of the
-    first update saved: two GRPO steps on `ranks` actor ranks."""
+    first update saved: two GRPO steps on `ranks` actor ranks. ``wandb``: verl's W&B logger too
+    (``trainer.logger=['console','wandb']``), an offline run under OUT/wandb."""
     overrides = with_value(
         readme_overrides(), "actor_rollout_ref.actor.policy_loss.probe_dir", str(out / "probe")
     )
     extra = ["+actor_rollout_ref.actor.policy_loss.probe_save_batches=1"]
+    if wandb:  # after the script's own trainer.logger, so this one wins
+        extra.append("trainer.logger=['console','wandb']")
     env = {
         **os.environ,
+        **(offline_env(out / "wandb") if wandb else {}),
         "PYTHON": sys.executable,
         "TOKENDYN": "0",  # the script's own tokendyn lines left out: the README's are passed instead
         "STEPS": "2",
@@ -255,7 +260,7 @@ def run_main_ppo(out: Path, ranks: int = 1) -> dict:
 
 @pytest.fixture(scope="module")
 def main_ppo_run(tmp_path_factory):
-    return run_main_ppo(tmp_path_factory.mktemp("main_ppo"))
+    return run_main_ppo(tmp_path_factory.mktemp("main_ppo"), wandb=True)  # W&B on the same run: no second one
 
 
 def per_bin(records: Path, step: int | None = None) -> pl.DataFrame:
@@ -330,6 +335,55 @@ def test_main_ppo_writes_the_records_of_every_kind_with_no_bound_violation(main_
         assert checks[column].sum() == 0, column
     bound = pl.read_parquet(sorted(records.glob("bound-*.parquet")))
     assert bound["nonfinite"].sum() == 0 and bound["unreached"].sum() == 0
+
+
+@pytest.mark.slow
+def test_main_ppo_logs_the_probe_numbers_to_wandb(main_ppo_run):
+    """verl's W&B logger on the same run (``trainer.logger=['console','wandb']``, offline): the run's history, read
+    back with W&B's own reader, holds at each training step the probe's numbers of both Lopti updates
+    (``actor/tokendyn/{low|high}/...``), as verl's console line shows them and as the records of those updates
+    give them: token and gradient-energy shares per bin at the final norm, bound violations, the identity's
+    largest error."""
+    assert main_ppo_run["proc"].returncode == 0, main_ppo_run["log"][-6000:]
+    out, prefix = main_ppo_run["out"], "actor/tokendyn/"
+    records = log_records(run_file(out / "wandb"), offline_env(out / "wandb"))
+    assert exit_code(records) == 0  # verl's TaskRunner finished the run
+    rows = history(records)
+    logged = {int(r["_step"]): r for r in rows if any(k.startswith(prefix) for k in r)}
+    assert sorted(logged) == [1, 2]
+    assert "training/rollout_probs_diff_max" in logged[1]  # verl's own metrics are there too
+    console = step_metrics(main_ppo_run["log"])
+    for step, row in logged.items():  # every tokendyn number of the console line, and no other
+        theirs = {k: v for k, v in console[step].items() if k.startswith(prefix)}
+        assert {k for k in row if k.startswith(prefix)} == set(theirs)
+        for key, value in theirs.items():
+            assert row[key] == pytest.approx(value, rel=1e-6), key
+    records = out / "probe" / "records"
+    bins = pl.read_parquet(sorted(records.glob("binstats-*.parquet")))
+    assert "final_norm.out" in set(bins["point"])  # the deepest point, whose numbers go live
+    norms = (pl.col("quantity") == "norm") & (pl.col("point") == "final_norm.out") & (pl.col("bin") >= 0)
+    final = (
+        bins.filter(norms).group_by("step", "stage", "bin").agg(pl.col("count").sum(), pl.col("sumsq").sum())
+    )
+    checks = pl.read_parquet(sorted(records.glob("checks-*.parquet")))
+    updates = final.select("step", "stage").unique().sort("step").rows()
+    assert updates == [(0, "low"), (1, "high"), (2, "low"), (3, "high")]
+    for update, stage in updates:
+        row = logged[update // 2 + 1]  # Lopti's two updates per training step
+        key = f"{prefix}{stage}/"
+        frame = final.filter(pl.col("step") == update).sort("bin")
+        assert frame["bin"].to_list() == [0, 1, 2, 3]
+        n, energy = frame["count"].sum(), frame["sumsq"].sum()
+        assert n > 0 and energy > 0
+        for b, count, sumsq in frame.select("bin", "count", "sumsq").rows():
+            assert row[f"{key}token_share/bin{b}"] == pytest.approx(count / n, rel=1e-12, abs=0)
+            assert row[f"{key}grad_sq_share/bin{b}"] == pytest.approx(sumsq / energy, rel=1e-9, abs=1e-15)
+        c = checks.filter(pl.col("step") == update)
+        violations = int(c["logits_violations"].sum() + c["head_violations"].sum())
+        assert row[f"{key}bound_violations"] == violations == 0
+        assert row[f"{key}identity_rel_err_worst"] == pytest.approx(
+            float(c["identity_max_rel_err"].max()), rel=1e-12
+        )
 
 
 @pytest.mark.slow
