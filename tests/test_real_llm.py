@@ -67,7 +67,18 @@ def test_bad_model_sources_fail_in_one_line(tmp_path, monkeypatch):
         load_policy("smollm2-135m")
 
 
-@pytest.mark.parametrize("dtype,adapter,micro,analyses", [("float32", "full", "one", "analyses")])
+# the real LLM's cells: float32 full fine-tuning in `make test`; the GPU recipe (bf16 autocast), LoRA with the analyses
+# and two accumulated micro-batches (~65 / 65 / 140 s on one worker) under the marker real_llm_cells, which `make test`
+# deselects and `.ci/run` runs after it (the suite stays within its 10 minutes)
+CELLS = [
+    ("float32", "full", "one", "analyses"),
+    pytest.param("bf16_autocast", "full", "one", "analyses", marks=pytest.mark.real_llm_cells),
+    pytest.param("float32", "lora", "one", "analyses", marks=pytest.mark.real_llm_cells),
+    pytest.param("float32", "full", "accumulate", "analyses", marks=pytest.mark.real_llm_cells),
+]
+
+
+@pytest.mark.parametrize("dtype,adapter,micro,analyses", CELLS)
 def test_the_real_llm_cell_of_the_matrix(dtype, adapter, micro, analyses):
     """The probe and the analyses on the real weights (30 layers, V = 49,152, a tied head) against float64 per-token
     autograd on a sample of tokens: every recorded number within the arithmetic's tolerance, 0 bound violations."""
