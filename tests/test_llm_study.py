@@ -119,3 +119,21 @@ def test_bad_values_are_one_line_naming_the_field(tmp_path, capsys, flags, field
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and field in err[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_committed_llm_study_is_what_its_result_files_give(tmp_path):
+    """docs/study/llm (the real LLM's study, committed run by run): its study.md and tables are regenerated here
+    from the committed result folders alone, no training, and equal the committed ones."""
+    runs = finished_runs(COMMITTED)
+    assert runs, f"no finished run committed under {COMMITTED}"
+    out = tmp_path / "llm"
+    shutil.copytree(COMMITTED / "runs", out / "runs")
+    shutil.copytree(COMMITTED / "start", out / "start")
+    write_llm_study(out, L.FULL)
+    assert (out / "study.md").read_text() == (COMMITTED / "study.md").read_text()
+    for table in sorted((COMMITTED / "tables").glob("*.parquet")):
+        assert pl.read_parquet(out / "tables" / table.name).equals(pl.read_parquet(table)), table.name
+    # every committed run is a run of the full study (same settings), with its wall time and thread count
+    for d in runs.values():
+        done = json.loads((d / L.DONE).read_text())
+        assert done["study"] == L._identity(L.FULL, "smollm2-135m") and done["wall_time_s"] > 0
