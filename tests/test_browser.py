@@ -267,3 +267,40 @@ def test_switching_runs_switches_their_bins(browser, lopti_run, tiny_model_dir, 
     dimmed = tokens.evaluate_all("ts => ts.map(t => t.classList.contains('tv-dim'))")
     assert dimmed == [b == 1 for b in shown["bin"]]
     assert not p.errors and not p.left_the_file()
+
+
+def test_the_demos_report_has_every_section_and_no_warning(browser, tiny_model_dir, tmp_path):
+    """`make demo`'s three runs, with the probe settings the demo itself gives them (`tokendyn.commands.demo.FULL`:
+    the analyses, the lr sweep, GRPO's paired comparison and both camps with the c / eta sweeps), at toy size on the
+    tiny model with a graded reward: the report opens in Chromium with every section drawn (none collapsed as
+    absent), no WARNING and no page error."""
+    from test_trainer import _config, _trainer
+
+    from tokendyn.commands.demo import FULL, _configs
+    from tokendyn.figures.report import build_report
+    from tokendyn.trainers.callbacks import HeldoutEvalCallback, ParquetLogCallback
+    from tokendyn.trainers.runner import method_name
+
+    keep = ("advantage_reweight_alpha", "lopti_eta", "probe_lr_sweep", "probe_compare_rules", "probe_compare_modes",
+            "probe_compare_inner_steps", "probe_compare_c_sweep", "probe_compare_eta_sweep", "probe_analyses")  # fmt: skip
+    dirs = []
+    for name, _, cfg in _configs(tmp_path / "demo", FULL, None, {}):
+        fields = {k: getattr(cfg, k) for k in keep}
+        steps = 4 if cfg.lopti_eta is not None else 2
+        args = _config(tmp_path / name, max_steps=steps, probe_every=1, probe_sample_sequences=4, **fields)
+        trainer = _trainer(tiny_model_dir, args)
+        # the training log and held-out accuracy the demo's runner writes (tokendyn.trainers.runner.train)
+        run = tmp_path / name / "run"
+        trainer.add_callback(ParquetLogCallback(run / "metrics.parquet", method=method_name(cfg)))
+        trainer.add_callback(HeldoutEvalCallback(trainer, [3], 1, 1, 0.7, "qwen-instruct"))
+        trainer.train()
+        dirs.append(run)
+    report = build_report(dirs, tmp_path / "figures", strict=True)
+    assert report.notes == {}, report.notes
+    html = report.path.read_text()
+    assert "WARNING" not in html and "not in these runs" not in html
+    p = Page(browser, report.path)
+    assert p.page.locator("details.absent").count() == 0
+    assert p.page.locator("img").count() == len(report.figures)
+    assert "WARNING" not in p.page.inner_text("body")
+    assert p.errors == [], p.errors

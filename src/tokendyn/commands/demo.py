@@ -50,12 +50,18 @@ class DemoSize:
     trainer: tuple[tuple[str, object], ...] = ()  # trainer fields of this size (the policy's own settings)
     # K&K 3-person test puzzles sampled twice at T = 0.7 for the starting policy's Fig. 1a histogram (0: off)
     kk_histogram: int = 0
+    # the GRPO run also compares every rule of both camps from its own states (K = 2 inner updates) and sweeps the c
+    # axis and Lopti's eta (`tokendyn.commands.study.BOTH_CAMPS`): the report's both-camps and sweep sections
+    both_camps: bool = False
 
 
+# every section of the report: the analyses on the same rollouts of every run (0, 3, ..., 12), and the GRPO run's
+# paired comparison of Reweight and Lopti and of both camps from its own states
 FULL = DemoSize(rollouts=15, people=(3, 4, 5), eval_people=(3, 4, 5, 6, 7), eval_n=20, eval_every=5,
-                probe_every=2, probe_sample_sequences=8, lr_sweep=(1e-3, 1e-2, 1e-1, 0.3, 1.0, 3.0, 10.0))  # fmt: skip
+                probe_every=3, probe_sample_sequences=8, lr_sweep=(1e-3, 1e-1, 1.0, 10.0), probe_in_rollouts=True,
+                both_camps=True)  # fmt: skip
 QUICK = DemoSize(rollouts=3, people=(3, 4), eval_people=(3, 4), eval_n=5, eval_every=3, probe_every=2,
-                 probe_sample_sequences=4, lr_sweep=(1e-3, 1.0))  # fmt: skip
+                 probe_sample_sequences=4, lr_sweep=(1e-3, 1.0), probe_in_rollouts=True, both_camps=True)  # fmt: skip
 
 # the real LLM on sums of one- and two-digit numbers (8 prompts x 4 samples a rollout, one optimizer step each, lr
 # 1e-5: the run in which GRPO took two-digit held-out accuracy from 0.19 to 0.75, docs/results.md), every analysis
@@ -108,6 +114,10 @@ def _configs(out: Path, size: DemoSize, model: str | None, overrides: dict):
         fields.update(method)
         if size.probe_in_rollouts and name == "grpo":
             fields.update(probe_compare_rules=list(PAIRED_RULES), probe_compare_modes=[PAIRED_MODE])
+            if size.both_camps:
+                from .study import BOTH_CAMPS
+
+                fields.update(BOTH_CAMPS)
         fields.update(overrides)
         cfg = TokendynGRPOConfig(**fields)
         if size.probe_in_rollouts:  # the same rollouts analysed in every run (Lopti: two steps a rollout)
