@@ -97,6 +97,25 @@ def test_eval_runs_the_packaged_model_offline(smollm2_dir, tmp_path):
     assert 0.0 <= rows[0]["accuracy"] <= 1.0
 
 
+@pytest.mark.slow
+def test_train_runs_the_packaged_model_offline(smollm2_dir, tmp_path):
+    """`tokendyn train --model_name_or_path smollm2-135m --task arith` offline, one rollout at the smallest batch
+    (2 sums x 2 samples, 4 new tokens, no evaluation, the probe on): the run's model is the packaged one, its records
+    the real head's (V = 49,152)."""
+    out = tmp_path / "run"
+    args = ["train", "--model_name_or_path", "smollm2-135m", "--task", "arith", "--arith_digits", "1",
+            "--rollouts", "1", "--per_device_train_batch_size", "4", "--num_generations", "2",
+            "--steps_per_generation", "1", "--max_completion_length", "4", "--eval_n", "0", "--probe_every", "1",
+            "--probe_sample_sequences", "0", "--save_strategy", "no", "--output_dir", str(out)]  # fmt: skip
+    proc = _tokendyn(args, _env(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "huggingface.co" not in proc.stderr
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["status"] == "finished" and meta["model"] == "smollm2-135m"
+    checks = pl.read_parquet(next((out / "records").glob("checks-*.parquet")))
+    assert checks["vocab_size"].unique().to_list() == [49152]
+
+
 @pytest.mark.parametrize(
     "command,offline,field",
     [("probe", True, "--model"), ("probe", False, "--model"), ("eval", False, "model")],
