@@ -309,7 +309,8 @@ def test_the_sweep_uses_the_same_in_place_update(small_chunks, model, batch):
         shares=False, token_shares=0, influence=False, lr_sweep=(1e-2,), step_precision="model"
     )
     frames = analyze_batch(model, batch, step=0, options=opts, objective=OBJ)
-    sweep = frames["prob_change"].filter(frames["prob_change"]["update"] == "sweep")
+    pc = frames["prob_change"]  # the sweep's row at lr 1e-2 (its first point is the lr -> 0 limit)
+    sweep = pc.filter((pc["update"] == "sweep") & (pc["lr"] == 1e-2))
     (params,), (pi,) = _copy_based(model, batch, [None], lambda p: torch.optim.SGD(p, lr=1e-2), OBJ)
     pi0 = completion_probs(model, batch)
     delta = ((pi - pi0) * batch.completion_mask)[batch.completion_mask]

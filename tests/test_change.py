@@ -287,15 +287,19 @@ def test_analyze_batch_switches(model, batch):
 
 def test_a_batch_without_gradient_has_null_shares_not_an_error(model, batch):
     """Every advantage 0 and no KL term (e.g. a sample of zero-variance groups at the first step): g = 0, so the
-    shares are undefined (null rows, no per-token shares) and nothing moves; the analyses must not stop training."""
+    shares are undefined (null rows, no per-token shares), and no counterfactual step is an update: its rows are
+    null (no_update), counted in one notes record; the analyses must not stop training."""
     from dataclasses import replace
 
     flat = replace(batch, advantages=torch.zeros_like(batch.advantages))
     frames = analyze_batch(model, flat, step=0)
-    assert set(frames) == {"shares", "prob_change", "influence"}
+    assert set(frames) == {"shares", "prob_change", "influence", "notes"}
     sh = frames["shares"]
     assert sh["share"].null_count() == sh.height and float(sh["grad_norm"].abs().max()) == 0.0
-    assert float(frames["prob_change"]["mean_abs"].drop_nans().abs().max()) == 0.0
+    for kind in ("prob_change", "influence"):
+        f = frames[kind]
+        assert f["no_update"].all() and f["mean_abs"].null_count() == f.height, kind
+    assert frames["notes"]["message"].item().startswith("step 0: 5 of 5 counterfactual updates carried no")
 
 
 def test_change_frame_bins(model, batch):

@@ -394,7 +394,7 @@ def test_step_size_sweep_records(records):
     ratio = (steps["1.0"] / steps["0.001"]).to_numpy()
     assert abs(ratio - 1000).max() < 1e-3 * 1000
     table = tables.sweep_correct_table(records)
-    assert set(table["lr"].unique().to_list()) == {1e-3, 1.0}
+    assert set(table["lr"].unique().to_list()) == {0.0, 1e-3, 1.0}  # lr 0: the lr -> 0 limit, the first point
     assert table.filter(pl.col("bin") >= 0).group_by("run", "lr").len()["len"].min() == 4
 
 

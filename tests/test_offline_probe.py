@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from tokendyn.cli import main
 from tokendyn.hooks.offline import probe_rollouts
 from tokendyn.hooks.rollouts import RolloutsError, dump_rollouts, read_rollouts
+from tokendyn.probe.batch import signal_rows
 from tokendyn.probe.tokenloss import Objective
 from tokendyn.remedies import grpo_advantages
 from tokendyn.trainers.grpo import TokendynGRPOTrainer
@@ -56,7 +57,8 @@ class _FirstBatch(TokendynGRPOTrainer):
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, tmp_path_factory):
     """One probed GRPO step (analyses on), its first micro-batch dumped as a rollouts file, and the sequences its
-    analyses ran on (the first 8 of the rollout batch as generated) as another."""
+    analyses ran on (the first 8 of the rollout batch as generated that have a non-zero advantage, as the trainer's
+    probe takes them) as another."""
     tmp = tmp_path_factory.mktemp("offline")
     trainer = _trainer(
         tiny_model_dir, _config(tmp, max_steps=1, probe_every=1, temperature=T_PROBE), cls=_FirstBatch
@@ -64,7 +66,9 @@ def trained(tiny_model_dir, tmp_path_factory):
     trainer.train()
     inputs = trainer.first_inputs
     path = dump_rollouts(inputs, tmp / "batch.parquet", temperature=T_PROBE)
-    rollout = {k: v[:8] if torch.is_tensor(v) and v.dim() else v for k, v in trainer.first_rollout.items()}
+    first = trainer.first_rollout
+    rows = signal_rows(first["advantages"], first["completion_mask"]).nonzero().squeeze(1)[:8]
+    rollout = {k: v[rows] if torch.is_tensor(v) and v.dim() else v for k, v in first.items()}
     sample = dump_rollouts(rollout, tmp / "sample.parquet", temperature=T_PROBE)
     return inputs, path, tmp / "run" / "records", trainer.args, sample
 

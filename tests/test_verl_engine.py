@@ -509,6 +509,35 @@ def test_the_analyses_with_verls_own_loss_equal_tokendyns_objective_on_the_plain
     assert err < 1e-6
 
 
+def test_the_analyses_of_a_batch_without_an_advantage_are_one_note(model_dir, tmp_path):
+    """Every advantage 0 (every group's rewards equal): no sequence carries a signal, so verl's probe analyses
+    nothing (an analysis would measure rounding) and writes one notes record instead, without a warning; the
+    first sequences with an advantage are analysed otherwise (`probe_batch`, the trainer's rule)."""
+    import warnings
+
+    old, adv = rollout(model_dir)
+    engine = ve.build_engine(model_dir, use_remove_padding=True, micro_batch_size=2, lr=0.1)
+    loss_fn = partial(ppo_loss, config=ve.actor_config(micro_batch_size=2))
+    options = {**PROBE, "sample_sequences": 3, "lr": 0.5, "analyses": ["prob_change"]}
+    with probe_engine(engine, tmp_path / "verl", analyses_every=1, **options) as probe:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            probe.analyze(verl_batch(range(len(PROMPTS)), old, torch.zeros_like(adv)), loss_fn)
+        assert set(probe.last_analysis) == {"notes"}
+        assert probe.last_analysis["notes"]["message"].to_list() == [
+            "step 0: no sequence of the sample has a non-zero advantage; analyses skipped"
+        ]
+        signal = adv.clone()
+        signal[[0, 2]] = 0.0  # the first three sequences with an advantage: 1, 3, 4
+        frames = probe.analyze(verl_batch(range(len(PROMPTS)), old, signal), loss_fn)
+    want = reference_probe_batch([1, 3, 4], old, signal)
+    got = frames["prob_change"].filter((pl.col("update") == "counterfactual") & (pl.col("bin") == -1))
+    assert got["count"].item() == want.n_tokens
+    assert got["n_pos"].item() + got["n_neg"].item() == want.n_tokens
+    notes = pl.read_parquet(sorted((tmp_path / "verl" / "records").glob("notes-*.parquet")))
+    assert notes["code"].to_list() == ["no_signal_sample_step_0"]
+
+
 def test_lopti_with_a_quantile_threshold_splits_at_the_batchs_quantile(model_dir, tmp_path):
     """lopti_quantile: both stages split at the q-quantile of pi_old over the batch's response tokens (computed
     here with torch.quantile), and the weights equal the plain loop's at that eta; outside the update the

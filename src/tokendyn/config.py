@@ -175,9 +175,9 @@ class ProbeConfig:
     # -- the rebalancing analyses on a sample of the batch
     sample_sequences: int = _opt(
         8,
-        "Sequences of the rollout batch the rebalancing analyses run on (in training: the first ones with a non-zero "
-        "advantage of all processes, in rank order, a rollout without any noted and skipped; run and written by "
-        "rank 0); 0 = no analyses.",
+        "Sequences of the rollout batch the rebalancing analyses run on: the first ones with a non-zero advantage (in "
+        "training of all processes, in rank order, run and written by rank 0; tokendyn probe: of the file; verl: of "
+        "the update's batch), fewer when there are fewer, a sample without any noted and skipped; 0 = no analyses.",
     )
     analyses: tuple[str, ...] = _opt(
         ANALYSES,

@@ -49,14 +49,16 @@ _DELTA = {
     "max": pl.Float64,
     **_CORRECT,
 }
-# how finely a counterfactual step was resolved (tokendyn.probe.change.Resolution): ||dtheta||, the dtype the
+# how finely a counterfactual step was resolved (tokendyn.probe.resolution.Resolution): ||dtheta||, the dtype the
 # parameters held during the step, the largest fraction of the step their rounding could take, and whether that is
-# within STEP_ROUNDING_LIMIT; null for a real update
+# within STEP_ROUNDING_LIMIT; no_update: the step carried no policy-gradient signal (its measurements null); all
+# null for a real update (and no_update for records written before it was recorded)
 _RESOLUTION = {
     "step_norm": pl.Float64,
     "step_dtype": pl.Utf8,
     "step_rounding": pl.Float64,
     "step_resolved": pl.Boolean,
+    "no_update": pl.Boolean,
 }
 
 SCHEMAS: dict[str, dict[str, pl.DataType]] = {
@@ -193,7 +195,9 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "delta_pi": pl.Float64,
     },
     # distribution of delta pi per bin of pi_old after one update; update: counterfactual | sweep | real;
-    # update_stage: train | low | high | lopti (tokendyn.vocab); source_bin: the bin the update used (-1 all tokens)
+    # update_stage: train | low | high | lopti (tokendyn.vocab); source_bin: the bin the update used (-1 all tokens);
+    # limit: the sweep's lr -> 0 point (lr 0), whose delta pi columns are d pi / d lr at lr = 0 (null before it was
+    # recorded: no such rows)
     "prob_change": {
         **_REBALANCE_KEY,
         "update": pl.Utf8,
@@ -205,6 +209,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "lr": pl.Float64,
         "param_step": pl.Float64,
         **_RESOLUTION,
+        "limit": pl.Boolean,
         **_DELTA,
     },
     # M[source, target]: mean |delta pi| (and the distribution of delta pi, correct ratios) over target-bin tokens after an update with only

@@ -169,19 +169,37 @@ def _moved(r: pl.DataFrame, src: int, targets: list[int]) -> float | None:
 def resolution_note(df: pl.DataFrame) -> str:
     """What the records say of their counterfactual steps' resolution (`step_rounding`, `step_resolved`): "" for
     records that do not say (written before it was recorded), else one sentence, a warning where a step was not
-    resolved."""
+    resolved; and a sentence counting the updates that were no update (`no_update`: no policy-gradient signal,
+    `tokendyn.probe.resolution`), whose rows are empty."""
+    note = _no_update_note(df)
     if "step_rounding" not in df.columns:
-        return ""
+        return note
     known = df.filter(pl.col("step_rounding").is_not_null())
     if known.height == 0:
-        return ""
+        return note
     worst = float(known["step_rounding"].max())
     bad = known.filter(~pl.col("step_resolved"))
     if bad.height == 0:
-        return f" Every counterfactual step was resolved (rounding could take at most {worst:.1e} of a step)."
+        return (
+            f" Every counterfactual step was resolved (rounding could take at most {worst:.1e} of a step)."
+            + note
+        )
     return (f" WARNING: {bad.height} of {known.height} rows come from counterfactual steps that are not resolved: "
             f"rounding the parameters could take up to {100 * worst:.3g} % of a step (in the model's dtype "
-            "--probe_step_precision float64 resolves them; in float64 only a larger --probe_lr does).")  # fmt: skip
+            "--probe_step_precision float64 or a larger --probe_lr resolves them; in float64 only a larger "
+            "--probe_lr does)." + note)  # fmt: skip
+
+
+def _no_update_note(df: pl.DataFrame) -> str:
+    if "no_update" not in df.columns:
+        return ""
+    keys = [c for c in ("run", "step", "update", "update_stage", "source_bin", "lr") if c in df.columns]
+    updates = df.select(keys).n_unique() if keys else 0
+    none = df.filter(pl.col("no_update").fill_null(False)).select(keys).n_unique() if keys else 0
+    if not none:
+        return ""
+    return (f" {none} of {updates} counterfactual updates carried no policy-gradient signal (no token with A ≠ 0 and "
+            "a non-zero weight): no update, their rows are empty.")  # fmt: skip
 
 
 def isolation(records: Records) -> str:

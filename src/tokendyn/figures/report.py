@@ -87,6 +87,7 @@ FIGURES: tuple[FigureSpec, ...] = (
                "The correct ratio of positive-advantage tokens per interval as the counterfactual SGD step grows from "
                "the paper's lr = 1e-3 (dashed) to clearly non-linear steps; ties left out.",
                lambda r: sweep.correct_vs_step(_g(r, "prob_change")), sweep.reading),
+    FigureSpec("g_limit_sweep", "The lr → 0 limit beside the finite step", "theory vs Fig. 2b", ("prob_change",), "Correct ratio (A > 0) and mean |Δπ| per unit lr per interval, from the lr → 0 limit (d π/d lr at lr = 0, the paper's theory) through the sweep's finite SGD steps (its figures: lr 1e-3).", lambda r: sweep.limit_vs_step(_g(r, "prob_change")), sweep.limit_reading),
     FigureSpec("h_update_shares", "Update shares per interval", "new", ("shares",),
                "Projection shares s_b of the update, per parameter group and over training steps; a Lopti run shows "
                "its two stages apart: each stage loss's gradient at the start of the stage.",

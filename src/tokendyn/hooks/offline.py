@@ -14,8 +14,11 @@ read from a rollouts file (`tokendyn.hooks.rollouts`):
    file's old_logp, else the model's own pi (on-policy). Only activation gradients are computed (parameters are
    frozen for the pass, the embedding output carries the gradient): the probed gradients are those of the full
    backward, no parameter gradient is written;
-2. the rebalancing analyses (`tokendyn.probe.rebalance.analyze_batch`) on the first ``sample_sequences`` rows (the
-   `ProbeConfig`'s analyses, less ``real_change``: no update is made here);
+2. the rebalancing analyses (`tokendyn.probe.rebalance.analyze_batch`) on the first ``sample_sequences`` rows that
+   carry a signal (some scored token with A != 0, `tokendyn.probe.batch.signal_rows`: the rows the trainer's probe
+   analyses, `tokendyn.hooks.trainer.TrainerProbe.rollout`), fewer when the file has fewer (the `ProbeConfig`'s
+   analyses, less ``real_change``: no update is made here); a file with no such row gets one ``notes`` record and no
+   analyses (a row without an advantage moves nothing: an analysis of it would measure rounding);
 3. everything is written to a staging folder beside RUN_DIR, renamed onto RUN_DIR at the end: RUN_DIR (absent or
    empty before) gets records/ and run.json all at once, or nothing.
 
@@ -32,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -41,11 +45,12 @@ from tokendyn.config import resolve as resolve_config
 from tokendyn.hooks.model_fit import POSITIONS, check_fits, model_limits, positions_from_masks
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.rollouts import Rollouts, read_rollouts
+from tokendyn.probe.batch import signal_rows
 from tokendyn.probe.probe import GradientProbe
 from tokendyn.probe.rebalance import analyze_update
 from tokendyn.probe.shares import jvp_attention
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, eval_mode, token_loss
-from tokendyn.records import RecordWriter, write_frames
+from tokendyn.records import RecordWriter, to_frame, write_frames
 from tokendyn.vocab import TRAIN
 
 METHOD = "offline probe"
@@ -200,7 +205,8 @@ def probe_rollouts(
     if cfg.compare_rules and cfg.compare_modes == ("optimizer",):
         raise ValueError("compare_modes: an offline probe has no run optimizer; use equal_norm")
     analysing = set(wanted) - {"real_change"} or (cfg.compare_rules and cfg.sample_sequences)
-    n_analysed = min(cfg.sample_sequences, rollouts.n) if analysing else 0
+    rows_analysed = signal_sample(rollouts, cfg.sample_sequences) if analysing else []
+    n_analysed = len(rows_analysed)
     analyses = rebalance_options(cfg, seed)
     if analyses.token_shares and n_analysed:
         jvp_attention(model)  # raises for attention kernels forward-mode AD cannot go through
@@ -245,10 +251,12 @@ def probe_rollouts(
                     if bar is not None:
                         bar.advance(task)
             writer.flush()
+            if analysing and not n_analysed:
+                write_frames(staging, {"notes": _no_signal_note()}, rank=0)
             if n_analysed:
                 if bar is not None:
                     bar.update(task, description=f"analyses on {n_analysed} sequences", completed=0, total=1)
-                sample = rollouts.batch(range(n_analysed), pad_id, device)
+                sample = rollouts.batch(rows_analysed, pad_id, device)
                 with positions_from_masks(model, positions):
                     _analyse(
                         model,
@@ -269,6 +277,7 @@ def probe_rollouts(
             "tokens": n_tokens,
             "micro_batches": len(chunks),
             "analysed_rows": n_analysed,
+            "analysed_row_indices": rows_analysed,
             "advantages": rollouts.advantage_source,
             "pi_old": "old_logp column" if rollouts.old_logp is not None else "on-policy (the model's pi)",
             "input": "token ids" if rollouts.prompts is None else "text (tokenized here)",
@@ -296,6 +305,27 @@ def probe_rollouts(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return OfflineResult(run_dir, [run_dir / f for f in files], rollouts.n, n_tokens, len(chunks), n_analysed)
+
+
+NO_SIGNAL = "no sequence of the sample has a non-zero advantage; analyses skipped"
+
+
+def signal_sample(rollouts: Rollouts, n: int) -> list[int]:
+    """The rows the analyses take: the first ``n`` rows of the file (in its order) with some scored token whose
+    advantage is not 0 (`tokendyn.probe.batch.signal_rows`, the trainer's rule), fewer when it has fewer."""
+    rows: list[int] = []
+    for i in range(rollouts.n):
+        if len(rows) >= n:
+            break
+        adv = torch.as_tensor(np.asarray(rollouts.advantages[i], dtype=np.float64))
+        scored = torch.as_tensor(np.asarray(rollouts.scored(i)) != 0).unsqueeze(0)
+        if bool(signal_rows(adv.reshape(1, -1) if adv.dim() else adv.reshape(1), scored)[0]):
+            rows.append(i)
+    return rows
+
+
+def _no_signal_note():
+    return to_frame("notes", {"step": [0], "rank": [0], "code": ["no_signal_sample"], "message": [NO_SIGNAL]})
 
 
 def _analyse(

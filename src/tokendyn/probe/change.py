@@ -28,7 +28,6 @@ before and after, and the change would read as a tie.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
@@ -39,6 +38,14 @@ from torch import nn
 from tokendyn.probe.bins import bin_bounds
 from tokendyn.probe.float64 import as_float64
 from tokendyn.probe.parallel import gradients, local, reshard, sum_over_ranks
+from tokendyn.probe.resolution import (
+    STEP_ROUNDING_LIMIT,
+    Resolution,
+    policy_signal,
+    resolution_columns,
+    unit_roundoff,
+    warn_unresolved,
+)
 from tokendyn.probe.shares import dot64
 from tokendyn.probe.tokenloss import (
     Objective,
@@ -55,67 +62,14 @@ from tokendyn.vocab import LOPTI, STEP_PRECISIONS, TRAIN
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
-# a counterfactual step is resolved when rounding theta + delta theta to the parameters' dtype cannot take more than
-# this fraction of it (`Resolution`); a number from a step that is not is flagged (step_resolved false, a warning)
-STEP_ROUNDING_LIMIT = 1e-3
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """How finely a counterfactual step was resolved: ``step_norm`` = ||theta_after - theta_before|| (float64 sums),
-    ``step_dtype`` the dtype the parameters held during the step, and
-
-        step_rounding = n u (||theta_before|| + ||delta theta||) / ||delta theta||
-
-    the largest fraction of the step that rounding the parameters to step_dtype could take (u its unit roundoff:
-    each stored entry is within u |theta_i| of the exact theta_i + delta_i, ``n`` the steps stored between the two
-    states; subnormals aside; 0 for no step at all). ``resolved``: step_rounding <= `STEP_ROUNDING_LIMIT`. A float32 model at the paper's
-    lr 1e-3 has steps of ||delta theta|| / ||theta|| ~ 1e-6 .. 1e-5 (a single bin's: less), so step_rounding of 1 %
-    .. 10 % in float32 and ~1e-10 in float64."""
-
-    step_norm: float
-    step_dtype: str
-    step_rounding: float
-
-    @property
-    def resolved(self) -> bool:
-        return self.step_rounding <= STEP_ROUNDING_LIMIT
-
-    def columns(self) -> dict[str, float | str | bool]:
-        return {
-            "step_norm": self.step_norm,
-            "step_dtype": self.step_dtype,
-            "step_rounding": self.step_rounding,
-            "step_resolved": self.resolved,
-        }
-
-
-def resolution_columns(res: Resolution | None) -> dict[str, float | str | bool | None]:
-    """A record's step_norm, step_dtype, step_rounding, step_resolved (all null without a `Resolution`)."""
-    if res is None:
-        return {"step_norm": None, "step_dtype": None, "step_rounding": None, "step_resolved": None}
-    return res.columns()
-
-
-def unit_roundoff(dtype: torch.dtype) -> float:
-    """u = eps / 2 of a floating dtype (float32: 2^-24, bfloat16: 2^-8, float64: 2^-53)."""
-    return float(torch.finfo(dtype).eps) / 2.0
-
-
-def warn_unresolved(where: str, res: Resolution) -> None:
-    """The loud flag of a step below the resolution (`Resolution`)."""
-    if not res.resolved:
-        warnings.warn(
-            f"{where}: the counterfactual step (||dtheta|| = {res.step_norm:.3g}) is not resolved in "
-            f"{res.step_dtype}: rounding can take up to {100 * res.step_rounding:.3g} % of it "
-            f"(limit {100 * STEP_ROUNDING_LIMIT:.3g} %); "
-            + (
-                "a larger step (--probe_lr) resolves it"
-                if res.step_dtype == "float64"
-                else "step_precision 'float64' resolves it"
-            ),
-            stacklevel=3,
-        )
+# (the resolution of a step, and whether it was an update at all, are `tokendyn.probe.resolution`'s; re-exported)
+__all__ = [
+    "STEP_ROUNDING_LIMIT",
+    "Resolution",
+    "resolution_columns",
+    "unit_roundoff",
+    "warn_unresolved",
+]
 
 
 def sgd(lr: float = 1e-3) -> OptimizerFactory:
@@ -199,6 +153,9 @@ class InPlaceUpdate:
     measures pi at the current parameters, `save()` / `load(saved)` go back to an earlier point (parameters and
     optimizer state; Lopti's stage 2 starts from one, the influence sources restart from it). Memory on the device:
     no parameter copy, one gradient during a step, and the analysis optimizer's state (none for plain SGD).
+    Each step also decides whether it carried a policy-gradient signal (`tokendyn.probe.resolution.policy_signal`,
+    from the step's own log pi, no extra pass): ``step_signal`` (the last step), ``signal`` (any step since entry or
+    the last `load`), which `resolution` turns into a "no update".
     The in-place steps bump the parameters' version counters: run it before a training forward or after its
     backward, never while a training graph that saved the weights is alive (its backward would then refuse them).
 
@@ -235,12 +192,15 @@ class InPlaceUpdate:
         self._stack: ExitStack | None = None
         self._copied = False
         self._pi_start: tuple[ProbeBatch, torch.Tensor] | None = None
+        self.step_signal: bool | None = None
+        self.signal = False
 
     def __enter__(self) -> InPlaceUpdate:
         reshard(self.model)  # FSDP2: the registered parameters are the shards (`parallel.reshard`)
         self.params = trainable_parameters(self.model)
         self.start_norm2 = self._sum_over_ranks(sum(dot64(local(p), local(p)) for p in self.params.values()))
         self.start = HostSnapshot(self.params)
+        self.step_signal, self.signal = None, False
         self._stack = ExitStack()
         self._copied = False
         try:
@@ -285,7 +245,8 @@ class InPlaceUpdate:
         """One optimizer step on L_mask = sum_{t in mask} l_t (mask None: every token), in place. Returns L_mask.
         ``keep_gradient``: a host copy of the step's gradient is left in ``last_gradient`` (a `HostSnapshot`,
         name -> tensor), for a later step from the same point: given as ``gradient``, that step skips the forward
-        and backward (Lopti's first stage from theta_0 again, at another learning rate) and returns NaN.
+        and backward (Lopti's first stage from theta_0 again, at another learning rate) and returns NaN; its signal
+        is the kept step's.
         ``inspect``: called with the gradient (one tensor or None per trainable parameter, in `params` order; FSDP2:
         this rank's shards) before the step, e.g. to reduce it to norms (`tokendyn.probe.influence`)."""
         tensors = list(self.params.values())
@@ -293,12 +254,17 @@ class InPlaceUpdate:
         loss = torch.tensor(float("nan"))
         if gradient is not None:
             grads = [gradient.tensors[n].to(local(p).device) for n, p in self.params.items()]
+            signal = getattr(gradient, "signal", True)
         else:
             with eval_mode(self.model):
-                terms = token_loss(self.model, batch, self.objective).terms
+                tl = token_loss(self.model, batch, self.objective)
+                terms = tl.terms
                 loss = terms.sum() if mask is None else (terms * mask.to(terms.device, terms.dtype)).sum()
+                signal = policy_signal(tl.logp, batch, mask, self.objective, tl.entropy)
                 grads = gradients(self.model, loss, tensors)
-            del terms
+            del terms, tl
+        self.step_signal = signal
+        self.signal = self.signal or signal
         if inspect is not None:
             inspect(grads)
         if keep_gradient:
@@ -306,6 +272,7 @@ class InPlaceUpdate:
             self.last_gradient = HostSnapshot(
                 {n: torch.zeros_like(local(p)) if g is None else g for (n, p), g in named}
             )
+            self.last_gradient.signal = signal
         kept = [p.grad for p in tensors]
         self._moved = True
         try:
@@ -349,15 +316,26 @@ class InPlaceUpdate:
             del d
         return self._sum_over_ranks(num) ** 0.5
 
-    def resolution(self, step_norm: float, before_norm: float | None = None, steps: int = 1) -> Resolution:
+    def resolution(
+        self,
+        step_norm: float,
+        before_norm: float | None = None,
+        steps: int = 1,
+        signal: bool | None = None,
+    ) -> Resolution:
         """The `Resolution` of a displacement of norm ``step_norm`` from a state of norm ``before_norm`` (default
-        ||theta_0||) made in ``steps`` stored steps."""
+        ||theta_0||) made in ``steps`` stored steps; a "no update" unless ``signal`` (default: some step since entry
+        or the last `load` carried a policy-gradient signal, ``self.signal``)."""
         before = self.start_norm2**0.5 if before_norm is None else before_norm
         u = unit_roundoff(self.step_dtype)
-        rounding = (
-            steps * u * (before + step_norm) / step_norm if step_norm > 0 else 0.0
-        )  # no step: none lost
-        return Resolution(float(step_norm), str(self.step_dtype).removeprefix("torch."), float(rounding))
+        signal = self.signal if signal is None else signal
+        if step_norm > 0:
+            rounding = steps * u * (before + step_norm) / step_norm
+        else:  # no displacement: none lost, or, for an update, all of it
+            rounding = float("inf") if signal else 0.0
+        return Resolution(
+            float(step_norm), str(self.step_dtype).removeprefix("torch."), float(rounding), not signal
+        )
 
     def relative_step(self) -> float:
         """||theta - theta_0|| / ||theta_0|| over every trainable parameter (`distance`)."""
@@ -380,6 +358,7 @@ class InPlaceUpdate:
         reshard(self.model)
         self.optimizer.load_state_dict(_state_to_host(saved.optimizer))
         self._moved = saved.params is not self.start
+        self.step_signal, self.signal = None, False
 
 
 @dataclass
@@ -440,7 +419,8 @@ def counterfactual_change(
     step on L_mask = sum_{t in mask} l_t; default ``[("train", None)]``, the paper's one-step diagnostic. Lopti:
     ``[("low", low), ("high", high)]`` (`tokendyn.vocab`). ``optimizer``: params -> torch.optim.Optimizer; default
     plain SGD(lr). ``pi_before``: as in `fix_pi_old`. ``precision``: the steps' (`InPlaceUpdate`); each stage's
-    `Resolution` is in ``resolution``.
+    `Resolution` is in ``resolution`` (a stage without a policy-gradient signal is "no update" there, not warned
+    about: `tokendyn.probe.resolution`; "lopti" is one when neither stage is an update).
     """
     stages = [(TRAIN, None)] if stages is None else list(stages)
     if not stages:
@@ -456,7 +436,9 @@ def counterfactual_change(
         for i, (name, mask) in enumerate(stages):
             result.losses[name] = update.step(batch, mask)
             result.param_step[name] = update.relative_step()
-            result.resolution[name] = update.resolution(update.distance(mark), before_norm)
+            result.resolution[name] = update.resolution(
+                update.distance(mark), before_norm, signal=update.step_signal
+            )
             after = update.probs(batch)
             result.pi_after[name] = after
             result.delta[name] = _masked(after - before, batch.completion_mask)
@@ -545,6 +527,14 @@ def delta_summary(
     return out
 
 
+def null_summary() -> dict[str, None]:
+    """`delta_summary`'s keys, every value null: the record of a step that was no update
+    (`tokendyn.probe.resolution`), whose delta pi is no measurement."""
+    keys = ("count", "mean", "std", "mean_abs", "min", *(f"q{round(q * 100):02d}" for q in QUANTILES), "max")
+    keys += ("n_pos", "n_neg", "tie_pos", "tie_neg", "correct_pos", "correct_neg", "correct_pooled")
+    return dict.fromkeys(keys)
+
+
 def change_frame(
     delta: torch.Tensor,
     batch: ProbeBatch,
@@ -559,13 +549,16 @@ def change_frame(
     lr: float | None = None,
     param_step: float | None = None,
     resolution: Resolution | None = None,
+    limit: bool = False,
 ):
     """The `prob_change` record of one delta pi: one row per bin of pi_old (``bins``: (B, C), -1 on padding) and
     one for all tokens (bin -1). ``update``: "counterfactual", "sweep" (the counterfactual step at another step size,
     `tokendyn.probe.rebalance.RebalanceOptions.lr_sweep`) or "real"; ``update_stage``: "train", "low", "high",
     "lopti" (`tokendyn.vocab`); ``source_bin``: the bin the update was restricted to (-1: all tokens); ``param_step``: the update's
     ||delta theta|| / ||theta||; ``resolution``: how finely a counterfactual step was resolved (`Resolution`; null
-    for a real update)."""
+    for a real update); a step that was no update has null statistics (`null_summary`). ``limit``: ``delta`` is the
+    lr -> 0 limit of the step, d pi / d lr at lr = 0 (`tokendyn.probe.limit`; its rows have lr 0 and update
+    "sweep")."""
 
     rows = []
     k = edges.numel() - 1
@@ -584,7 +577,9 @@ def change_frame(
             "lr": lr,
             "param_step": param_step,
             **resolution_columns(resolution),
+            "limit": limit,
         }
-        row.update(delta_summary(delta, batch.advantages, mask))
+        none = resolution is not None and resolution.no_update
+        row.update(null_summary() if none else delta_summary(delta, batch.advantages, mask))
         rows.append(row)
     return to_frame("prob_change", {c: [r[c] for r in rows] for c in rows[0]})

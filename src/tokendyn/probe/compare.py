@@ -206,7 +206,8 @@ class FullUpdate:
     """The analyses' full counterfactual step of one batch (plain SGD at ``lr`` on the whole loss from theta_0,
     pi_old fixed: `tokendyn.probe.rebalance.analyze_update`), which is also the base rule's equal_norm update:
     the batch with pi_old fixed, pi at theta_0 (B, C) float64, dpi of every token after the step (B, C) float64,
-    ||g|| (float64) and the per-token shares s_t = <grad l_t, g> / ||g||^2 (B, C)."""
+    ||g|| (float64) and the per-token shares s_t = <grad l_t, g> / ||g||^2 (B, C); ``signal``: whether the step
+    carried a policy-gradient signal (else it was no update, `tokendyn.probe.resolution`)."""
 
     batch: ProbeBatch
     objective: Objective
@@ -215,6 +216,7 @@ class FullUpdate:
     delta: torch.Tensor
     grad_norm: float
     shares: torch.Tensor | None
+    signal: bool = True
 
 
 def reuses(full: FullUpdate, rule: Rule, batch: ProbeBatch, lr: float) -> bool:
@@ -342,7 +344,7 @@ def compare_rules(
                         target / theta0 if theta0 > 0 else float("nan"),
                         lr,
                         1.0,
-                        update.resolution(target),
+                        update.resolution(target, signal=full.signal),
                         sweep=rule.sweep,
                     )
                     continue

@@ -13,7 +13,9 @@ source = all row. Bins are over pi_old.
 Lopti (``stage_masks=(stage1, stage2)``, e.g. from `lopti_stage_masks`): the matrix per stage. Stage 1 starts from
 the model; its sources are the bins restricted to the stage-1 tokens. Stage 2 starts from the parameters after the
 full stage-1 update (optimizer state carried over, pi_old fixed), its sources restricted to the stage-2 tokens; its
-delta pi is measured from the start of stage 2. Sources without tokens in a stage produce no rows.
+delta pi is measured from the start of stage 2. Sources without tokens in a stage produce no rows; a source whose
+tokens carry no policy-gradient signal (no token with A != 0, or every such token's weight zero: a "no update",
+`tokendyn.probe.resolution`) has its rows with null statistics and ``no_update`` true, and no warning.
 
 Every update is made in place (`tokendyn.probe.change.InPlaceUpdate`), by default on float64 copies of the
 parameters (a source's step is far below the float32 rounding of theta), and each source's step records how finely it
@@ -38,6 +40,7 @@ from tokendyn.probe.change import (
     Resolution,
     delta_summary,
     fix_pi_old,
+    null_summary,
     resolution_columns,
     sgd,
     warn_unresolved,
@@ -94,18 +97,25 @@ class InfluenceResult:
 
     def matrix(self, update_stage: str = TRAIN, quantity: str = "mean_abs") -> torch.Tensor:
         """M[source, target] as a (K + 1, K) tensor; row 0 is source = all tokens, row b + 1 source bin b; NaN
-        where a source has no tokens. quantity: mean_abs, mean, correct_pos, correct_neg, correct_pooled."""
+        where a source has no tokens or was no update (`no_update`). quantity: mean_abs, mean, correct_pos,
+        correct_neg, correct_pooled."""
         k = self.edges.numel() - 1
         out = torch.full((k + 1, k), float("nan"), dtype=torch.float64)
         for (ustage, src), delta in self.deltas.items():
-            if ustage != update_stage:
+            if ustage != update_stage or self.no_update(ustage, src):
                 continue
             for tgt in range(k):
                 out[src + 1, tgt] = delta_summary(delta, self.batch.advantages, self.bins == tgt)[quantity]
         return out
 
+    def no_update(self, update_stage: str, source: int) -> bool:
+        """Whether that source's step carried no policy-gradient signal (`tokendyn.probe.resolution`)."""
+        res = (self.resolution or {}).get((update_stage, source))
+        return res is not None and res.no_update
+
     def to_frame(self, step: int, stage: str = "train"):
-        """The `influence` record: one row per (update_stage, source bin, target bin); bin -1 is all tokens."""
+        """The `influence` record: one row per (update_stage, source bin, target bin); bin -1 is all tokens. A source
+        that was no update has null statistics (`tokendyn.probe.change.null_summary`) and no_update true."""
 
         e = self.edges
         k = e.numel() - 1
@@ -129,7 +139,8 @@ class InfluenceResult:
                     "lr": self.lr,
                     **resolution_columns((self.resolution or {}).get((ustage, src))),
                 }
-                row.update(delta_summary(delta, self.batch.advantages, mask))
+                none = self.no_update(ustage, src)
+                row.update(null_summary() if none else delta_summary(delta, self.batch.advantages, mask))
                 rows.append(row)
         return to_frame("influence", {c: [r[c] for r in rows] for c in rows[0]})
 
@@ -190,13 +201,17 @@ def influence(
                 update.step(batch, mask)
                 deltas[(name, src)] = _masked(update.probs(batch) - pi_start, valid)
                 counts[(name, src)] = int(mask.sum())
-                resolution[(name, src)] = update.resolution(update.distance(stage_start), start_norm)
+                resolution[(name, src)] = update.resolution(
+                    update.distance(stage_start), start_norm, signal=update.step_signal
+                )
                 update.load(stage_start)
             update.step(batch, smask)  # the full stage update: source -1, and the start of the next stage
             pi_next = update.probs(batch)
             deltas[(name, -1)] = _masked(pi_next - pi_start, valid)
             counts[(name, -1)] = int(smask.sum())
-            resolution[(name, -1)] = update.resolution(update.distance(stage_start), start_norm)
+            resolution[(name, -1)] = update.resolution(
+                update.distance(stage_start), start_norm, signal=update.step_signal
+            )
             del stage_start
             pi_start = pi_next
     _warn(resolution)
@@ -261,7 +276,7 @@ def influence_and_shares(
         loss = update.step(batch, valid, inspect=keep_total)
         deltas[(TRAIN, -1)] = _masked(update.probs(batch) - pi_start, valid)
         counts[(TRAIN, -1)] = int(valid.sum())
-        resolution[(TRAIN, -1)] = update.resolution(update.distance())
+        resolution[(TRAIN, -1)] = update.resolution(update.distance(), signal=update.step_signal)
         for src in range(k):
             mask = valid & (bins == src)
             if not bool(mask.any()):
@@ -270,7 +285,7 @@ def influence_and_shares(
             update.step(batch, mask, inspect=lambda gb, b=src: sums.add_bin(b, gb, total))
             deltas[(TRAIN, src)] = _masked(update.probs(batch) - pi_start, valid)
             counts[(TRAIN, src)] = int(mask.sum())
-            resolution[(TRAIN, src)] = update.resolution(update.distance())
+            resolution[(TRAIN, src)] = update.resolution(update.distance(), signal=update.step_signal)
     _warn(resolution)
     total = [None if g is None else g.to(p.dtype) for g, p in zip(total, update.params.values(), strict=True)]
     split = BinSplit(names, groups, edges_t, bins, pi_old, loss, None)

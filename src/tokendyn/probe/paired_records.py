@@ -24,7 +24,9 @@ def paired_frame(
     of the bin: count, the signs of A, correct / tie counts of dpi, sum dpi, sum dpi(reference), sum of the paired
     difference and its square, the sum of the update shares, the entropy change and the KL to the reference rule's
     updated policy (null unless measured, `tokendyn.probe.axis`); the rule's lr, ||dtheta|| / ||theta||, norm
-    ratio, inner updates k, and its sweep point (sweep "c" / "eta" and its value; null for a plain rule)."""
+    ratio, inner updates k, and its sweep point (sweep "c" / "eta" and its value; null for a plain rule). A rule whose
+    update was no update (no policy-gradient signal, `tokendyn.probe.resolution`) has its measured columns null, and
+    so has every rule's paired difference when the reference rule's was."""
     mask = batch.completion_mask
     bins = bin_index(pi_old.to(mask.device), mask, edges)
     adv = batch.advantages.to(mask.device)
@@ -38,6 +40,7 @@ def paired_frame(
         dh = res.entropy.to(mask.device) if res.entropy is not None else None
         kl = res.kl.to(mask.device) if res.kl is not None else None
         sweep, value = res.sweep if res.sweep is not None else (None, None)
+        none, ref_none = _no_update(res), ref is not None and _no_update(ref)
         for i in range(mask.size(0)):
             for b in range(k):
                 m = bins[i] == b
@@ -76,6 +79,20 @@ def paired_frame(
                     "norm_ratio": res.norm_ratio,
                     **resolution_columns(res.resolution),
                 }
+                if none:
+                    values.update(dict.fromkeys(_MEASURED))
+                if none or ref_none:
+                    values.update(dict.fromkeys(_PAIRED))
                 for c, v in values.items():
                     rows.setdefault(c, []).append(v)
     return to_frame("paired", rows)
+
+
+# the columns of a row that measure the rule's update, and those that pair it with the reference rule's
+_MEASURED = ("count", "n_pos", "n_neg", "up_pos", "down_neg", "tie_pos", "tie_neg", "sum_dpi", "sum_share",
+             "sum_dentropy", "sum_kl_ref")  # fmt: skip
+_PAIRED = ("sum_dpi_ref", "sum_diff", "sum_diff2")
+
+
+def _no_update(res) -> bool:
+    return res.resolution is not None and res.resolution.no_update

@@ -8,10 +8,15 @@
 
 Each analysis can be switched off (`RebalanceOptions`). The counterfactual probability change is read off the
 influence run's all-token source (the same update), so turning influence on costs only the per-bin sources.
+
+Counterfactual updates without a policy-gradient signal (an influence source, a stage, a sweep point whose tokens
+have no A != 0, `tokendyn.probe.resolution`) are no update: their rows are null (``no_update`` true), no warning is
+raised, and a ``notes`` record of the batch counts them.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +27,7 @@ from torch import nn
 from tokendyn.config import TOKEN_SHARES_PER_BIN
 from tokendyn.probe.change import (
     STEP_PRECISIONS,
+    Resolution,
     change_frame,
     counterfactual_change,
     fix_pi_old,
@@ -29,10 +35,12 @@ from tokendyn.probe.change import (
 )
 from tokendyn.probe.compare import FullUpdate
 from tokendyn.probe.influence import influence, influence_and_shares
+from tokendyn.probe.limit import limit_change, limit_refusal
 from tokendyn.probe.shares import METHODS, as_edges, gradient_shares
 from tokendyn.probe.token_sample import token_shares_frame
 from tokendyn.probe.token_view import head_ratios, token_view_frame, view_rows
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index
+from tokendyn.records import process_rank, to_frame
 from tokendyn.vocab import HIGH, LOPTI, LOW, TRAIN, stage_name
 
 
@@ -45,7 +53,9 @@ class RebalanceOptions:
     update per source bin (and per Lopti stage); lr_sweep: further step sizes of the counterfactual update (with
     prob_change), recorded as update "sweep" with the update's ||delta theta|| / ||theta||, to see where the
     first-order picture of the paper's lr = 1e-3 step stops holding (list the main lr too to have it on the same
-    curve); view_sequences: sequences of the sample whose every token is recorded (`token_view`: its share, its
+    curve), and before them its lr -> 0 limit (lr 0, ``limit`` true: d pi / d lr at lr = 0, `tokendyn.probe.limit`;
+    skipped with a warning on FSDP2-sharded parameters or an attention kernel forward-mode AD refuses);
+    view_sequences: sequences of the sample whose every token is recorded (`token_view`: its share, its
     counterfactual dpi, its own-gradient ratio; 0 = off); step_precision: the counterfactual steps' (influence
     sources, prob_change, the sweep; `tokendyn.probe.change.InPlaceUpdate`): "float64" (default: a float64 copy of
     the model for the analysis, so a step below the float32 rounding of theta is made whole) or "model" (the
@@ -111,7 +121,8 @@ def analyze_update(
     lopti_order: str = "low_first",
     tokenizer=None,
 ) -> tuple[dict[str, pl.DataFrame], FullUpdate | None]:
-    """The `shares`, `token_shares`, `prob_change` (counterfactual, and "sweep" rows for ``options.lr_sweep``),
+    """The `shares`, `token_shares`, `prob_change` (counterfactual, and "sweep" rows for ``options.lr_sweep``, the
+    first of them its lr -> 0 limit),
     `influence` and `token_view` frames of one batch, for the analyses switched on, and the full counterfactual step
     it made (`tokendyn.probe.compare.FullUpdate`: the base rule's equal_norm update of the paired comparison, which
     then need not make it again; None when it made none, or with Lopti's stages, no per-token shares, a zero
@@ -120,7 +131,8 @@ def analyze_update(
     None (update stage train). The model is left bitwise as it was (the counterfactual updates are made in place
     and undone, `tokendyn.probe.change.InPlaceUpdate`); ``.grad`` and any optimizer are untouched. ``tokenizer``:
     decodes the `token_view` tokens (else their text is empty). With the influence matrix and the shares both on
-    (one update stage, method "stream") they come from one set of gradients (`influence_and_shares`)."""
+    (one update stage, method "stream") they come from one set of gradients (`influence_and_shares`). Counterfactual
+    updates that were no update (`tokendyn.probe.resolution`) are counted in a `notes` frame (absent when none)."""
     opts = options or RebalanceOptions()
     edges_t = as_edges(edges)
     batch, pi0 = fix_pi_old(model, batch, precision=opts.step_precision)  # pi_old fixed once for all
@@ -163,7 +175,9 @@ def analyze_update(
         resolution = {name: inf.resolution[(name, -1)] for name, _ in stages}
         if len(stages) > 1:
             deltas[LOPTI] = sum(deltas.values())
-            resolution[LOPTI] = None
+            # (no step of its own: null; no update when neither stage was one)
+            none = all(r.no_update for r in resolution.values())
+            resolution[LOPTI] = Resolution(None, None, None, True) if none else None
         main, pi_start = None, inf.pi0
     elif opts.prob_change:
         main = counterfactual_change(
@@ -180,6 +194,7 @@ def analyze_update(
         deltas, main, resolution = {}, None, {}
     if deltas:
         all_delta = deltas[TRAIN] if stage_masks is None else deltas[LOPTI]
+    sweep_res: dict[str, Resolution] = {}
     if opts.prob_change:
         steps_of = main.param_step if main is not None else {}
         parts = [
@@ -188,10 +203,21 @@ def analyze_update(
             for name, d in deltas.items()
         ]  # fmt: skip
         full = TRAIN if stage_masks is None else LOPTI
+        refused = limit_refusal(model) if opts.lr_sweep else None
+        if refused:
+            warnings.warn(refused, stacklevel=2)
+        elif opts.lr_sweep:  # the sweep's first point: its lr -> 0 limit, d pi / d lr at lr = 0
+            lim = limit_change(model, batch, stages, objective=objective)
+            sweep_res["limit"] = lim.resolution
+            parts.append(
+                change_frame(lim.rate, batch, bins, edges_t, step=step, stage=stage, update="sweep",
+                             update_stage=full, lr=0.0, param_step=0.0, resolution=lim.resolution, limit=True)
+            )  # fmt: skip
         for lr in opts.lr_sweep:
             swept = counterfactual_change(
                 model, batch, stages, lr=lr, objective=objective, pi_before=pi0, precision=opts.step_precision
             )
+            sweep_res[f"lr {lr:g}"] = swept.resolution[full]
             parts.append(
                 change_frame(swept.delta[full], batch, bins, edges_t, step=step, stage=stage, update="sweep",
                              update_stage=full, lr=lr, param_step=swept.param_step[full],
@@ -252,8 +278,35 @@ def analyze_update(
             if resolution.get(TRAIN)
             else float(res.bins.total_norm[0]),
             res.tokens,
+            not (resolution.get(TRAIN) is not None and resolution[TRAIN].no_update),
         )
+    notes = _no_update_notes(step, inf.resolution if opts.influence else {}, resolution, sweep_res)
+    if notes is not None:
+        frames["notes"] = notes
     return frames, full
+
+
+def _no_update_notes(step: int, sources: dict, stages: dict, sweep: dict) -> pl.DataFrame | None:
+    """The `notes` record counting the batch's counterfactual updates that were no update (None when none was):
+    the influence sources (update stage, source bin), the counterfactual update's stages, the sweep's points."""
+    seen = [(f"influence {u} source {src}", r) for (u, src), r in (sources or {}).items()]
+    if not sources:
+        seen += [(f"prob_change {name}", r) for name, r in stages.items()]
+    seen += [(f"sweep {name}", r) for name, r in sweep.items()]
+    seen = [(what, r) for what, r in seen if r is not None]
+    none = [what for what, r in seen if r.no_update]
+    if not none:
+        return None
+    message = (f"step {step}: {len(none)} of {len(seen)} counterfactual updates carried no policy-gradient signal "
+               f"(no token with A != 0 and a non-zero weight) and were no update; their records are null "
+               f"(no_update): {', '.join(none)}")  # fmt: skip
+    columns = {
+        "step": [step],
+        "rank": [process_rank()],
+        "code": [f"no_update_step_{step}"],
+        "message": [message],
+    }
+    return to_frame("notes", columns)
 
 
 @analysis_forward

@@ -171,11 +171,13 @@ def _high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top: float) ->
 
 @dataclass
 class TokenLoss:
-    """logp: log pi_t (B, C); terms: l_t (B, C); loss: L = sum_t l_t (0-d)."""
+    """logp: log pi_t (B, C); terms: l_t (B, C); loss: L = sum_t l_t (0-d); entropy: H_t (B, C) when the objective
+    reads it, else None."""
 
     logp: torch.Tensor
     terms: torch.Tensor
     loss: torch.Tensor
+    entropy: torch.Tensor | None = None
 
 
 def token_loss(
@@ -192,7 +194,7 @@ def token_loss(
     else:
         logp, entropy = completion_logp(model, batch, params), None
     terms = loss_terms(logp, batch, objective, entropy)
-    return TokenLoss(logp, terms, terms.sum())
+    return TokenLoss(logp, terms, terms.sum(), entropy)
 
 
 def bin_index(pi: torch.Tensor, mask: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:

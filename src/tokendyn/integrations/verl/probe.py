@@ -229,10 +229,11 @@ class EngineProbe:
     def analyze(self, data, loss_function) -> dict:
         """The rebalancing analyses the probe config switches on (update shares per bin and per token, the
         counterfactual probability change, the influence matrix), on the first ``sample_sequences`` sequences of
-        the batch, with verl's own loss as the objective (`objective.VerlObjective`), at the current weights and
-        before the step's forward (the model is left bitwise as it was); written to RUN_DIR/records. Under several
-        data-parallel ranks every rank analyses data-parallel rank 0's sample (FSDP2's collectives run on all of
-        them, and the averaged gradients are then that sample's), and rank 0 writes the records."""
+        the batch with a non-zero advantage (`probe_batch`; none: a ``notes`` record, no analyses), with verl's
+        own loss as the objective (`objective.VerlObjective`), at the current weights and before the step's forward
+        (the model is left bitwise as it was); written to RUN_DIR/records. Under several data-parallel ranks every
+        rank analyses data-parallel rank 0's sample (FSDP2's collectives run on all of them, and the averaged
+        gradients are then that sample's), and rank 0 writes the records."""
         from tokendyn.hooks.options import rebalance_options
         from tokendyn.integrations.verl.objective import VerlObjective
         from tokendyn.probe.rebalance import analyze_batch
@@ -249,6 +250,12 @@ class EngineProbe:
             shared = [batch]
             dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
             batch = shared[0]
+        if batch is None:  # no sequence with an advantage: an analysis would measure rounding
+            frames = {"notes": _no_signal_note(self.step, self.rank)}
+            if self.rank == 0:
+                write_frames(self.run_dir, frames, rank=self.rank)
+            self.last_analysis = frames
+            return frames
         edges = self.probe.bins.edges if self.probe.bins.kind != "quantiles" else None
         self.probe.enabled = False  # the analyses' forwards and backwards are not training passes
         try:
@@ -326,28 +333,34 @@ class EngineProbe:
 
 
 def probe_batch(data, rows: int, temperature: float):
-    """The first ``rows`` sequences of a verl batch (NO_PADDING layout) as a `ProbeBatch`: prompts left-padded and
-    responses right-padded to the sample's longest, the completion in the last columns (TRL's layout, which the
-    analyses take); completion mask, advantages, pi_old (and pi_ref when the batch has ``ref_log_prob``) per
-    response token."""
+    """The first ``rows`` sequences of a verl batch (NO_PADDING layout) that carry a signal (some response token with
+    a non-zero advantage, `tokendyn.probe.batch.signal_rows`: the rule of the TRL trainer's probe), fewer when it has
+    fewer, as a `ProbeBatch`; None when no sequence has one. Prompts left-padded and responses right-padded to the
+    sample's longest, the completion in the last columns (TRL's layout, which the analyses take); completion mask,
+    advantages, pi_old (and pi_ref when the batch has ``ref_log_prob``) per response token."""
+    from tokendyn.probe.batch import signal_rows
     from tokendyn.probe.tokenloss import ProbeBatch
 
-    p_len, r_len = prompt_response_lengths(data)
-    k = min(int(rows), int(p_len.shape[0]))
-    if k < 1:
+    if int(rows) < 1:
         raise VerlConfigError(f"probe analyses: sample_sequences must be >= 1, got {rows!r}")
-    seqs = data["input_ids"].unbind()[:k]
-    width_p, width_r = int(p_len[:k].max()), int(r_len[:k].max())
+    p_len, r_len = prompt_response_lengths(data)
+    adv, mask = _response_tensor(data, "advantages"), _response_tensor(data, "response_mask")
+    chosen = signal_rows(adv.cpu(), mask.cpu().bool()).nonzero().squeeze(1)[: int(rows)]
+    k = int(chosen.numel())
+    if k == 0:
+        return None
+    seqs = data["input_ids"].unbind()
+    width_p, width_r = int(p_len[chosen].max()), int(r_len[chosen].max())
     ids = torch.zeros(k, width_p + width_r, dtype=torch.long)
     attn = torch.zeros_like(ids)
-    for b, seq in enumerate(seqs):
-        p, r = int(p_len[b]), int(r_len[b])
+    for b, i in enumerate(chosen.tolist()):
+        p, r, seq = int(p_len[i]), int(r_len[i]), seqs[i]
         ids[b, width_p - p : width_p] = seq[:p].cpu()
         ids[b, width_p : width_p + r] = seq[p : p + r].cpu()
         attn[b, width_p - p : width_p + r] = 1
 
     def per_token(key):
-        return _response_tensor(data, key)[:k, :width_r].cpu()
+        return _response_tensor(data, key).cpu()[chosen, :width_r]
 
     has_ref = "ref_log_prob" in data.keys()
     return ProbeBatch(
@@ -359,6 +372,14 @@ def probe_batch(data, rows: int, temperature: float):
         ref_logp=per_token("ref_log_prob").double() if has_ref else None,
         temperature=temperature,
     )
+
+
+def _no_signal_note(step: int, rank: int):
+    from tokendyn.records import to_frame
+
+    message = f"step {step}: no sequence of the sample has a non-zero advantage; analyses skipped"
+    return to_frame("notes", {"step": [step], "rank": [rank], "code": [f"no_signal_sample_step_{step}"],
+                              "message": [message]})  # fmt: skip
 
 
 @contextmanager
