@@ -71,8 +71,8 @@ def main() -> None:
     ap.add_argument("--head-scale", type=float, default=40.0, help="LM head scale (spreads pi over the bins)")
     args = ap.parse_args()
 
-    from tokendyn.probe.compare import compare_rules, make_rule
-    from tokendyn.probe.rebalance import RebalanceOptions, analyze_update
+    from tokendyn.effects.compare import compare_rules, make_rule
+    from tokendyn.effects.rebalance import RebalanceOptions, analyze_update
     from tokendyn.probe.tokenloss import Objective, ProbeBatch
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """The lr -> 0 limit against the paper's finite step (issue 42 item 3): per bin of pi_old, the correct ratio and the
-mean |delta pi| per unit lr at the limit (d pi / d lr at lr = 0, `tokendyn.probe.limit`) and after the counterfactual
+mean |delta pi| per unit lr at the limit (d pi / d lr at lr = 0, `tokendyn.effects.limit`) and after the counterfactual
 SGD step at each `--lrs` (the paper's lr 1e-3 by default; float64 steps, as the analyses make them), on a batch of
 the policy's own samples.
 
@@ -67,10 +67,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
+    from tokendyn.effects.change import counterfactual_change, delta_summary, fix_pi_old
+    from tokendyn.effects.limit import limit_change
+    from tokendyn.effects.shares import as_edges
     from tokendyn.policy import load_policy
-    from tokendyn.probe.change import counterfactual_change, delta_summary, fix_pi_old
-    from tokendyn.probe.limit import limit_change
-    from tokendyn.probe.shares import as_edges
     from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index
 
     t0 = time.perf_counter()

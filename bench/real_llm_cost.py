@@ -125,10 +125,10 @@ def main() -> None:
     from trl.trainer.utils import add_fused_lm_head
 
     from tokendyn.config import ProbeConfig
+    from tokendyn.effects.compare import compare_rules, make_rule
+    from tokendyn.effects.rebalance import RebalanceOptions, analyze_update
     from tokendyn.policy import load_policy
-    from tokendyn.probe.compare import compare_rules, make_rule
     from tokendyn.probe.probe import GradientProbe
-    from tokendyn.probe.rebalance import RebalanceOptions, analyze_update
     from tokendyn.probe.tokenloss import Objective
 
     model, tok = load_policy(args.model, dtype=torch.float32)

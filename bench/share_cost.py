@@ -52,9 +52,9 @@ def main() -> None:
 
     import torch
 
-    from tokendyn.probe.change import counterfactual_change
-    from tokendyn.probe.influence import influence
-    from tokendyn.probe.shares import as_edges, bin_gradients, bin_shares, token_shares
+    from tokendyn.effects.change import counterfactual_change
+    from tokendyn.effects.influence import influence
+    from tokendyn.effects.shares import as_edges, bin_gradients, bin_shares, token_shares
     from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index, token_loss
 
     torch.set_num_threads(args.threads)

@@ -36,9 +36,9 @@ def main() -> None:
 
     import torch
 
+    from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch
+    from tokendyn.effects.token_view import head_ratios, token_texts
     from tokendyn.policy import load_policy
-    from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch
-    from tokendyn.probe.token_view import head_ratios, token_texts
     from tokendyn.probe.tokenloss import ProbeBatch, token_loss
     from tokendyn.records import write_frames
 

@@ -31,7 +31,8 @@ TEMPERATURE = 0.7
 
 def sample_rollouts(prompts: list[str], group: int, length: int, seed: int = 0):
     """``group`` sampled completions per prompt from the embedded policy at T: token lists, pi_old at T, and GRPO
-    advantages of a toy reward (the share of digits in the completion)."""
+    advantages of a toy reward (the share of vowels in the completion: graded, so the samples of a prompt differ and the
+    analyses, which take the sequences with a non-zero advantage, have some)."""
     model, tok = load_policy()
     torch.manual_seed(seed)
     prompt_ids, response_ids, old = [], [], []
@@ -48,7 +49,7 @@ def sample_rollouts(prompts: list[str], group: int, length: int, seed: int = 0):
         prompt_ids += [ids[0].tolist()] * group
         response_ids += responses.tolist()
     texts = tok.batch_decode(torch.tensor(response_ids), skip_special_tokens=True)
-    reward = torch.tensor([sum(c.isdigit() for c in t) / max(len(t), 1) for t in texts], dtype=torch.float64)
+    reward = torch.tensor([sum(c in "aeiou" for c in t) / max(len(t), 1) for t in texts], dtype=torch.float64)
     adv = grpo_advantages(reward, group).float()[:, None].expand(-1, length)  # consecutive groups of `group`
     return prompt_ids, response_ids, torch.cat(old), adv, tok.pad_token_id
 

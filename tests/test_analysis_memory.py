@@ -16,10 +16,10 @@ from transformers import Qwen2ForCausalLM
 
 import tokendyn.probe.forward as fwd
 import tokendyn.probe.tokenloss as tl
-from tokendyn.probe.change import InPlaceUpdate, completion_probs, counterfactual_change
-from tokendyn.probe.influence import influence, lopti_stage_masks
-from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch
-from tokendyn.probe.shares import as_edges, gradient_shares, parameter_group
+from tokendyn.effects.change import InPlaceUpdate, completion_probs, counterfactual_change
+from tokendyn.effects.influence import influence, lopti_stage_masks
+from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch
+from tokendyn.effects.shares import as_edges, gradient_shares, parameter_group
 from tokendyn.probe.tokenloss import (
     Objective,
     completion_logp,
@@ -354,7 +354,7 @@ def test_analyses_under_gradient_checkpointing_equal_the_unchecked_ones_and_reco
     model's flags and checkpoint function are left as they were."""
     from _rebalance import tiny_batch, tiny_model
 
-    from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch
+    from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch
 
     def run(model):
         batch = tiny_batch(model, old_logp=True)

@@ -1,4 +1,4 @@
-"""The axis through both camps (`tokendyn.probe.axis`): A_t <- (1 + c (1 - pi_old,t)) A_t swept in the paired
+"""The axis through both camps (`tokendyn.effects.axis`): A_t <- (1 + c (1 - pi_old,t)) A_t swept in the paired
 comparison. Its points are the named rules where they coincide (c = -alpha: Reweight, c = 0: the base rule, c > 0: the
 Delta-log-p reweight, eta: Lopti), bitwise; and a point of each sign equals a plain-torch float64 computation written
 here from the formula: the reweighted advantages, the SGD step at the base rule's norm, then dpi, the entropy change
@@ -13,10 +13,10 @@ import torch
 from _models import float64_probe_setup
 
 from tokendyn.config import ProbeConfig, ProbeConfigError
-from tokendyn.probe.axis import axis_rules
-from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
+from tokendyn.effects.axis import axis_rules
+from tokendyn.effects.compare import compare_rules, make_rule, paired_frame
+from tokendyn.effects.shares import as_edges
 from tokendyn.probe.float64 import exact_float64
-from tokendyn.probe.shares import as_edges
 from tokendyn.probe.tokenloss import Objective
 
 torch.set_num_threads(1)

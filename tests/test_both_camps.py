@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tokendyn.probe.compare import make_rule, rule_batch
+from tokendyn.effects.compare import make_rule, rule_batch
 from tokendyn.probe.forward import minp_proxy_logp
 from tokendyn.probe.rules import SURROGATES
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, loss_terms

@@ -1,5 +1,5 @@
 """Probability change, correct ratios, the influence matrix and the per-batch analysis records
-(tokendyn.probe.change / influence / rebalance)."""
+(tokendyn.effects.change / influence / rebalance)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from _rebalance import TEMPERATURE, tiny_batch, tiny_model
 
-from tokendyn.probe.change import (
+from tokendyn.effects.change import (
     change_frame,
     completion_probs,
     correct_ratios,
@@ -19,10 +19,10 @@ from tokendyn.probe.change import (
     delta_summary,
     real_change,
 )
+from tokendyn.effects.influence import influence, lopti_stage_masks
+from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch, real_change_frame
+from tokendyn.effects.shares import as_edges, bin_gradients
 from tokendyn.probe.float64 import exact_float64
-from tokendyn.probe.influence import influence, lopti_stage_masks
-from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch, real_change_frame
-from tokendyn.probe.shares import as_edges, bin_gradients
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index, completion_logp, token_loss
 from tokendyn.records import SCHEMAS
 from tokendyn.records import write_frames as write_records
@@ -195,8 +195,8 @@ def test_influence_and_shares_from_one_set_of_gradients(model, batch, objective)
     theta_0), the per-bin and per-group norms and shares those of every g_b held at once (`bin_gradients`, K
     backward passes of their own, on a float64 copy) to float64 rounding, the per-token shares those of `gradient_shares`; the model is
     left bitwise as it was; with the fewer forward passes it exists for."""
-    from tokendyn.probe.influence import influence_and_shares
-    from tokendyn.probe.shares import bin_shares, gradient_shares
+    from tokendyn.effects.influence import influence_and_shares
+    from tokendyn.effects.shares import bin_shares, gradient_shares
 
     ref_batch = batch
     if objective is not None:  # an off-policy batch with a reference policy near pi_old, for the KL term

@@ -1,4 +1,4 @@
-"""The paired comparison (`tokendyn.probe.compare`) against a plain-torch computation written here, on a float64
+"""The paired comparison (`tokendyn.effects.compare`) against a plain-torch computation written here, on a float64
 model: each rule's update applied to a copy of the model (its own loss, gradient, step size), pi read before and
 after. The undo leaves the parameters and the run's optimizer state bitwise as they were."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
+from tokendyn.effects.compare import compare_rules, make_rule, paired_frame
+from tokendyn.effects.shares import as_edges
 from tokendyn.probe.float64 import exact_float64
-from tokendyn.probe.shares import as_edges
 from tokendyn.probe.tokenloss import Objective, ProbeBatch
 
 torch.set_num_threads(1)
@@ -163,8 +163,8 @@ def test_the_analyses_full_step_is_the_base_rule_and_is_reused(setup, with_influ
     advantages) or another lr is not reused."""
     from dataclasses import replace
 
-    from tokendyn.probe.compare import reuses
-    from tokendyn.probe.rebalance import RebalanceOptions, analyze_update
+    from tokendyn.effects.compare import reuses
+    from tokendyn.effects.rebalance import RebalanceOptions, analyze_update
 
     model, batch = setup
     opts = RebalanceOptions(lr=LR, influence=with_influence, token_shares=2)

@@ -13,7 +13,7 @@ import torch
 from _models import float64_probe_setup
 from test_both_camps import aspo_closed_form, ce_gppo_closed_form
 
-from tokendyn.probe.compare import compare_rules, make_rule
+from tokendyn.effects.compare import compare_rules, make_rule
 from tokendyn.probe.float64 import exact_float64
 from tokendyn.probe.tokenloss import Objective
 

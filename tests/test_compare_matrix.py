@@ -14,7 +14,7 @@ import pytest
 import torch
 from _matrix import ADAPTERS, ARCHS, PROMPT, T, build, sample_batch, token_logps, with_adapter
 
-from tokendyn.probe.compare import compare_rules, make_rule
+from tokendyn.effects.compare import compare_rules, make_rule
 from tokendyn.probe.float64 import exact_float64
 from tokendyn.probe.tokenloss import Objective, ProbeBatch
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from tokendyn import GradientProbe, ProbeBatch, instrument, load_run
-from tokendyn.probe.shares import gradient_shares
+from tokendyn.effects.shares import gradient_shares
 from tokendyn.probe.tokenloss import Objective
 
 LN2, LN3 = math.log(2.0), math.log(3.0)

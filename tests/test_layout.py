@@ -12,7 +12,7 @@ import tokendyn
 SRC = Path(tokendyn.__file__).parent
 
 # the room order, bottom up: a room may import only rooms of a lower rank (DESIGN.md: cli -> hooks/trainers ->
-# probe -> (torch); figures -> analysis -> records on disk). "__init__" is the package root: it re-exports the entry
+# effects -> probe -> (torch); figures -> analysis -> records on disk). "__init__" is the package root: it re-exports the entry
 # points, so it sits on top and no room imports it.
 ORDER = {
     "version": 0,
@@ -24,16 +24,17 @@ ORDER = {
     "remedies": 1,
     "policy": 1,
     "tasks": 1,
-    "probe": 2,
+    "probe": 2,  # the recorder, and the objective and its rules (which the trainers' loss reads too)
     "analysis": 2,
-    "hooks": 3,
-    "figures": 3,
-    "trainers": 4,
-    "integrations": 4,  # glue for other stacks (verl): remedies, probe and hooks below it, nothing above
-    "commands": 5,
-    "cli": 6,  # commands are found by name (importlib), not imported
-    "__main__": 7,
-    "__init__": 8,
+    "effects": 3,  # what an update does to each token: the model-based analyses, above the recorder
+    "hooks": 4,
+    "figures": 4,
+    "trainers": 5,
+    "integrations": 5,  # glue for other stacks (verl): remedies, probe and hooks below it, nothing above
+    "commands": 6,
+    "cli": 7,  # commands are found by name (importlib), not imported
+    "__main__": 8,
+    "__init__": 9,
 }
 
 
@@ -132,7 +133,7 @@ def test_nobody_imports_the_package_root():
 
 
 def test_the_checker_sees_nested_relative_and_submodule_imports():
-    assert "tokendyn.remedies" in imports("tokendyn.probe.influence")  # inside a function
+    assert "tokendyn.remedies" in imports("tokendyn.effects.influence")  # inside a function
     assert "tokendyn.vocab" in imports("tokendyn")  # `from tokendyn import vocab`: the submodule
     assert "tokendyn.probe.parallel" in imports(
         "tokendyn.probe.probe"

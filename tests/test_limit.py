@@ -1,4 +1,4 @@
-"""The lr -> 0 limit of the counterfactual SGD step (`tokendyn.probe.limit`, issue 42 item 3): d pi_t / d lr at lr = 0
+"""The lr -> 0 limit of the counterfactual SGD step (`tokendyn.effects.limit`, issue 42 item 3): d pi_t / d lr at lr = 0
 from one JVP, against the finite step it is the limit of.
 
 The reference is independent of the JVP: the exact counterfactual SGD step (`counterfactual_change`, a real
@@ -23,13 +23,13 @@ import torch  # noqa: E402
 from _matrix import ARCHS, T, build, sample_batch  # noqa: E402
 from test_resolution import _greedy_batch, _one_minus_pi64  # noqa: E402
 
+from tokendyn.effects.change import correct_ratios, counterfactual_change  # noqa: E402
+from tokendyn.effects.influence import lopti_stage_masks  # noqa: E402
+from tokendyn.effects.limit import limit_change  # noqa: E402
+from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch  # noqa: E402
 from tokendyn.figures.data import MissingRecords  # noqa: E402
 from tokendyn.figures.sweep import limit_table, limit_vs_step, sweep_table  # noqa: E402
-from tokendyn.probe.change import correct_ratios, counterfactual_change  # noqa: E402
 from tokendyn.probe.float64 import exact_float64  # noqa: E402
-from tokendyn.probe.influence import lopti_stage_masks  # noqa: E402
-from tokendyn.probe.limit import limit_change  # noqa: E402
-from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch  # noqa: E402
 from tokendyn.probe.tokenloss import ProbeBatch  # noqa: E402
 from tokendyn.records import scan_records, write_frames  # noqa: E402
 
@@ -150,7 +150,7 @@ def test_the_limits_sign_holds_for_near_certain_tokens():
 def lim_batch(model, batch: ProbeBatch) -> ProbeBatch:
     """The batch with pi_old fixed at the float32 model's pi (as `limit_change` fixes an on-policy batch), so that
     the float64 step starts from the same ratio."""
-    from tokendyn.probe.change import fix_pi_old
+    from tokendyn.effects.change import fix_pi_old
 
     return fix_pi_old(model, batch)[0]
 

@@ -16,13 +16,13 @@ import pytest
 import torch
 from _rebalance import tiny_batch, tiny_model
 
+from tokendyn.effects.change import change_frame, counterfactual_change, fix_pi_old
+from tokendyn.effects.compare import compare_rules, make_rule, paired_frame
+from tokendyn.effects.influence import influence
+from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch
+from tokendyn.effects.resolution import policy_signal
+from tokendyn.effects.shares import as_edges
 from tokendyn.figures.readings import resolution_note
-from tokendyn.probe.change import change_frame, counterfactual_change, fix_pi_old
-from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
-from tokendyn.probe.influence import influence
-from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch
-from tokendyn.probe.resolution import policy_signal
-from tokendyn.probe.shares import as_edges
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, bin_index, completion_logp, token_loss
 
 torch.set_num_threads(1)
@@ -236,9 +236,9 @@ def test_the_offline_probe_analyses_the_first_rows_with_an_advantage(tiny_model_
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from tokendyn.config import resolve
+    from tokendyn.effects.rebalance import analyze_update
     from tokendyn.hooks.offline import probe_rollouts
     from tokendyn.hooks.options import rebalance_options
-    from tokendyn.probe.rebalance import analyze_update
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tok = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from _rebalance import VOCAB, tiny_model
 
-from tokendyn.probe.change import correct_ratios, counterfactual_change, real_change
+from tokendyn.effects.change import correct_ratios, counterfactual_change, real_change
 from tokendyn.probe.float64 import exact_float64
 from tokendyn.probe.tokenloss import ProbeBatch, completion_logp
 

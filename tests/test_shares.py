@@ -7,14 +7,14 @@ import pytest
 import torch
 from _rebalance import TEMPERATURE, tiny_batch, tiny_model
 
-from tokendyn.probe.shares import (
+from tokendyn.effects.shares import (
     bin_gradients,
     bin_shares,
     gradient_shares,
     parameter_group,
     token_shares,
 )
-from tokendyn.probe.token_sample import sample_tokens
+from tokendyn.effects.token_sample import sample_tokens
 from tokendyn.probe.tokenloss import (
     Objective,
     ProbeBatch,
@@ -178,7 +178,7 @@ def test_jvp_shares_match_per_bin_shares_and_finite_differences(model64):
 def test_shares_of_a_token_subset_decompose_that_subsets_loss(model64):
     """A Lopti stage: with token_mask, g = grad sum_{t in mask} l_t (the counterfactual update's masked loss), bins outside the
     mask get g_b = 0 and no tokens, the shares sum to 1 and the per-token JVP shares agree with them."""
-    from tokendyn.probe.influence import lopti_stage_masks
+    from tokendyn.effects.influence import lopti_stage_masks
 
     b = tiny_batch(model64, old_logp=True)
     obj = Objective(eps_low=0.2, eps_high=0.24, beta=0.0)

@@ -18,13 +18,13 @@ import torch
 from _matrix import ARCHS
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tokendyn.effects.change import STEP_ROUNDING_LIMIT, counterfactual_change, fix_pi_old
+from tokendyn.effects.compare import compare_rules, make_rule
+from tokendyn.effects.influence import influence, influence_and_shares
+from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch
 from tokendyn.figures.readings import resolution_note
 from tokendyn.policy import load_policy
-from tokendyn.probe.change import STEP_ROUNDING_LIMIT, counterfactual_change, fix_pi_old
-from tokendyn.probe.compare import compare_rules, make_rule
 from tokendyn.probe.float64 import as_float64, exact_float64
-from tokendyn.probe.influence import influence, influence_and_shares
-from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch
 from tokendyn.probe.tokenloss import Objective, ProbeBatch
 from tokendyn.tasks.kk.datasets import puzzles, trl_rows
 

@@ -1,4 +1,4 @@
-"""The per-token records of the token view (`tokendyn.probe.token_view`): the own-gradient ratio against float64
+"""The per-token records of the token view (`tokendyn.effects.token_view`): the own-gradient ratio against float64
 autograd on every architecture of the configuration matrix (full and LoRA), the decoded text against the tokenizer's
 own decode, and the trainer's `token_view` / `token_view_rules` records against the binned records of the same
 step (the same tokens summed must give the same numbers)."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 from _matrix import ADAPTERS, ARCHS, PROMPT, T, build, sample_batch, with_adapter
 
+from tokendyn.effects.token_view import head_ratios, token_texts
 from tokendyn.probe.float64 import exact_float64
-from tokendyn.probe.token_view import head_ratios, token_texts
 from tokendyn.probe.tokenloss import ProbeBatch
 
 torch.set_num_threads(1)
@@ -120,7 +120,7 @@ def test_a_tool_masked_hole_keeps_its_neighbours_text(tiny_model_dir):
     second byte completes "ü"), not of the scored ids decoded alone (where it completes nothing)."""
     from transformers import PreTrainedTokenizerFast
 
-    from tokendyn.probe.token_view import token_view_frame
+    from tokendyn.effects.token_view import token_view_frame
 
     tok = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
     ids = tok(" Oliver says ü so Zoey is a knave", add_special_tokens=False)["input_ids"]
@@ -144,7 +144,7 @@ def test_a_tool_masked_hole_keeps_its_neighbours_text(tiny_model_dir):
 def test_a_decoder_that_rewrites_its_prefix_recovers():
     """A decoder whose text for a longer prefix does not extend the shorter one (here: every decode upper-cases
     its first character): at most CONTEXT_TOKENS tokens are left empty, then a fresh window gives text again."""
-    from tokendyn.probe.token_view import CONTEXT_TOKENS
+    from tokendyn.effects.token_view import CONTEXT_TOKENS
 
     class Rewriting:
         all_special_ids: list[int] = []
@@ -430,7 +430,7 @@ def test_an_offline_probe_records_the_view_with_its_text(tiny_model_dir, tmp_pat
 
 def test_shares_of_a_rounding_level_update_are_not_shown():
     """Shares that do not add up to 1 over the sample (g at its rounding level) become nulls, the others stay."""
-    from tokendyn.probe.token_view import token_view_frame
+    from tokendyn.effects.token_view import token_view_frame
 
     mask = torch.tensor([[True, True, False], [True, True, True]])
     batch = ProbeBatch(

@@ -459,8 +459,8 @@ def test_the_analyses_with_verls_own_loss_equal_tokendyns_objective_on_the_plain
     registered vanilla loss as the objective (`VerlObjective`'s first-order terms), against the same analyses on
     the plain HF model with tokendyn's own token-mean PPO objective (clip 0.2, no dual clip binding here) on a
     ProbeBatch built here: update shares per bin, per-token shares and the counterfactual probability change."""
+    from tokendyn.effects.rebalance import analyze_batch
     from tokendyn.integrations.verl.objective import VerlObjective
-    from tokendyn.probe.rebalance import analyze_batch
     from tokendyn.probe.tokenloss import Objective
 
     old, adv = rollout(model_dir)

@@ -335,13 +335,13 @@ def _probe_batch(s: Size):
 
 
 def measure_analysis(model, s: Size, name: str, extra_options: dict | None = None) -> int:
-    from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch
+    from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch
     from tokendyn.probe.tokenloss import Objective
 
     batch, masks = _probe_batch(s)
     base_name = CKPT_ANALYSES.get(name, name)
     # step_precision "model": the steps the predicted configuration makes (FSDP2's shards step in their own dtype,
-    # `tokendyn.probe.change.InPlaceUpdate`); an unsharded run's default float64 steps add a float64 copy of the
+    # `tokendyn.effects.change.InPlaceUpdate`); an unsharded run's default float64 steps add a float64 copy of the
     # parameters and float64 activations of the analysis sample (docs/results.md, beside the block)
     options = {"step_precision": "model", **ANALYSES[base_name], **(extra_options or {})}
     opts = RebalanceOptions(**_accepted(RebalanceOptions, options))
@@ -353,8 +353,8 @@ def measure_analysis(model, s: Size, name: str, extra_options: dict | None = Non
             model, batch, step=0, options=opts, objective=objective, stage_masks=masks if lopti else None
         )
         if lopti:  # what the trainer adds: the stage-1 shares at the start of the stage, pi before for the real change
-            from tokendyn.probe.change import completion_probs, fix_pi_old
-            from tokendyn.probe.rebalance import stage_shares_frame
+            from tokendyn.effects.change import completion_probs, fix_pi_old
+            from tokendyn.effects.rebalance import stage_shares_frame
 
             fixed, _ = fix_pi_old(model, batch)
             stage_shares_frame(model, fixed, masks[0], step=0, stage="low", objective=objective)

@@ -28,8 +28,8 @@ EXPORTS = {
     "RecordWriter": "tokendyn.records",
     "load_run": "tokendyn.analysis.run",
     "Run": "tokendyn.analysis.run",
-    "RebalanceOptions": "tokendyn.probe.rebalance",
-    "analyze_batch": "tokendyn.probe.rebalance",
+    "RebalanceOptions": "tokendyn.effects.rebalance",
+    "analyze_batch": "tokendyn.effects.rebalance",
     "ProbeBatch": "tokendyn.probe.tokenloss",
     "Objective": "tokendyn.probe.tokenloss",
     "grpo_advantages": "tokendyn.remedies",
@@ -69,11 +69,11 @@ if TYPE_CHECKING:  # the same names for type checkers (and the layout test's imp
     from tokendyn import vocab
     from tokendyn.analysis.run import Run, load_run
     from tokendyn.config import ProbeConfig
+    from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch
     from tokendyn.figures.report import build_report
     from tokendyn.hooks.loop import Recorder, instrument
     from tokendyn.hooks.offline import probe_rollouts
     from tokendyn.probe.probe import GradientProbe
-    from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch
     from tokendyn.probe.tokenloss import Objective, ProbeBatch
     from tokendyn.records import RecordWriter
     from tokendyn.remedies import grpo_advantages, lopti_masks, reweight_advantages

@@ -20,7 +20,7 @@ from tokendyn.vocab import ALL_POINTS, ANALYSES, COMPARE_MODES, COMPARE_RULES, S
 DEFAULT_EDGES: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
 SHARE_METHODS = ("stream", "loop", "batched")
 VIEW_SEQUENCES = 4  # sequences of the analysis sample recorded token by token (the token view)
-C_RANGE = (-1.0, 10.0)  # the c-sweep's axis (tokendyn.probe.axis.C_MIN, C_MAX: -1 is Reweight's alpha = 1)
+C_RANGE = (-1.0, 10.0)  # the c-sweep's axis (tokendyn.effects.axis.C_MIN, C_MAX: -1 is Reweight's alpha = 1)
 TOKEN_SHARES_PER_BIN = 32  # token-share rows kept per bin (trainer, offline probe and RebalanceOptions alike)
 
 

@@ -38,7 +38,7 @@ _CORRECT = {
     "correct_neg": pl.Float64,
     "correct_pooled": pl.Float64,
 }
-# the distribution of delta pi over a set of tokens (tokendyn.probe.change.delta_summary), then the correct ratios
+# the distribution of delta pi over a set of tokens (tokendyn.effects.change.delta_summary), then the correct ratios
 _DELTA = {
     "count": pl.Int64,
     "mean": pl.Float64,
@@ -49,7 +49,7 @@ _DELTA = {
     "max": pl.Float64,
     **_CORRECT,
 }
-# how finely a counterfactual step was resolved (tokendyn.probe.resolution.Resolution): ||dtheta||, the dtype the
+# how finely a counterfactual step was resolved (tokendyn.effects.resolution.Resolution): ||dtheta||, the dtype the
 # parameters held during the step, the largest fraction of the step their rounding could take, and whether that is
 # within STEP_ROUNDING_LIMIT; no_update: the step carried no policy-gradient signal (its measurements null); all
 # null for a real update (and no_update for records written before it was recorded)
@@ -159,7 +159,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
     # conditions that switched a check off (GradientProbe.note): one row per condition and rank; step null when
     # the condition holds for the whole run (found when the probe was built)
     "notes": {"step": pl.Int64, "rank": pl.Int32, "code": pl.Utf8, "message": pl.Utf8},
-    # ---- rebalancing analyses (tokendyn.probe.shares / change / influence); bin -1 = all tokens
+    # ---- rebalancing analyses (tokendyn.effects.shares / change / influence); bin -1 = all tokens
     # per (bin, parameter group): ||g_b||, <g_b, g>, ||g||, s_b = <g_b, g>/||g||^2; group "all" = every parameter,
     # else embeddings | layers.{i} | final_norm | lm_head | other (tokendyn.vocab); jvp_share = sum of the per-token
     # JVP shares of the bin (group "all" only); loss = L of the batch; share null where g = 0. stage "train": the
@@ -228,7 +228,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         **_RESOLUTION,
         **_DELTA,
     },
-    # paired counterfactual comparison (tokendyn.probe.compare): sums over one sequence's tokens of one bin of pi_old
+    # paired counterfactual comparison (tokendyn.effects.compare): sums over one sequence's tokens of one bin of pi_old
     # after each rule's update from the same state; rule base | reweight | lopti | ...; mode equal_norm | optimizer
     "paired": {
         "step": pl.Int64,
@@ -260,7 +260,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "sweep_value": pl.Float64,
         **_RESOLUTION,
     },
-    # per-token records of the view's sequences (tokendyn.probe.token_view): one row per scored token
+    # per-token records of the view's sequences (tokendyn.effects.token_view): one row per scored token
     "token_view": {
         **_REBALANCE_KEY,
         "seq": pl.Int32,

@@ -54,7 +54,7 @@ OTHER = "other"
 
 # ---- the rebalancing analyses ------------------------------------------------------------------------------------
 ANALYSES = ("shares", "token_shares", "prob_change", "influence", "real_change")
-# the paired comparison's update rules and step sizes (tokendyn.probe.compare)
+# the paired comparison's update rules and step sizes (tokendyn.effects.compare)
 COMPARE_RULES = (
     "base",
     "reweight",
@@ -83,7 +83,7 @@ RULE_CAMPS = {
     "clip_cov": "other", "kl_cov": "other", "80_20": "other", "gspo": "other", "w_reinforce": "other",
 }  # fmt: skip
 COMPARE_MODES = ("equal_norm", "optimizer")
-# the precision of the analyses' counterfactual steps (tokendyn.probe.change.InPlaceUpdate)
+# the precision of the analyses' counterfactual steps (tokendyn.effects.change.InPlaceUpdate)
 STEP_PRECISIONS = ("float64", "model")
 
 # ---- names retired from records: kind -> {"columns": {old: new}, "values": {column: {old: new}}} ------------------

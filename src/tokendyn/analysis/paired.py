@@ -1,7 +1,7 @@
 """The paired comparison's table: per rule, mode and bin of pi_old, what the rule's update did from the same state,
 and its difference from the base rule's, with 95 % bootstrap intervals over (probed step, sequence).
 
-From the `paired` records (`tokendyn.probe.compare.paired_frame`), for the tokens of a bin (bin -1: all tokens):
+From the `paired` records (`tokendyn.effects.compare.paired_frame`), for the tokens of a bin (bin -1: all tokens):
 
     dpi         = sum dpi / count                                   (mean change of pi per token)
     diff        = sum (dpi(rule) - dpi(base)) / count                (the paired difference per token)

@@ -274,7 +274,7 @@ PAIRED_RULES = (
     "base",
     "reweight",
     "lopti",
-)  # the rules the study's GRPO runs compare (`tokendyn.probe.compare`)
+)  # the rules the study's GRPO runs compare (`tokendyn.effects.compare`)
 PAIRED_MODE = "equal_norm"
 
 

@@ -1,4 +1,4 @@
-"""The comparison's sweeps (`tokendyn.probe.axis`): per sweep value and bin of pi_old, what the update did, with 95 %
+"""The comparison's sweeps (`tokendyn.effects.axis`): per sweep value and bin of pi_old, what the update did, with 95 %
 bootstrap intervals over (probed step, sequence), every value on the same resample (the pairing kept); and the
 guidance drawn from them. Pure: numpy and polars over the `paired` records.
 

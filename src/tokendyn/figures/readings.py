@@ -170,7 +170,7 @@ def resolution_note(df: pl.DataFrame) -> str:
     """What the records say of their counterfactual steps' resolution (`step_rounding`, `step_resolved`): "" for
     records that do not say (written before it was recorded), else one sentence, a warning where a step was not
     resolved; and a sentence counting the updates that were no update (`no_update`: no policy-gradient signal,
-    `tokendyn.probe.resolution`), whose rows are empty."""
+    `tokendyn.effects.resolution`), whose rows are empty."""
     note = _no_update_note(df)
     if "step_rounding" not in df.columns:
         return note

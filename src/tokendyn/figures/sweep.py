@@ -1,7 +1,7 @@
 """The correct ratio as a curve of the counterfactual step size (``probe_lr_sweep``): where the paper's lr = 1e-3
 SGD step (a first-order probe of the update direction) and larger, non-linear steps part ways, and how both stand
 against the lr -> 0 limit the paper's theory describes (the sweep's first point, lr 0: d pi / d lr at lr = 0,
-`tokendyn.probe.limit`).
+`tokendyn.effects.limit`).
 
 Reads the ``prob_change`` rows with update "sweep" (the full update: "train", or Lopti's "lopti" after both stages);
 a row with lr 0 is the limit (its delta pi columns are per unit lr), absent from records written before it was

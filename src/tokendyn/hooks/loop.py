@@ -15,9 +15,9 @@ from torch import nn
 from tokendyn.common import write_json
 from tokendyn.config import ProbeConfig
 from tokendyn.config import resolve as resolve_config
+from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.probe.probe import GradientProbe
-from tokendyn.probe.rebalance import RebalanceOptions, analyze_batch
 from tokendyn.records import RecordWriter, write_frames, write_parquet
 from tokendyn.vocab import TRAIN
 
@@ -28,7 +28,7 @@ class Recorder:
 
     - ``analyze(batch, step=...)``: the rebalancing analyses of one `ProbeBatch` (per-bin gradient norms and update
       shares s_b = <g_b, g>/||g||^2, per-token shares, the counterfactual probability change and the influence
-      matrix; `tokendyn.probe.rebalance.analyze_batch`, as the probe's `ProbeConfig` switches them on), written as
+      matrix; `tokendyn.effects.rebalance.analyze_batch`, as the probe's `ProbeConfig` switches them on), written as
       records. Call it before the training forward (it leaves the model bitwise as it was).
     - ``log(step, reward=..., accuracy=..., **more)``: one row of RUN_DIR/metrics.parquet, the training log the
       training-curve figure reads (``accuracy`` is stored as ``rewards/accuracy/mean``; a key like
@@ -63,7 +63,7 @@ class Recorder:
         """The analyses' record frames of ``batch`` at ``step`` (also written to RUN_DIR/records/); ``stage_masks``:
         the two Lopti stage masks in the order ``lopti_order``, or None. Call it before the training forward or
         after its backward: the counterfactual updates are made in place and undone bitwise
-        (`tokendyn.probe.change.InPlaceUpdate`), which a live training graph that saved the weights refuses."""
+        (`tokendyn.effects.change.InPlaceUpdate`), which a live training graph that saved the weights refuses."""
         edges = (
             self.probe.bins.edges if self.probe.bins.kind != "quantiles" else None
         )  # (quantiles: the default)

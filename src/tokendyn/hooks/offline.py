@@ -14,7 +14,7 @@ read from a rollouts file (`tokendyn.hooks.rollouts`):
    file's old_logp, else the model's own pi (on-policy). Only activation gradients are computed (parameters are
    frozen for the pass, the embedding output carries the gradient): the probed gradients are those of the full
    backward, no parameter gradient is written;
-2. the rebalancing analyses (`tokendyn.probe.rebalance.analyze_batch`) on the first ``sample_sequences`` rows that
+2. the rebalancing analyses (`tokendyn.effects.rebalance.analyze_batch`) on the first ``sample_sequences`` rows that
    carry a signal (some scored token with A != 0, `tokendyn.probe.batch.signal_rows`: the rows the trainer's probe
    analyses, `tokendyn.hooks.trainer.TrainerProbe.rollout`), fewer when the file has fewer (the `ProbeConfig`'s
    analyses, less ``real_change``: no update is made here); a file with no such row gets one ``notes`` record and no
@@ -42,13 +42,13 @@ from torch import nn
 from tokendyn.common import write_json
 from tokendyn.config import ProbeConfig
 from tokendyn.config import resolve as resolve_config
+from tokendyn.effects.rebalance import analyze_update
+from tokendyn.effects.shares import jvp_attention
 from tokendyn.hooks.model_fit import POSITIONS, check_fits, model_limits, positions_from_masks
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.rollouts import Rollouts, read_rollouts
 from tokendyn.probe.batch import signal_rows
 from tokendyn.probe.probe import GradientProbe
-from tokendyn.probe.rebalance import analyze_update
-from tokendyn.probe.shares import jvp_attention
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, eval_mode, token_loss
 from tokendyn.records import RecordWriter, to_frame, write_frames
 from tokendyn.vocab import TRAIN
@@ -349,9 +349,9 @@ def _analyse(
             tokenizer=tokenizer,
         )
     if cfg.compare_rules:
-        from tokendyn.probe.axis import axis_rules
-        from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
-        from tokendyn.probe.shares import as_edges
+        from tokendyn.effects.axis import axis_rules
+        from tokendyn.effects.compare import compare_rules, make_rule, paired_frame
+        from tokendyn.effects.shares import as_edges
         from tokendyn.probe.tokenloss import pi_old
 
         rules = [make_rule(name, objective, seed=options.seed) for name in cfg.compare_rules]
@@ -368,7 +368,7 @@ def _analyse(
         )
         frames["paired"] = paired_frame(results, batch, pi_old(model, batch), as_edges(edges), step=0)
         if "token_view" in frames:
-            from tokendyn.probe.token_view import token_rules_frame
+            from tokendyn.effects.token_view import token_rules_frame
 
             named = {key: r for key, r in results.items() if r.sweep is None}  # sweep points apart
             frames["token_view_rules"] = token_rules_frame(named, frames["token_view"])

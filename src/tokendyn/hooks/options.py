@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tokendyn.config import ProbeConfig
-from tokendyn.probe.rebalance import RebalanceOptions
+from tokendyn.effects.rebalance import RebalanceOptions
 
 
 def rebalance_options(config: ProbeConfig, seed: int = 0) -> RebalanceOptions:

@@ -6,7 +6,7 @@ and `close()` at the end of training. A probed optimizer step records every micr
 Lopti's stages are recorded apart (stage "low" / "high", `tokendyn.vocab.stage_name`); plain GRPO is stage "train". No extra
 forward or backward pass is made for these statistics: they are read from the training backward.
 
-The rebalancing analyses (`tokendyn.probe.rebalance`) are the one deliberate extra cost: on probed
+The rebalancing analyses (`tokendyn.effects.rebalance`) are the one deliberate extra cost: on probed
 steps, at the first micro-step of each rollout batch, `analyze(inputs)` runs them on the first
 ``probe_sample_sequences`` sequences of the global rollout batch (before any update of that batch; the model is not
 modified), and after the batch's last optimizer step the same sequences are re-scored for the real change. The
@@ -16,7 +16,7 @@ r the prompts r * n .. (r + 1) * n - 1 of it). `rollout(output)` gathers those r
 processes as one process pads them); under DDP the analyses then run on rank 0 alone, on the unwrapped model (they
 make no collective call); under FSDP2 every rank runs them on the same gathered rows (each forward and backward is a
 collective; norms and inner products are summed over the ranks' shards, `tokendyn.probe.parallel`), and the per-token
-shares are skipped there (`tokendyn.probe.shares.FSDP_NO_TOKEN_SHARES`, a `notes` record that `tokendyn analyze`
+shares are skipped there (`tokendyn.effects.shares.FSDP_NO_TOKEN_SHARES`, a `notes` record that `tokendyn analyze`
 prints). Only rank 0 writes their records. With Lopti, the
 `shares` record also holds each stage's decomposition (stage "low" / "high", `stage_shares_frame`): the gradient of
 the stage's loss on the same sequences, at the parameters the stage starts from (stage 2: after the real stage-1
@@ -32,15 +32,15 @@ import polars as pl
 import torch
 from transformers import TrainerCallback
 
+from tokendyn.effects.change import completion_probs, fix_pi_old, real_change
+from tokendyn.effects.rebalance import analyze_update, real_change_frame, stage_shares_frame
+from tokendyn.effects.shares import FSDP_NO_TOKEN_SHARES
+from tokendyn.effects.token_view import token_rules_frame, with_real_change
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.rollouts import dump_rollouts
 from tokendyn.probe.batch import signal_first, signal_rows
-from tokendyn.probe.change import completion_probs, fix_pi_old, real_change
 from tokendyn.probe.parallel import is_fully_sharded
 from tokendyn.probe.probe import GradientProbe
-from tokendyn.probe.rebalance import analyze_update, real_change_frame, stage_shares_frame
-from tokendyn.probe.shares import FSDP_NO_TOKEN_SHARES
-from tokendyn.probe.token_view import token_rules_frame, with_real_change
 from tokendyn.probe.tokenloss import Objective, ProbeBatch
 from tokendyn.records import RecordWriter, write_frames
 from tokendyn.vocab import stage_name
@@ -261,19 +261,19 @@ class TrainerProbe(TrainerCallback):
         self._write(frames)
 
     def _paired(self, model, batch: ProbeBatch, sample: dict, step: int, full=None):
-        """The paired comparison of ``compare_rules`` on the analysis sample (`tokendyn.probe.compare`), as its
+        """The paired comparison of ``compare_rules`` on the analysis sample (`tokendyn.effects.compare`), as its
         `paired` frame and the rules' results: the base rule
         is the run's loss on the advantages before Reweight; Reweight's alpha and Lopti's eta are the run's, else the
         paper's 0.3 and 0.5; the optimizer mode steps a copy of the run's optimizer (not under FSDP2). ``full``: the
         analyses' full step of the batch (`analyze_update`), reused as the base rule's equal_norm update when it is
         that update (a GRPO run's; not Reweight's, whose analyses train on the reweighted advantages). The sweeps'
-        points (``compare_c_sweep``, ``compare_eta_sweep``: `tokendyn.probe.axis`) follow the named rules; every rule
+        points (``compare_c_sweep``, ``compare_eta_sweep``: `tokendyn.effects.axis`) follow the named rules; every rule
         makes ``compare_inner_steps`` updates per stage."""
         from dataclasses import replace
 
-        from tokendyn.probe.axis import axis_rules
-        from tokendyn.probe.compare import compare_rules, make_rule, paired_frame
-        from tokendyn.probe.shares import as_edges
+        from tokendyn.effects.axis import axis_rules
+        from tokendyn.effects.compare import compare_rules, make_rule, paired_frame
+        from tokendyn.effects.shares import as_edges
         from tokendyn.probe.tokenloss import pi_old
 
         t, cfg = self.trainer, self.config

@@ -16,7 +16,7 @@ configuration matrix's architectures). It changes nothing outside the ``with``; 
 `as_float64(model)`: float64 copies of the model's floating parameters and buffers in place of them for the length
 of a ``with``, and that forward mode on, for analyses whose result must not depend on the model's dtype (a
 counterfactual step smaller than the rounding of theta + delta theta in float32 or bf16:
-`tokendyn.probe.change.InPlaceUpdate`). Device memory: the float64 copy, 8 bytes per parameter, beside the model,
+`tokendyn.effects.change.InPlaceUpdate`). Device memory: the float64 copy, 8 bytes per parameter, beside the model,
 whose own parameters are not touched (an optimizer, DDP's hooks or a view into them see nothing).
 """
 

@@ -370,7 +370,7 @@ def completion_logp(
     tensors in place of its parameters (the module itself is not modified). The LM head is applied to chunks of
     tokens (`chunk_tokens`), so the full [B, C, V] logits are never materialised (`_token_values`).
 
-    ``float64=True`` (for measuring probability changes, `tokendyn.probe.change`): log pi_t = z_o - logsumexp(z)
+    ``float64=True`` (for measuring probability changes, `tokendyn.effects.change`): log pi_t = z_o - logsumexp(z)
     with the model's logits cast to float64 first, chunk by chunk. In float32, log pi_t = z_o - logsumexp(z) is a
     difference of two numbers of size |z| ~ 10-30 whose rounding (~1e-6) swamps 1 - pi below ~1e-6: a near-certain
     token has log pi = 0.0 exactly and no change of it is visible. In float64 the same difference resolves log pi to

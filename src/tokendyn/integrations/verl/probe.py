@@ -234,9 +234,9 @@ class EngineProbe:
         (the model is left bitwise as it was); written to RUN_DIR/records. Under several data-parallel ranks every
         rank analyses data-parallel rank 0's sample (FSDP2's collectives run on all of them, and the averaged
         gradients are then that sample's), and rank 0 writes the records."""
+        from tokendyn.effects.rebalance import analyze_batch
         from tokendyn.hooks.options import rebalance_options
         from tokendyn.integrations.verl.objective import VerlObjective
-        from tokendyn.probe.rebalance import analyze_batch
         from tokendyn.records import write_frames
 
         config = getattr(loss_function, "keywords", {}).get("config")

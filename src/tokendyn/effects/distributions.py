@@ -1,5 +1,5 @@
 """What the paired comparison measures of each rule's whole distribution (`measure`, on when it sweeps,
-`tokendyn.probe.axis`): for every completion token t, at the position p(t)
+`tokendyn.effects.axis`): for every completion token t, at the position p(t)
 whose distribution predicts it,
 
     dH_t   = H(pi_theta_r(.|p(t))) - H(pi_theta_0(.|p(t)))                  (entropy change of the rule's update)
@@ -37,7 +37,7 @@ def measure(
     model: nn.Module, batch, reference: torch.Tensor | None = None, *, keep: bool = False
 ) -> Measured:
     """pi, entropy, KL to ``reference`` (a `Measured.log_softmax`) at the current parameters, from one forward
-    without grad in eval mode; pi is computed exactly as `tokendyn.probe.change.completion_probs` (exp of
+    without grad in eval mode; pi is computed exactly as `tokendyn.effects.change.completion_probs` (exp of
     z_o - logsumexp(z) in float64), so it is the same number. ``keep``: return the log-softmax (host memory)."""
     with eval_mode(model):
         f = _features(model, batch, None)

@@ -15,11 +15,11 @@ the model; its sources are the bins restricted to the stage-1 tokens. Stage 2 st
 full stage-1 update (optimizer state carried over, pi_old fixed), its sources restricted to the stage-2 tokens; its
 delta pi is measured from the start of stage 2. Sources without tokens in a stage produce no rows; a source whose
 tokens carry no policy-gradient signal (no token with A != 0, or every such token's weight zero: a "no update",
-`tokendyn.probe.resolution`) has its rows with null statistics and ``no_update`` true, and no warning.
+`tokendyn.effects.resolution`) has its rows with null statistics and ``no_update`` true, and no warning.
 
-Every update is made in place (`tokendyn.probe.change.InPlaceUpdate`), by default on float64 copies of the
+Every update is made in place (`tokendyn.effects.change.InPlaceUpdate`), by default on float64 copies of the
 parameters (a source's step is far below the float32 rounding of theta), and each source's step records how finely it
-was resolved (`tokendyn.probe.change.Resolution`). A source's update is undone by copying the stage's starting
+was resolved (`tokendyn.effects.change.Resolution`). A source's update is undone by copying the stage's starting
 parameters back from host memory, and the model is left bitwise as it was. Host memory: theta_0, and with two
 stages the parameters at the start of stage 2; device memory: the float64 copy (none with precision "model").
 """
@@ -33,8 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokendyn.probe.bins import bin_bounds
-from tokendyn.probe.change import (
+from tokendyn.effects.change import (
     InPlaceUpdate,
     OptimizerFactory,
     Resolution,
@@ -45,8 +44,7 @@ from tokendyn.probe.change import (
     sgd,
     warn_unresolved,
 )
-from tokendyn.probe.parallel import fsdp_modules
-from tokendyn.probe.shares import (
+from tokendyn.effects.shares import (
     FSDP_NO_TOKEN_SHARES,
     BinSplit,
     GroupSums,
@@ -55,6 +53,8 @@ from tokendyn.probe.shares import (
     parameter_group,
     with_token_shares,
 )
+from tokendyn.probe.bins import bin_bounds
+from tokendyn.probe.parallel import fsdp_modules
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index, trainable_parameters
 from tokendyn.records import to_frame
 from tokendyn.vocab import HIGH, LOW, TRAIN
@@ -83,7 +83,7 @@ def lopti_stage_masks(
 @dataclass
 class InfluenceResult:
     """delta pi (B, C) per (update_stage, source bin); bins (B, C) over pi_old, -1 on padding; per (update_stage,
-    source bin) how finely its step was resolved (`tokendyn.probe.change.Resolution`); pi at theta_0 (B, C) as
+    source bin) how finely its step was resolved (`tokendyn.effects.change.Resolution`); pi at theta_0 (B, C) as
     the deltas were measured from it (in the update's precision)."""
 
     edges: torch.Tensor
@@ -109,13 +109,13 @@ class InfluenceResult:
         return out
 
     def no_update(self, update_stage: str, source: int) -> bool:
-        """Whether that source's step carried no policy-gradient signal (`tokendyn.probe.resolution`)."""
+        """Whether that source's step carried no policy-gradient signal (`tokendyn.effects.resolution`)."""
         res = (self.resolution or {}).get((update_stage, source))
         return res is not None and res.no_update
 
     def to_frame(self, step: int, stage: str = "train"):
         """The `influence` record: one row per (update_stage, source bin, target bin); bin -1 is all tokens. A source
-        that was no update has null statistics (`tokendyn.probe.change.null_summary`) and no_update true."""
+        that was no update has null statistics (`tokendyn.effects.change.null_summary`) and no_update true."""
 
         e = self.edges
         k = e.numel() - 1
@@ -166,7 +166,7 @@ def influence(
     ``stage_names`` (low, high; high, low for the reversed order). ``sources``: the source bins to run (default all bins); source -1 (all tokens of the stage) is
     always run. Cost per stage: (len(sources) + 1) x (forward + backward + optimizer step + forward).
     ``optimizer``: params -> torch.optim.Optimizer, default plain SGD(lr). ``pi_before``: as in
-    `tokendyn.probe.change.fix_pi_old`. ``precision``: the steps' (`tokendyn.probe.change.InPlaceUpdate`: float64 by
+    `tokendyn.effects.change.fix_pi_old`. ``precision``: the steps' (`tokendyn.effects.change.InPlaceUpdate`: float64 by
     default, so that a source's step far below the float32 rounding of theta is made whole)."""
     edges_t = as_edges(edges)
     k = edges_t.numel() - 1

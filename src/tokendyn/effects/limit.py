@@ -1,7 +1,7 @@
 """The lr -> 0 limit of the counterfactual SGD step: d pi_t / d lr at lr = 0, for every token at once.
 
 The paper's theory (its Proposition 4.2 and what it reads from it) is the update to first order, the lr -> 0 limit;
-its figures measure a finite step (plain SGD, lr 1e-3: `tokendyn.probe.change.counterfactual_change`). Along that
+its figures measure a finite step (plain SGD, lr 1e-3: `tokendyn.effects.change.counterfactual_change`). Along that
 step's direction per unit lr, d = -grad_theta L (pi_old fixed; with Lopti's stages d = -sum_s grad_theta L_s at
 theta_0, the first-order limit of the stages in order, the later stages' gradients being taken O(lr) away):
 
@@ -9,15 +9,15 @@ theta_0, the first-order limit of the stages in order, the later stages' gradien
     d pi_t / d lr |_{lr = 0} = pi_t <grad_theta log pi_t, d>
 
 for every completion token from one backward (d) and one forward-mode JVP of the log-probabilities along d
-(``torch.func.jvp`` over ``torch.func.functional_call``, as `tokendyn.probe.shares.token_shares`), in the model's
+(``torch.func.jvp`` over ``torch.func.functional_call``, as `tokendyn.effects.shares.token_shares`), in the model's
 own dtype: no parameter copy, no step, the weights never touched. The JVP's log-softmax is taken in float64
 (`completion_logp`'s ``float64``): its tangent d log pi_o = sum_k (delta_ko - pi_k) dz_k cancels for a near-certain
 token, so it is formed in float64 from the model's logit tangents dz_k (each exact to the model's rounding) and its
 sign holds near pi = 1, as the finite step's delta pi does.
 
-At the limit the correct ratio is that of the derivative's sign (`tokendyn.probe.change.correct_ratios` on it; an
+At the limit the correct ratio is that of the derivative's sign (`tokendyn.effects.change.correct_ratios` on it; an
 exactly zero derivative is a tie), and mean |d pi / d lr| is the per-unit-lr counterpart of a finite step's
-mean |delta pi| / lr. `tokendyn.probe.rebalance.analyze_update` records it as the first point of the lr sweep
+mean |delta pi| / lr. `tokendyn.effects.rebalance.analyze_update` records it as the first point of the lr sweep
 (``prob_change`` rows with update "sweep", lr 0, ``limit`` true).
 
 Needs eager attention or the SDPA math kernel (selected here) and an unfused LM head (STACK_NOTES §5); refused on an
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokendyn.probe.change import fix_pi_old
+from tokendyn.effects.change import fix_pi_old
+from tokendyn.effects.resolution import Resolution, policy_signal
+from tokendyn.effects.shares import _no_input_require_grads, dot64, jvp_attention
 from tokendyn.probe.parallel import fsdp_modules
-from tokendyn.probe.resolution import Resolution, policy_signal
-from tokendyn.probe.shares import _no_input_require_grads, dot64, jvp_attention
 from tokendyn.probe.tokenloss import (
     Objective,
     ProbeBatch,
@@ -69,7 +69,7 @@ def limit_refusal(model: nn.Module) -> str | None:
 class LimitResult:
     """pi at theta_0 (B, C) float64; ``rate`` = d pi_t / d lr at lr = 0 along d = -grad L (B, C) float64, zero on
     padding; ``direction_norm`` = ||d|| (float64 sums); ``signal``: whether L carried a policy-gradient signal (else
-    the limit is "no update", `tokendyn.probe.resolution`); ``dtype``: the dtype it was computed in."""
+    the limit is "no update", `tokendyn.effects.resolution`); ``dtype``: the dtype it was computed in."""
 
     pi0: torch.Tensor
     rate: torch.Tensor
@@ -93,7 +93,7 @@ def limit_change(
     objective: Objective | None = None,
 ) -> LimitResult:
     """d pi_t / d lr at lr = 0 of every completion token for the counterfactual SGD step of ``stages`` (as
-    `tokendyn.probe.change.counterfactual_change` takes them: (name, token mask or None); default one stage on every
+    `tokendyn.effects.change.counterfactual_change` takes them: (name, token mask or None); default one stage on every
     token), module docstring. An on-policy batch (old_logp None) gets pi_old = the model's own pi first, as the step
     does. The model is left as it was (no parameter, ``.grad`` or mode changed)."""
     if fsdp_modules(model):

@@ -14,7 +14,7 @@ left out) with every number the analyses already have for it:
                   the bound keeps <= sqrt(2) sigma_max(W) / T (`tokendyn.probe.head`)
 
 and, with the paired comparison on, `token_view_rules`: one row per (token, rule, mode) with the rule's Δπ and update
-share (`tokendyn.probe.compare`). Both are bounded by ``view_sequences`` (at most that many sequences of at most the
+share (`tokendyn.effects.compare`). Both are bounded by ``view_sequences`` (at most that many sequences of at most the
 completion length per probed step).
 """
 

@@ -35,10 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tokendyn.probe.bins import bin_bounds
-from tokendyn.probe.float64 import as_float64
-from tokendyn.probe.parallel import gradients, local, reshard, sum_over_ranks
-from tokendyn.probe.resolution import (
+from tokendyn.effects.resolution import (
     STEP_ROUNDING_LIMIT,
     Resolution,
     policy_signal,
@@ -46,7 +43,10 @@ from tokendyn.probe.resolution import (
     unit_roundoff,
     warn_unresolved,
 )
-from tokendyn.probe.shares import dot64
+from tokendyn.effects.shares import dot64
+from tokendyn.probe.bins import bin_bounds
+from tokendyn.probe.float64 import as_float64
+from tokendyn.probe.parallel import gradients, local, reshard, sum_over_ranks
 from tokendyn.probe.tokenloss import (
     Objective,
     ProbeBatch,
@@ -62,7 +62,7 @@ from tokendyn.vocab import LOPTI, STEP_PRECISIONS, TRAIN
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
-# (the resolution of a step, and whether it was an update at all, are `tokendyn.probe.resolution`'s; re-exported)
+# (the resolution of a step, and whether it was an update at all, are `tokendyn.effects.resolution`'s; re-exported)
 __all__ = [
     "STEP_ROUNDING_LIMIT",
     "Resolution",
@@ -153,7 +153,7 @@ class InPlaceUpdate:
     measures pi at the current parameters, `save()` / `load(saved)` go back to an earlier point (parameters and
     optimizer state; Lopti's stage 2 starts from one, the influence sources restart from it). Memory on the device:
     no parameter copy, one gradient during a step, and the analysis optimizer's state (none for plain SGD).
-    Each step also decides whether it carried a policy-gradient signal (`tokendyn.probe.resolution.policy_signal`,
+    Each step also decides whether it carried a policy-gradient signal (`tokendyn.effects.resolution.policy_signal`,
     from the step's own log pi, no extra pass): ``step_signal`` (the last step), ``signal`` (any step since entry or
     the last `load`), which `resolution` turns into a "no update".
     The in-place steps bump the parameters' version counters: run it before a training forward or after its
@@ -248,7 +248,7 @@ class InPlaceUpdate:
         and backward (Lopti's first stage from theta_0 again, at another learning rate) and returns NaN; its signal
         is the kept step's.
         ``inspect``: called with the gradient (one tensor or None per trainable parameter, in `params` order; FSDP2:
-        this rank's shards) before the step, e.g. to reduce it to norms (`tokendyn.probe.influence`)."""
+        this rank's shards) before the step, e.g. to reduce it to norms (`tokendyn.effects.influence`)."""
         tensors = list(self.params.values())
         reshard(self.model)
         loss = torch.tensor(float("nan"))
@@ -420,7 +420,7 @@ def counterfactual_change(
     ``[("low", low), ("high", high)]`` (`tokendyn.vocab`). ``optimizer``: params -> torch.optim.Optimizer; default
     plain SGD(lr). ``pi_before``: as in `fix_pi_old`. ``precision``: the steps' (`InPlaceUpdate`); each stage's
     `Resolution` is in ``resolution`` (a stage without a policy-gradient signal is "no update" there, not warned
-    about: `tokendyn.probe.resolution`; "lopti" is one when neither stage is an update).
+    about: `tokendyn.effects.resolution`; "lopti" is one when neither stage is an update).
     """
     stages = [(TRAIN, None)] if stages is None else list(stages)
     if not stages:
@@ -529,7 +529,7 @@ def delta_summary(
 
 def null_summary() -> dict[str, None]:
     """`delta_summary`'s keys, every value null: the record of a step that was no update
-    (`tokendyn.probe.resolution`), whose delta pi is no measurement."""
+    (`tokendyn.effects.resolution`), whose delta pi is no measurement."""
     keys = ("count", "mean", "std", "mean_abs", "min", *(f"q{round(q * 100):02d}" for q in QUANTILES), "max")
     keys += ("n_pos", "n_neg", "tie_pos", "tie_neg", "correct_pos", "correct_neg", "correct_pooled")
     return dict.fromkeys(keys)
@@ -553,11 +553,11 @@ def change_frame(
 ):
     """The `prob_change` record of one delta pi: one row per bin of pi_old (``bins``: (B, C), -1 on padding) and
     one for all tokens (bin -1). ``update``: "counterfactual", "sweep" (the counterfactual step at another step size,
-    `tokendyn.probe.rebalance.RebalanceOptions.lr_sweep`) or "real"; ``update_stage``: "train", "low", "high",
+    `tokendyn.effects.rebalance.RebalanceOptions.lr_sweep`) or "real"; ``update_stage``: "train", "low", "high",
     "lopti" (`tokendyn.vocab`); ``source_bin``: the bin the update was restricted to (-1: all tokens); ``param_step``: the update's
     ||delta theta|| / ||theta||; ``resolution``: how finely a counterfactual step was resolved (`Resolution`; null
     for a real update); a step that was no update has null statistics (`null_summary`). ``limit``: ``delta`` is the
-    lr -> 0 limit of the step, d pi / d lr at lr = 0 (`tokendyn.probe.limit`; its rows have lr 0 and update
+    lr -> 0 limit of the step, d pi / d lr at lr = 0 (`tokendyn.effects.limit`; its rows have lr 0 and update
     "sweep")."""
 
     rows = []

@@ -14,7 +14,7 @@ rounding level; without such a token the step moves only through the regulariser
 (||dtheta|| = 0). Its delta pi is rounding or regulariser drift, and no learning rate changes that: zero times any lr
 is zero. Such a step is **no update**: its records carry ``no_update`` true and null measurements (every delta pi
 statistic, the ties, the correct ratios, ``step_rounding``, ``step_resolved``), it is counted (a ``notes`` record
-per analysed batch, `tokendyn.probe.rebalance.analyze_update`) and no warning is raised for it. Another stack's
+per analysed batch, `tokendyn.effects.rebalance.analyze_update`) and no warning is raised for it. Another stack's
 loss (a `TokenObjective`) is judged by its advantages alone (A_t != 0 on some token).
 
 **Resolution** of a step that is an update: `Resolution` (step_rounding: the most that rounding theta + dtheta to the
@@ -49,7 +49,7 @@ class Resolution:
     the largest fraction of the step that rounding the parameters to step_dtype could take (u its unit roundoff:
     each stored entry is within u |theta_i| of the exact theta_i + delta_i, ``n`` the steps stored between the two
     states; subnormals aside; 0 for a zero step that was no update, infinite for an update that rounding took
-    whole; None, with step_norm and step_dtype, where no step was made: the lr -> 0 limit, `tokendyn.probe.limit`).
+    whole; None, with step_norm and step_dtype, where no step was made: the lr -> 0 limit, `tokendyn.effects.limit`).
     ``resolved``: step_rounding <= `STEP_ROUNDING_LIMIT`. A float32 model at the paper's lr 1e-3 has steps of
     ||delta theta|| / ||theta|| ~ 1e-6 .. 1e-5 (a single bin's: less), so step_rounding of 1 % .. 10 % in float32
     and ~1e-10 in float64. ``no_update``: the step carried no policy-gradient signal (module docstring); its

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from tokendyn.effects.change import resolution_columns
 from tokendyn.probe.bins import bin_bounds
-from tokendyn.probe.change import resolution_columns
 from tokendyn.probe.tokenloss import ProbeBatch, bin_index
 from tokendyn.records import to_frame
 
@@ -23,9 +23,9 @@ def paired_frame(
     """The `paired` record: one row per (rule, mode, sequence, bin of pi_old) with sums over that sequence's tokens
     of the bin: count, the signs of A, correct / tie counts of dpi, sum dpi, sum dpi(reference), sum of the paired
     difference and its square, the sum of the update shares, the entropy change and the KL to the reference rule's
-    updated policy (null unless measured, `tokendyn.probe.axis`); the rule's lr, ||dtheta|| / ||theta||, norm
+    updated policy (null unless measured, `tokendyn.effects.axis`); the rule's lr, ||dtheta|| / ||theta||, norm
     ratio, inner updates k, and its sweep point (sweep "c" / "eta" and its value; null for a plain rule). A rule whose
-    update was no update (no policy-gradient signal, `tokendyn.probe.resolution`) has its measured columns null, and
+    update was no update (no policy-gradient signal, `tokendyn.effects.resolution`) has its measured columns null, and
     so has every rule's paired difference when the reference rule's was."""
     mask = batch.completion_mask
     bins = bin_index(pi_old.to(mask.device), mask, edges)

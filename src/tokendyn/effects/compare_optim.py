@@ -1,4 +1,4 @@
-"""The paired comparison's step makers (`tokendyn.probe.compare`): a copy of the run's optimizer, and SGD whose step
+"""The paired comparison's step makers (`tokendyn.effects.compare`): a copy of the run's optimizer, and SGD whose step
 has a given norm (equal_norm)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tokendyn.probe.change import InPlaceUpdate, OptimizerFactory, _state_to_host
+from tokendyn.effects.change import InPlaceUpdate, OptimizerFactory, _state_to_host
+from tokendyn.effects.shares import dot64
 from tokendyn.probe.float64 import original
 from tokendyn.probe.parallel import local, sum_over_ranks
-from tokendyn.probe.shares import dot64
 
 
 def optimizer_copy(optimizer: torch.optim.Optimizer) -> OptimizerFactory:

@@ -10,7 +10,7 @@ Each analysis can be switched off (`RebalanceOptions`). The counterfactual proba
 influence run's all-token source (the same update), so turning influence on costs only the per-bin sources.
 
 Counterfactual updates without a policy-gradient signal (an influence source, a stage, a sweep point whose tokens
-have no A != 0, `tokendyn.probe.resolution`) are no update: their rows are null (``no_update`` true), no warning is
+have no A != 0, `tokendyn.effects.resolution`) are no update: their rows are null (``no_update`` true), no warning is
 raised, and a ``notes`` record of the batch counts them.
 """
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tokendyn.config import TOKEN_SHARES_PER_BIN
-from tokendyn.probe.change import (
+from tokendyn.effects.change import (
     STEP_PRECISIONS,
     Resolution,
     change_frame,
@@ -33,12 +33,12 @@ from tokendyn.probe.change import (
     fix_pi_old,
     real_change,
 )
-from tokendyn.probe.compare import FullUpdate
-from tokendyn.probe.influence import influence, influence_and_shares
-from tokendyn.probe.limit import limit_change, limit_refusal
-from tokendyn.probe.shares import METHODS, as_edges, gradient_shares
-from tokendyn.probe.token_sample import token_shares_frame
-from tokendyn.probe.token_view import head_ratios, token_view_frame, view_rows
+from tokendyn.effects.compare import FullUpdate
+from tokendyn.effects.influence import influence, influence_and_shares
+from tokendyn.effects.limit import limit_change, limit_refusal
+from tokendyn.effects.shares import METHODS, as_edges, gradient_shares
+from tokendyn.effects.token_sample import token_shares_frame
+from tokendyn.effects.token_view import head_ratios, token_view_frame, view_rows
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index
 from tokendyn.records import process_rank, to_frame
 from tokendyn.vocab import HIGH, LOPTI, LOW, TRAIN, stage_name
@@ -47,17 +47,17 @@ from tokendyn.vocab import HIGH, LOPTI, LOW, TRAIN, stage_name
 @dataclass(frozen=True)
 class RebalanceOptions:
     """Which analyses run. shares: per-bin gradients, norms per layer, projection shares (one forward, one
-    backward for g and one per bin, streamed: `tokendyn.probe.shares.gradient_shares`; ``share_method`` "loop" or
+    backward for g and one per bin, streamed: `tokendyn.effects.shares.gradient_shares`; ``share_method`` "loop" or
     "batched" hold every per-bin gradient at once instead); token_shares: tokens per bin kept from the per-token
     JVP shares (0: no JVP); prob_change: the counterfactual update (lr, plain SGD); influence: one counterfactual
     update per source bin (and per Lopti stage); lr_sweep: further step sizes of the counterfactual update (with
     prob_change), recorded as update "sweep" with the update's ||delta theta|| / ||theta||, to see where the
     first-order picture of the paper's lr = 1e-3 step stops holding (list the main lr too to have it on the same
-    curve), and before them its lr -> 0 limit (lr 0, ``limit`` true: d pi / d lr at lr = 0, `tokendyn.probe.limit`;
+    curve), and before them its lr -> 0 limit (lr 0, ``limit`` true: d pi / d lr at lr = 0, `tokendyn.effects.limit`;
     skipped with a warning on FSDP2-sharded parameters or an attention kernel forward-mode AD refuses);
     view_sequences: sequences of the sample whose every token is recorded (`token_view`: its share, its
     counterfactual dpi, its own-gradient ratio; 0 = off); step_precision: the counterfactual steps' (influence
-    sources, prob_change, the sweep; `tokendyn.probe.change.InPlaceUpdate`): "float64" (default: a float64 copy of
+    sources, prob_change, the sweep; `tokendyn.effects.change.InPlaceUpdate`): "float64" (default: a float64 copy of
     the model for the analysis, so a step below the float32 rounding of theta is made whole) or "model" (the
     parameters' own dtype; each record's step_rounding says how much of the step that can lose)."""
 
@@ -124,15 +124,15 @@ def analyze_update(
     """The `shares`, `token_shares`, `prob_change` (counterfactual, and "sweep" rows for ``options.lr_sweep``, the
     first of them its lr -> 0 limit),
     `influence` and `token_view` frames of one batch, for the analyses switched on, and the full counterfactual step
-    it made (`tokendyn.probe.compare.FullUpdate`: the base rule's equal_norm update of the paired comparison, which
+    it made (`tokendyn.effects.compare.FullUpdate`: the base rule's equal_norm update of the paired comparison, which
     then need not make it again; None when it made none, or with Lopti's stages, no per-token shares, a zero
     gradient). ``stage_masks``: the two Lopti stage masks in the run's order ``lopti_order`` (then the
     counterfactual update and the influence matrix run per stage, update stages low / high and lopti for both), or
     None (update stage train). The model is left bitwise as it was (the counterfactual updates are made in place
-    and undone, `tokendyn.probe.change.InPlaceUpdate`); ``.grad`` and any optimizer are untouched. ``tokenizer``:
+    and undone, `tokendyn.effects.change.InPlaceUpdate`); ``.grad`` and any optimizer are untouched. ``tokenizer``:
     decodes the `token_view` tokens (else their text is empty). With the influence matrix and the shares both on
     (one update stage, method "stream") they come from one set of gradients (`influence_and_shares`). Counterfactual
-    updates that were no update (`tokendyn.probe.resolution`) are counted in a `notes` frame (absent when none)."""
+    updates that were no update (`tokendyn.effects.resolution`) are counted in a `notes` frame (absent when none)."""
     opts = options or RebalanceOptions()
     edges_t = as_edges(edges)
     batch, pi0 = fix_pi_old(model, batch, precision=opts.step_precision)  # pi_old fixed once for all
@@ -346,7 +346,7 @@ def real_change_frame(
     delta: torch.Tensor | None = None,
 ) -> pl.DataFrame:
     """The `prob_change` record (update "real") of a real training update: pi_before measured before the optimizer
-    step (`tokendyn.probe.change.completion_probs`) or the model before; bins over pi_old (default:
+    step (`tokendyn.effects.change.completion_probs`) or the model before; bins over pi_old (default:
     exp(batch.old_logp), else pi_before). ``delta``: the real change already measured (`real_change`)."""
     edges_t = as_edges(edges)
     if delta is None:

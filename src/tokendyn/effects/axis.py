@@ -12,7 +12,7 @@ with c, c = 0 the base rule (GRPO); c = -1 weighs each token by pi_old itself (R
 ``sweep`` "eta", two stages low first).
 
 What the comparison measures of each point's whole distribution (entropy change, KL to the base update):
-`tokendyn.probe.distributions`.
+`tokendyn.effects.distributions`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokendyn.config import C_RANGE
-from tokendyn.probe.compare import Rule
+from tokendyn.effects.compare import Rule
 
 C_MIN, C_MAX = (
     C_RANGE  # c = -1: Reweight's alpha = 1 (weight pi_old >= 0); at 10 a low token weighs up to 11x

@@ -1,7 +1,7 @@
 """Paired counterfactual comparison: what each update rule would do, from the same state, to each group of tokens.
 
 At one parameter state theta_0, on one batch with pi_old fixed, every rule r of `RULES` makes its update (its
-loss, its advantages, its stages), in place and undone exactly (`tokendyn.probe.change.InPlaceUpdate`), and the
+loss, its advantages, its stages), in place and undone exactly (`tokendyn.effects.change.InPlaceUpdate`), and the
 probability change of every sampled token is measured in float64::
 
     dpi_t(r) = pi_t(theta_r) - pi_t(theta_0),        paired difference  dpi_t(r) - dpi_t(base)
@@ -21,13 +21,13 @@ clip-higher, CISPO), which at r = 1 are GRPO exactly, act. With k > 1 every rule
 SGD at one lr, corrected once so that its total displacement ||theta_r - theta_0|| equals the first rule's at lr (the
 achieved ratio recorded, as for Lopti).
 
-Sweeps (`tokendyn.probe.axis`): the Reweight / Delta-log-p family as one parameter c (A_t <- (1 + c (1 - pi_old,t))
+Sweeps (`tokendyn.effects.axis`): the Reweight / Delta-log-p family as one parameter c (A_t <- (1 + c (1 - pi_old,t))
 A_t; c = -alpha is the Reweight rule, c = 0 the base rule) and Lopti's eta, each value a rule of its own from the same
 state; with them every rule's entropy change and KL to the first rule's updated policy are measured too.
 
 Per rule: the update share of each token, s_t = <grad l_t(r), dtheta_r> / <grad L(r), dtheta_r> (its part of the
 first-order change of the rule's loss along the rule's own update, summing to 1; one JVP of the per-token loss at
-theta_0, `tokendyn.probe.shares.token_shares`). Records: `paired`, one row per
+theta_0, `tokendyn.effects.shares.token_shares`). Records: `paired`, one row per
 (rule, mode, sequence, bin), sums that add up over sequences and steps, so intervals can be bootstrapped over
 (step, sequence) (`tokendyn.analysis.paired`).
 
@@ -47,14 +47,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from tokendyn.probe.change import InPlaceUpdate, Resolution, fix_pi_old, warn_unresolved
-from tokendyn.probe.compare_optim import NormalizedSGD, _set_lr, optimizer_copy
-from tokendyn.probe.distributions import measure
+from tokendyn.effects.change import InPlaceUpdate, Resolution, fix_pi_old, warn_unresolved
+from tokendyn.effects.compare_optim import NormalizedSGD, _set_lr, optimizer_copy
+from tokendyn.effects.distributions import measure
+from tokendyn.effects.paired_records import paired_frame
+from tokendyn.effects.shares import dot64, token_shares
 from tokendyn.probe.forward import completion_proxy_logp
-from tokendyn.probe.paired_records import paired_frame
 from tokendyn.probe.parallel import local
 from tokendyn.probe.rules import SURROGATES
-from tokendyn.probe.shares import dot64, token_shares
 from tokendyn.probe.tokenloss import (
     PPO_FAMILY,
     Objective,
@@ -76,7 +76,7 @@ __all__ = [
 class Rule:
     """One update rule: its objective, Reweight's alpha (0: off), the Delta-log-p reweight's c (0: off),
     W-REINFORCE's lambda (None: the batch's advantages) and Lopti's eta (None: one stage); ``sweep``: the point
-    (kind "c" / "eta", value) of the comparison's sweep it is (`tokendyn.probe.axis`), None for a named rule."""
+    (kind "c" / "eta", value) of the comparison's sweep it is (`tokendyn.effects.axis`), None for a named rule."""
 
     name: str
     objective: Objective
@@ -204,10 +204,10 @@ def _displacement(update: InPlaceUpdate) -> dict[str, torch.Tensor]:
 @dataclass(frozen=True)
 class FullUpdate:
     """The analyses' full counterfactual step of one batch (plain SGD at ``lr`` on the whole loss from theta_0,
-    pi_old fixed: `tokendyn.probe.rebalance.analyze_update`), which is also the base rule's equal_norm update:
+    pi_old fixed: `tokendyn.effects.rebalance.analyze_update`), which is also the base rule's equal_norm update:
     the batch with pi_old fixed, pi at theta_0 (B, C) float64, dpi of every token after the step (B, C) float64,
     ||g|| (float64) and the per-token shares s_t = <grad l_t, g> / ||g||^2 (B, C); ``signal``: whether the step
-    carried a policy-gradient signal (else it was no update, `tokendyn.probe.resolution`)."""
+    carried a policy-gradient signal (else it was no update, `tokendyn.effects.resolution`)."""
 
     batch: ProbeBatch
     objective: Objective
@@ -258,8 +258,8 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 class RuleResult:
     """One rule in one mode: dpi (B, C) float64, the update shares s_t (B, C), ||dtheta|| / ||theta_0||, the lr,
     the achieved norm over the target (equal_norm; 1 for one-stage rules), and how finely the step was resolved
-    (`tokendyn.probe.change.Resolution`); with ``distributions``: the entropy change dH_t and the KL to the first
-    rule's updated policy (B, C) float64 (`tokendyn.probe.axis.measure`); k inner updates; the rule's sweep point."""
+    (`tokendyn.effects.change.Resolution`); with ``distributions``: the entropy change dH_t and the KL to the first
+    rule's updated policy (B, C) float64 (`tokendyn.effects.axis.measure`); k inner updates; the rule's sweep point."""
 
     delta: torch.Tensor
     shares: torch.Tensor | None
@@ -292,16 +292,16 @@ def compare_rules(
     parameters (bitwise), ``.grad`` and ``optimizer`` (and its state) are left as they were. The first rule is
     the reference of the paired differences and of equal_norm's target (usually "base").
 
-    ``full``: the analyses' full counterfactual update of this batch (`tokendyn.probe.rebalance.analyze_update`).
+    ``full``: the analyses' full counterfactual update of this batch (`tokendyn.effects.rebalance.analyze_update`).
     When it is the first rule's equal_norm update (`reuses`: one stage, no Reweight, the same objective, advantages
     and lr), that rule's result is taken from it instead of being recomputed: its dpi, ||g|| (so the target
     T = lr ||g||), its shares (the analyses' s_t along g, over their sum) and ||dtheta|| / ||theta_0|| = lr ||g|| /
     ||theta_0||; and pi at theta_0 is the analyses' (no forward; it must then have been measured in the same
-    ``precision``). ``precision``: the steps' (`tokendyn.probe.change.InPlaceUpdate`), float64 by default.
+    ``precision``). ``precision``: the steps' (`tokendyn.effects.change.InPlaceUpdate`), float64 by default.
     ``inner_steps``: k updates per stage on the same batch (module docstring; ``full`` is reused only at k = 1). A
     rule reading Lp-Reg's proxy gets it from theta_0 (`completion_proxy_logp`) when the batch has none.
     ``distributions`` (default: on when a rule is a sweep point): each rule's entropy change and KL to the first
-    rule's updated policy (`tokendyn.probe.axis`; then ``full`` is not reused: the first rule's update is made here,
+    rule's updated policy (`tokendyn.effects.axis`; then ``full`` is not reused: the first rule's update is made here,
     its distribution kept in host memory)."""
     if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
         raise ValueError(f"compare: inner_steps must be an integer >= 1, got {inner_steps!r}")
