@@ -391,7 +391,8 @@ def test_rebalancing_analyses_under_fsdp2_equal_one_process_on_the_same_sample(t
         if kind == "shares":
             assert b["jvp_share"].null_count() == b.height and ref["jvp_share"].null_count() < ref.height
             b, ref = b.drop("jvp_share"), ref.drop("jvp_share")
-        if kind == "prob_change":  # the lr -> 0 limit (a forward-mode JVP) is skipped under FSDP2, as the token shares
+        # the lr -> 0 limit (a forward-mode JVP) is skipped under FSDP2, as the token shares are
+        if kind == "prob_change":
             assert not b["limit"].fill_null(False).any() and ref["limit"].fill_null(False).any()
             ref = ref.filter(~pl.col("limit").fill_null(False))
         floats = [c for c, t in ref.schema.items() if t == pl.Float64 and c not in ("lr", "bin_lo", "bin_hi")]
