@@ -53,13 +53,19 @@ class DemoSize:
     # the GRPO run also compares every rule of both camps from its own states (K = 2 inner updates) and sweeps the c
     # axis and Lopti's eta (`tokendyn.commands.study.BOTH_CAMPS`): the report's both-camps and sweep sections
     both_camps: bool = False
+    # the c and eta values of those sweeps (empty: the study's, BOTH_CAMPS)
+    c_sweep: tuple[float, ...] = ()
+    eta_sweep: tuple[float, ...] = ()
 
 
-# every section of the report: the analyses on the same rollouts of every run (0, 3, ..., 12), and the GRPO run's
-# paired comparison of Reweight and Lopti and of both camps from its own states
-FULL = DemoSize(rollouts=15, people=(3, 4, 5), eval_people=(3, 4, 5, 6, 7), eval_n=20, eval_every=5,
-                probe_every=3, probe_sample_sequences=8, lr_sweep=(1e-3, 1e-1, 1.0, 10.0), probe_in_rollouts=True,
-                both_camps=True)  # fmt: skip
+# every section of the report within 10 minutes on 2 cores: the analyses on the same rollouts of every run (0, 4, 8:
+# intervals over three probed steps), the GRPO run's paired comparison of Reweight and Lopti and of both camps from
+# its own states (measured on a fresh clone: 15 rollouts probed every 3rd took 764 s, 417 of them GRPO's)
+FULL = DemoSize(rollouts=12, people=(3, 4, 5), eval_people=(3, 4, 5, 6, 7), eval_n=20, eval_every=4,
+                probe_every=4, probe_sample_sequences=8, lr_sweep=(1e-3, 1e-1, 1.0, 10.0), probe_in_rollouts=True,
+                both_camps=True, c_sweep=(-0.6, -0.3, 0.3, 0.6), eta_sweep=(0.3, 0.7))  # fmt: skip
+# (the sweeps shorter than the study's: c on both sides of GRPO, eta on both sides of Lopti's 0.5, which the named
+# rule already compares)
 QUICK = DemoSize(rollouts=3, people=(3, 4), eval_people=(3, 4), eval_n=5, eval_every=3, probe_every=2,
                  probe_sample_sequences=4, lr_sweep=(1e-3, 1.0), probe_in_rollouts=True, both_camps=True)  # fmt: skip
 
@@ -118,6 +124,10 @@ def _configs(out: Path, size: DemoSize, model: str | None, overrides: dict):
                 from .study import BOTH_CAMPS
 
                 fields.update(BOTH_CAMPS)
+                if size.c_sweep:
+                    fields.update(probe_compare_c_sweep=list(size.c_sweep))
+                if size.eta_sweep:
+                    fields.update(probe_compare_eta_sweep=list(size.eta_sweep))
         fields.update(overrides)
         cfg = TokendynGRPOConfig(**fields)
         if size.probe_in_rollouts:  # the same rollouts analysed in every run (Lopti: two steps a rollout)
