@@ -404,5 +404,5 @@ def test_the_readmes_demo_time_is_the_measured_one():
     seconds = 60 * int(stated[1]) + int(stated[2])
     assert abs(seconds - finished[0]) <= 0.1 * finished[0], (seconds, finished[0])
     runs = [int(m) for m in re.findall(r"^\s+done in (\d+) s;", log, flags=re.M)]
-    said = re.search(r"three runs of \d+ rollouts,\s+(\d+)\s+/\s+(\d+)\s+/\s+(\d+)\s+s", README)
+    said = re.search(r"three runs of\s+\d+\s+rollouts,\s+(\d+)\s+/\s+(\d+)\s+/\s+(\d+)\s+s", README)
     assert said and [int(x) for x in said.groups()] == runs, (said and said.groups(), runs)
