@@ -175,3 +175,55 @@ def test_only_names_that_cannot_be_a_model_fail_fast(tiny_model_dir, tmp_path):
         f"model: '{TYPO}' is neither a local directory, a .gguf file, a packaged model (smollm2-135m) nor a hub id "
         "(owner/name)",
     ]
+
+
+def _python(code: str, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+@pytest.mark.real_llm_extra
+def test_the_real_llm_demo_runs_offline(smollm2_dir, tmp_path):
+    """`tokendyn demo --policy smollm2-135m`'s entry point offline, at a toy size (one rollout of 2 sums x 2 samples
+    per run, 4 new tokens, 2 held-out sums): three runs of the packaged model and the report."""
+    out = tmp_path / "demo"
+    code = (
+        "import torch; torch.set_num_threads(1)\n"
+        "from tokendyn.commands.demo import LLM_QUICK, demo, with_size\n"
+        "size = with_size(LLM_QUICK, eval_n=2, kk_histogram=0, probe_sample_sequences=4)\n"
+        "toy = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=4, disable_tqdm=True)\n"
+        f"print(demo({str(out)!r}, policy='smollm2-135m', size=size, overrides=toy))\n"
+    )
+    proc = _python(code, _env(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "huggingface.co" not in proc.stderr
+    for name in ("grpo", "reweight", "lopti"):
+        meta = json.loads((out / name / "run.json").read_text())
+        assert meta["status"] == "finished" and meta["model"] == "smollm2-135m"
+    assert (out / "figures" / "report.html").is_file()
+
+
+@pytest.mark.real_llm_extra
+def test_the_real_llm_study_runs_offline(smollm2_dir, tmp_path):
+    """`tokendyn study --policy smollm2-135m --quick` offline for one method and seed (one rollout of the study's
+    8 x 4 sums, 2 held-out sums), then its report from the folder alone."""
+    out, work = tmp_path / "study", tmp_path / "work"
+    argv = [
+        "study",
+        "--policy",
+        "smollm2-135m",
+        "--quick",
+        "--methods",
+        "grpo",
+        "--seeds",
+        "0",
+        "--eval-n",
+        "2",
+    ]
+    proc = _tokendyn([*argv, "--out", str(out), "--work", str(work)], _env(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "huggingface.co" not in proc.stderr
+    done = json.loads((out / "runs" / "grpo-s0" / "study_done.json").read_text())
+    assert done["study"]["model"] == "smollm2-135m" and (out / "study.md").is_file()
+    assert not list(out.rglob("*.safetensors"))

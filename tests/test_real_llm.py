@@ -68,13 +68,13 @@ def test_bad_model_sources_fail_in_one_line(tmp_path, monkeypatch):
 
 
 # the real LLM's cells: float32 full fine-tuning in `make test`; the GPU recipe (bf16 autocast), LoRA with the analyses
-# and two accumulated micro-batches (~65 / 65 / 140 s on one worker) under the marker real_llm_cells, which `make test`
+# and two accumulated micro-batches (~65 / 65 / 140 s on one worker) under the marker real_llm_extra, which `make test`
 # deselects and `.ci/run` runs after it (the suite stays within its 10 minutes)
 CELLS = [
     ("float32", "full", "one", "analyses"),
-    pytest.param("bf16_autocast", "full", "one", "analyses", marks=pytest.mark.real_llm_cells),
-    pytest.param("float32", "lora", "one", "analyses", marks=pytest.mark.real_llm_cells),
-    pytest.param("float32", "full", "accumulate", "analyses", marks=pytest.mark.real_llm_cells),
+    pytest.param("bf16_autocast", "full", "one", "analyses", marks=pytest.mark.real_llm_extra),
+    pytest.param("float32", "lora", "one", "analyses", marks=pytest.mark.real_llm_extra),
+    pytest.param("float32", "full", "accumulate", "analyses", marks=pytest.mark.real_llm_extra),
 ]
 
 
