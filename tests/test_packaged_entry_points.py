@@ -227,3 +227,19 @@ def test_the_real_llm_study_runs_offline(smollm2_dir, tmp_path):
     done = json.loads((out / "runs" / "grpo-s0" / "study_done.json").read_text())
     assert done["study"]["model"] == "smollm2-135m" and (out / "study.md").is_file()
     assert not list(out.rglob("*.safetensors"))
+
+
+def test_model_path_gives_other_stacks_the_packaged_models_directory(smollm2_dir, tmp_path):
+    """`tokendyn model-path smollm2-135m` offline prints the converted directory (what verl's
+    actor_rollout_ref.model.path takes); a typo fails in one line naming the field."""
+
+    def model_path(name: str) -> subprocess.CompletedProcess:  # no --threads: the command computes nothing
+        cmd = [sys.executable, "-m", "tokendyn", "model-path", name]
+        return subprocess.run(cmd, capture_output=True, text=True, env=_env(tmp_path), timeout=120)
+
+    proc = model_path("smollm2-135m")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == str(smollm2_dir) and (smollm2_dir / "config.json").is_file()
+    bad = model_path(TYPO)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and "model: 'smollm2-135' is neither" in lines[0]

@@ -28,6 +28,7 @@ COMMANDS = {
     "probe": "tokendyn.hooks.offline_cli",
     "demo": "tokendyn.commands.demo_cli",
     "study": "tokendyn.commands.study_cli",
+    "model-path": "tokendyn.commands.model_path_cli",
 }
 
 
