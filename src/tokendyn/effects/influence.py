@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from tokendyn.effects.change import (
+    ChangeResult,
     InPlaceUpdate,
     OptimizerFactory,
     Resolution,
@@ -57,7 +58,7 @@ from tokendyn.probe.bins import bin_bounds
 from tokendyn.probe.parallel import fsdp_modules
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index, trainable_parameters
 from tokendyn.records import to_frame
-from tokendyn.vocab import HIGH, LOW, TRAIN
+from tokendyn.vocab import HIGH, LOPTI, LOW, TRAIN
 
 
 def lopti_stage_masks(
@@ -84,7 +85,11 @@ def lopti_stage_masks(
 class InfluenceResult:
     """delta pi (B, C) per (update_stage, source bin); bins (B, C) over pi_old, -1 on padding; per (update_stage,
     source bin) how finely its step was resolved (`tokendyn.effects.change.Resolution`); pi at theta_0 (B, C) as
-    the deltas were measured from it (in the update's precision)."""
+    the deltas were measured from it (in the update's precision). ``change``: the all-token sources' update (source
+    -1 of every update stage, in order) as `tokendyn.effects.change.counterfactual_change` reports the same update
+    from the same state (its stages' pi after, delta pi, loss, ||delta theta|| / ||theta_0||, resolution, and with
+    two stages "lopti": after the last stage minus theta_0's pi), so that a caller asking for that update again
+    (the lr sweep's point at the same lr) need not make it."""
 
     edges: torch.Tensor
     bins: torch.Tensor
@@ -94,6 +99,7 @@ class InfluenceResult:
     lr: float | None
     resolution: dict[tuple[str, int], Resolution] | None = None
     pi0: torch.Tensor | None = None
+    change: ChangeResult | None = None
 
     def matrix(self, update_stage: str = TRAIN, quantity: str = "mean_abs") -> torch.Tensor:
         """M[source, target] as a (K + 1, K) tensor; row 0 is source = all tokens, row b + 1 source bin b; NaN
@@ -191,6 +197,7 @@ def influence(
     resolution: dict[tuple[str, int], Resolution] = {}
     with InPlaceUpdate(model, optimizer or sgd(lr), objective, precision) as update:
         pi_start = pi0 = update.pi_start(batch, pi_start)
+        change, signal = ChangeResult(pi0), False
         for i, (name, smask) in enumerate(stages):
             stage_start = update.save()
             start_norm = update.norm2() ** 0.5 if i else None  # (None: theta_0's)
@@ -205,15 +212,24 @@ def influence(
                     update.distance(stage_start), start_norm, signal=update.step_signal
                 )
                 update.load(stage_start)
-            update.step(batch, smask)  # the full stage update: source -1, and the start of the next stage
+            # the full stage update: source -1, and the start of the next stage
+            change.losses[name] = update.step(batch, smask)
             pi_next = update.probs(batch)
             deltas[(name, -1)] = _masked(pi_next - pi_start, valid)
             counts[(name, -1)] = int(smask.sum())
             resolution[(name, -1)] = update.resolution(
                 update.distance(stage_start), start_norm, signal=update.step_signal
             )
+            signal = signal or update.step_signal
+            _record_stage(change, update, name, i, pi_next, deltas[(name, -1)], resolution[(name, -1)])
             del stage_start
             pi_start = pi_next
+        if len(stages) > 1:  # (as `counterfactual_change`: the stages together, from theta_0)
+            change.delta[LOPTI] = _masked(pi_start - pi0, valid)
+            change.param_step[LOPTI] = change.param_step[stages[-1][0]]
+            change.resolution[LOPTI] = update.resolution(
+                change.param_step[LOPTI] * update.start_norm2**0.5, steps=len(stages), signal=signal
+            )
     _warn(resolution)
     ordered = dict(sorted(deltas.items(), key=lambda kv: (kv[0][0], kv[0][1])))
     return InfluenceResult(
@@ -225,7 +241,28 @@ def influence(
         lr if optimizer is None else None,
         {key: resolution[key] for key in ordered},
         pi0,
+        change,
     )
+
+
+def _record_stage(
+    change: ChangeResult,
+    update: InPlaceUpdate,
+    name: str,
+    index: int,
+    pi_after: torch.Tensor,
+    delta: torch.Tensor,
+    res: Resolution,
+) -> None:
+    """One stage's all-token update into ``change`` as `counterfactual_change` records it: its ||theta - theta_0||
+    / ||theta_0|| (`InPlaceUpdate.relative_step`; for the first stage, which starts from theta_0, the resolution's
+    own distance, the same float, with no second pass over the parameters)."""
+    change.pi_after[name], change.delta[name], change.resolution[name] = pi_after, delta, res
+    if index == 0:
+        norm2 = update.start_norm2
+        change.param_step[name] = res.step_norm / norm2**0.5 if norm2 > 0 else float("nan")
+    else:
+        change.param_step[name] = update.relative_step()
 
 
 @analysis_forward
@@ -274,9 +311,12 @@ def influence_and_shares(
             total.extend(g)
 
         loss = update.step(batch, valid, inspect=keep_total)
-        deltas[(TRAIN, -1)] = _masked(update.probs(batch) - pi_start, valid)
+        pi_after = update.probs(batch)
+        deltas[(TRAIN, -1)] = _masked(pi_after - pi_start, valid)
         counts[(TRAIN, -1)] = int(valid.sum())
         resolution[(TRAIN, -1)] = update.resolution(update.distance(), signal=update.step_signal)
+        change = ChangeResult(pi_start, losses={TRAIN: loss})
+        _record_stage(change, update, TRAIN, 0, pi_after, deltas[(TRAIN, -1)], resolution[(TRAIN, -1)])
         for src in range(k):
             mask = valid & (bins == src)
             if not bool(mask.any()):
@@ -307,6 +347,7 @@ def influence_and_shares(
         lr,
         {key: resolution[key] for key in ordered},
         pi_start,
+        change,
     )
     return result, with_token_shares(model, batch, split, shares, direction, objective)
 

@@ -7,7 +7,9 @@
     write_records(run_dir, frames)
 
 Each analysis can be switched off (`RebalanceOptions`). The counterfactual probability change is read off the
-influence run's all-token source (the same update), so turning influence on costs only the per-bin sources.
+influence run's all-token source (the same update), so turning influence on costs only the per-bin sources; and a
+point of the lr sweep at the counterfactual update's own lr is that update again (the same stages from the same state,
+the same lr and precision), read off it instead of made twice.
 
 Counterfactual updates without a policy-gradient signal (an influence source, a stage, a sweep point whose tokens
 have no A != 0, `tokendyn.effects.resolution`) are no update: their rows are null (``no_update`` true), no warning is
@@ -32,6 +34,7 @@ from tokendyn.effects.change import (
     counterfactual_change,
     fix_pi_old,
     real_change,
+    warn_unresolved,
 )
 from tokendyn.effects.compare import FullUpdate
 from tokendyn.effects.influence import influence, influence_and_shares
@@ -120,6 +123,7 @@ def analyze_update(
     stage_masks: Sequence[torch.Tensor] | None = None,
     lopti_order: str = "low_first",
     tokenizer=None,
+    _reuse: bool = True,
 ) -> tuple[dict[str, pl.DataFrame], FullUpdate | None]:
     """The `shares`, `token_shares`, `prob_change` (counterfactual, and "sweep" rows for ``options.lr_sweep``, the
     first of them its lr -> 0 limit),
@@ -132,8 +136,11 @@ def analyze_update(
     and undone, `tokendyn.effects.change.InPlaceUpdate`); ``.grad`` and any optimizer are untouched. ``tokenizer``:
     decodes the `token_view` tokens (else their text is empty). With the influence matrix and the shares both on
     (one update stage, method "stream") they come from one set of gradients (`influence_and_shares`). Counterfactual
-    updates that were no update (`tokendyn.effects.resolution`) are counted in a `notes` frame (absent when none)."""
+    updates that were no update (`tokendyn.effects.resolution`) are counted in a `notes` frame (absent when none).
+    A sweep point at ``options.lr`` is the counterfactual update's (or the influence run's all-token sources') own
+    result, not a second step (``_reuse`` False: made again, as a check that the two are the same)."""
     opts = options or RebalanceOptions()
+    made = None  # the counterfactual update at opts.lr as `counterfactual_change` reports it, once made
     edges_t = as_edges(edges)
     batch, pi0 = fix_pi_old(model, batch, precision=opts.step_precision)  # pi_old fixed once for all
     pi_old = torch.exp(batch.old_logp.to(torch.float64))
@@ -179,6 +186,7 @@ def analyze_update(
             none = all(r.no_update for r in resolution.values())
             resolution[LOPTI] = Resolution(None, None, None, True) if none else None
         main, pi_start = None, inf.pi0
+        made = inf.change  # (the same update as `counterfactual_change`'s, for the sweep)
     elif opts.prob_change:
         main = counterfactual_change(
             model,
@@ -190,6 +198,7 @@ def analyze_update(
             precision=opts.step_precision,
         )
         deltas, resolution, pi_start = main.delta, main.resolution, main.pi_before
+        made = main
     else:
         deltas, main, resolution = {}, None, {}
     if deltas:
@@ -214,9 +223,13 @@ def analyze_update(
                              update_stage=full, lr=0.0, param_step=0.0, resolution=lim.resolution, limit=True)
             )  # fmt: skip
         for lr in opts.lr_sweep:
-            swept = counterfactual_change(
-                model, batch, stages, lr=lr, objective=objective, pi_before=pi0, precision=opts.step_precision
-            )
+            if _reuse and made is not None and lr == float(opts.lr):  # that very update: its result again
+                swept = made
+                for part, flag in swept.resolution.items():  # (the loud flag the second call would raise)
+                    warn_unresolved(f"change ({part})", flag)
+            else:
+                swept = counterfactual_change(model, batch, stages, lr=lr, objective=objective, pi_before=pi0,
+                                              precision=opts.step_precision)  # fmt: skip
             sweep_res[f"lr {lr:g}"] = swept.resolution[full]
             parts.append(
                 change_frame(swept.delta[full], batch, bins, edges_t, step=step, stage=stage, update="sweep",
