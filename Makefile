@@ -25,12 +25,12 @@ demo: $(STAMP)
 
 # two workers: the tests run one thread each, so a 2-core machine runs two at a time
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 -m "not real_llm_extra"
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not real_llm_extra"
 
 # the real LLM's longer checks (its extra matrix cells, the demo and study offline; ~6 min of one worker):
 # `.ci/run` runs them after `make test`
 test-real-llm: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 -m real_llm_extra
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m real_llm_extra
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

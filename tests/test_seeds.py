@@ -101,3 +101,15 @@ def test_paired_difference_pairs_by_seed_and_problem_over_the_shared_seeds():
 )
 def test_verdicts(method, lo, hi, word):
     assert S.verdict(method, lo, hi) == word
+
+
+def test_one_seed_gets_no_verdict_whatever_its_interval():
+    """A difference from one training seed is an interval over problems only: 'one seed', never a verdict, even
+    when that interval excludes 0."""
+    evals = _evals({("lopti", 0): [1] * 40, ("grpo", 0): [0] * 40})
+    table = S.differences_table(evals, [("lopti", "grpo")], 10, n_boot=500)
+    assert table["verdict"].to_list() == [S.ONE_SEED] and table["lo"][0] == 1.0
+    two = _evals({("lopti", s): [1] * 40 for s in (0, 1)} | {("grpo", s): [0] * 40 for s in (0, 1)})
+    assert S.differences_table(two, [("lopti", "grpo")], 10, n_boot=500)["verdict"].to_list() == [
+        "reproduced"
+    ]

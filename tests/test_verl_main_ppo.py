@@ -41,6 +41,10 @@ RECORD_KINDS = {
     "token_view",
 }
 
+# every test of the module reads one main_ppo run (a module fixture, ~100 s of both cores and ~4 GB): one xdist worker
+# runs them all (`--dist loadgroup` in the Makefile), so the suite makes that run once, not once per worker
+pytestmark = pytest.mark.xdist_group("main_ppo")
+
 
 def readme_overrides() -> list[str]:
     """The tokendyn overrides of the README's ``main_ppo`` block, as written there."""

@@ -96,8 +96,10 @@ VERDICT_TEXT = (
     "Each difference is the method's held-out accuracy minus GRPO's at the same training seed and problem, with a "
     "95 % two-stage bootstrap interval (seeds, then problems within each seed). For the paper's remedies: "
     "reproduced if the interval lies above 0, reversed if below, not resolved at this size if it holds 0; for the "
-    "other methods: better / worse than GRPO, or not resolved at this size."
+    "other methods: better / worse than GRPO, or not resolved at this size. With one training seed the interval is "
+    "over the problems alone and says nothing about training: such a row reads 'one seed', whatever its interval."
 )
+ONE_SEED = "one seed: no verdict"
 
 
 def outcome_matrix(evals, method: str, rollout: int, seeds=None) -> tuple[list[int], np.ndarray]:
@@ -169,7 +171,9 @@ def differences_table(evals, pairs, rollout: int, n_boot: int = N_BOOT, paper_me
         d, lo, hi, n = paired_difference(evals, method, reference, rollout, n_boot)
         if n == 0:
             continue
-        if reference == "grpo":
+        if n < 2:  # an interval over the problems of one training run says nothing about training
+            word = ONE_SEED
+        elif reference == "grpo":
             word = verdict(method, lo, hi, paper_methods)
         else:
             word = "above 0" if lo > 0 else "below 0" if hi < 0 else "holds 0"

@@ -73,6 +73,11 @@ def control_reading(diff) -> str:
     lopti = row("lopti", "grpo")
     if lopti is None:
         return "Lopti's runs are not finished: no reading of its controls yet."
+    if int(diff["seeds"].min()) < 2:
+        return (
+            "One training seed so far: these intervals are over the held-out problems alone and say nothing about "
+            "training, so there is no reading of Lopti's controls yet."
+        )
     s = side(lopti)
     parts = []
     if s == 0:
@@ -245,7 +250,9 @@ def _markdown(size, runs, walls, acc, diffs, controls, mech, repro, camps, guide
         ).select("method", "rollout", "seeds", "accuracy [95 %]", "seed_sd", "seed_min", "seed_max")
         lines += [markdown(shown), ""]
         grpo = acc.filter((pl.col("method") == "grpo") & (pl.col("rollout") == final))
-        if grpo.height:
+        if grpo.height and grpo["seeds"][0] < 2:
+            lines += ["GRPO's across-seed spread: one seed so far, no spread yet.", ""]
+        elif grpo.height:
             g = grpo.row(0, named=True)
             lines += [
                 f"GRPO's across-seed spread after {final} rollouts: the {g['seeds']} seeds' accuracies range "
