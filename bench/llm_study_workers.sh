@@ -14,11 +14,12 @@ CLAIMS=runs/llm-study-claims.$$
 LOCK=runs/llm-study.lock
 mkdir -p "$LOGS" "$CLAIMS"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-# the plan, in the study's own order (seed by seed for the paper's methods and Lopti's controls, then the other camp)
+# the plan, seed by seed: the paper's methods and Lopti's controls first, then the other camp (so a stop leaves every
+# method of a camp with as many seeds as the others)
 PLAN=$("$BIN/python" - <<'PY'
 from tokendyn.commands.llm_study import FULL, ORDER
 main = [m for m in ORDER[:5]]
-plan = [(m, s) for s in FULL.seeds for m in main] + [(m, s) for m in ORDER[5:] for s in FULL.seeds]
+plan = [(m, s) for s in FULL.seeds for m in main] + [(m, s) for s in FULL.seeds for m in ORDER[5:]]
 print(" ".join(f"{m}:{s}" for m, s in plan))
 PY
 )
