@@ -8,13 +8,15 @@ scorer and group-normalised advantages. The training step of that rollout = its 
 AdamW step). Measured:
 
 - time: the probe on the update phase (its first probed step, which refreshes sigma_max and replays every layer for
-  the direct gradients, and a later one), every analysis on the first `--sample` rows (`analyze_update`, float64
-  steps as the trainer makes them), and the paired comparison (base, Reweight, Lopti at equal norm), each against
-  the whole step and its update phase;
+  the direct gradients, and a later one), every analysis on the first `--sample` rows (`analyze_update` as the
+  trainer makes it: by default with step_precision measured, its check step (float64 and model-dtype steps) and a
+  later step in the precision the check chose, and their mean over one check every `CHECK_EVERY` analysed steps),
+  and the paired comparison (base, Reweight, Lopti at equal norm) in that precision, each against the whole step
+  and its update phase;
 - memory: the allocator's peak (`memory.measure.AllocPeak`, not RSS) of one micro-step plain, with the probe, and of
   the analyses on their sample (float64 steps, and steps in the model's dtype), against the micro-step's peak.
 
-    python bench/real_llm_cost.py                      # ~10 min of one quiet thread (20 min under load)
+    python bench/real_llm_cost.py                      # ~15 min of one quiet thread (30 min under load)
     python bench/real_llm_cost.py --sample 4 --step-precision model --no-memory   # what the analyses' cost scales with
     python bench/real_llm_cost.py --model DIR_OR_GGUF  # another policy
 """
@@ -114,9 +116,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--step-precision",
-        choices=("float64", "model"),
-        default="float64",
-        help="the analyses' counterfactual steps (timed): float64 (the default) or in the model's dtype",
+        choices=("measured", "float64", "model"),
+        default="measured",
+        help="the analyses' counterfactual steps (timed): measured (the default: a check step made both ways, then "
+        "steps in the dtype it chose), float64 or in the model's dtype",
     )
     ap.add_argument("--no-memory", action="store_true", help="time only")
     args = ap.parse_args()
@@ -126,6 +129,7 @@ def main() -> None:
 
     from tokendyn.config import ProbeConfig
     from tokendyn.effects.compare import compare_rules, make_rule
+    from tokendyn.effects.precision import CHECK_EVERY, MeasuredPrecision, check_summary
     from tokendyn.effects.rebalance import RebalanceOptions, analyze_update
     from tokendyn.policy import load_policy
     from tokendyn.probe.probe import GradientProbe
@@ -162,29 +166,48 @@ def main() -> None:
     held: dict = {}
     model.eval()
 
-    def analyses():
-        held["frames"], held["full"] = analyze_update(model, sample, step=0, options=RebalanceOptions(step_precision=args.step_precision),
-                                                      objective=objective, tokenizer=tok)  # fmt: skip
+    state = MeasuredPrecision()  # (step_precision measured: the run's schedule, a check on its first step)
+    options = RebalanceOptions(step_precision=args.step_precision)
 
+    def analyses():
+        with MeasuredPrecision.quiet(state):
+            held["frames"], held["full"] = analyze_update(model, sample, step=0, options=options, objective=objective,
+                                                          tokenizer=tok, precision_state=state)  # fmt: skip
+
+    t_check = None
+    if args.step_precision == "measured":  # the check step, then a later one in the precision it chose
+        t_check = timed_once(analyses)
+        check = held["frames"]["precision_check"]
+        print(f"the check: {check_summary(check)}", flush=True)
     t_an = timed_once(analyses)
+    used = MeasuredPrecision.used(args.step_precision, state)
     rules = [make_rule(r, objective) for r in ("base", "reweight", "lopti")]
-    t_cmp = timed_once(
-        lambda: compare_rules(
-            model, sample, rules, modes=("equal_norm",), lr=1e-3, optimizer=opt, full=held["full"]
-        )
-    )
+
+    def paired():
+        with MeasuredPrecision.quiet(state):
+            compare_rules(model, sample, rules, modes=("equal_norm",), lr=1e-3, optimizer=opt, full=held["full"],
+                          precision=used)  # fmt: skip
+
+    t_cmp = timed_once(paired)
     model.train()
     later_s = sorted(later)[0]
     print(f"\ntime (s; one run, {args.threads} thread(s)): generation {gen_s:.1f}, update phase {upd:.1f} "
           f"(plain runs {', '.join(f'{p:.1f}' for p in plain)}), whole step {whole:.1f}")  # fmt: skip
-    print(f"{'':<52}{'seconds':>9}{'/ whole':>9}{'/ update':>10}")
-    for label, t in (
+    print(f"{'':<64}{'seconds':>9}{'/ whole':>9}{'/ update':>10}")
+    lines = [
         ("update phase, first probed step (probe on)", first),
         ("update phase, later probed step (probe on)", later_s),
-        (f"every analysis on {args.sample} rows ({args.step_precision} steps)", t_an),
-        ("+ paired comparison base/reweight/lopti, equal_norm", t_cmp),
-    ):
-        print(f"{label:<52}{t:>9.1f}{t / whole:>9.3f}{t / upd:>10.3f}")
+    ]
+    if t_check is not None:
+        lines.append((f"every analysis on {args.sample} rows, the check step (both)", t_check))
+        amortised = (t_check + (CHECK_EVERY - 1) * t_an) / CHECK_EVERY
+    lines.append((f"every analysis on {args.sample} rows ({used} steps)", t_an))
+    if t_check is not None:
+        lines.append((f"  the same, one check every {CHECK_EVERY} analysed steps", amortised))
+        t_an = amortised
+    lines.append((f"+ paired comparison base/reweight/lopti, equal_norm ({used} steps)", t_cmp))
+    for label, t in lines:
+        print(f"{label:<64}{t:>9.1f}{t / whole:>9.3f}{t / upd:>10.3f}")
     print(f"probed step / plain step, whole step: first {(whole - upd + first) / whole:.3f}x, later "
           f"{(whole - upd + later_s) / whole:.3f}x; a step with every analysis {(whole + t_an) / whole:.3f}x, "
           f"and the comparison {(whole + t_an + t_cmp) / whole:.3f}x")  # fmt: skip

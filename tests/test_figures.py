@@ -80,7 +80,7 @@ def test_runs_hold_every_record_kind(records):
     assert records.labels == ["GRPO", "GRPO + Reweight(a=0.3)", "GRPO + Lopti(eta=0.5)"]
     assert set(records.kinds()) == {
         "binstats", "hist", "bound", "checks", "tokens", "shares", "token_shares", "prob_change", "influence",
-        "paired", "token_view", "token_view_rules", "metrics",
+        "paired", "precision_check", "token_view", "token_view_rules", "metrics",
     }  # fmt: skip
 
 

@@ -71,6 +71,15 @@ def test_probe_records_without_changing_training(tiny_model_dir, tmp_path, lopti
     assert set(change["update"].unique()) == {"counterfactual", "real"}
     influence = pl.read_parquet(sorted((run_dir / "records").glob("influence-*.parquet")))
     assert set(influence["update_stage"].unique()) == ({"low", "high"} if lopti else {"train"})
+    # the default step precision, measured: the first analysed step made both ways and checked (every 8th again),
+    # its records in float64, the later ones in the dtype the check chose
+    check = pl.read_parquet(sorted((run_dir / "records").glob("precision_check-*.parquet")))
+    first = influence["step"].min()
+    assert check["step"].unique().to_list() == [first] and (check["model_dtype"] == "float32").all()
+    stepped = influence.filter(~pl.col("no_update"))
+    assert (stepped.filter(pl.col("step") == first)["step_dtype"] == "float64").all()
+    later = stepped.filter(pl.col("step") > first)
+    assert later.height and (later["step_dtype"] == ("float32" if check["agreed"].all() else "float64")).all()
     assert list((run_dir / "records").glob("token_shares-*.parquet"))
 
     # each probed rollout's first micro-batch is a rollouts file that `tokendyn probe` reads

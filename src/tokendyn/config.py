@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
-from tokendyn.vocab import ALL_POINTS, ANALYSES, COMPARE_MODES, COMPARE_RULES, STEP_PRECISIONS
+from tokendyn.vocab import ALL_POINTS, ANALYSES, COMPARE_MODES, COMPARE_RULES, PROBE_STEP_PRECISIONS
 
 DEFAULT_EDGES: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
 SHARE_METHODS = ("stream", "loop", "batched")
@@ -238,11 +238,11 @@ class ProbeConfig:
         "`tokendyn view`); at most sample_sequences are; 0 = off; >= 0.",
     )
     step_precision: str = _opt(
-        "float64",
-        "Counterfactual steps on a float64 copy of the model (float64) or in its own dtype (model: small steps "
-        "partly lost to rounding; records' step_rounding says how much).",
-        choices=list(STEP_PRECISIONS),
+        "measured",
+        "Counterfactual steps: float64 copy, model dtype, or measured (checked both ways, model kept if equal).",
+        choices=list(PROBE_STEP_PRECISIONS),
     )
+    precision_check_every: int = _opt(8, "Analysed steps per measured check; >= 1.")
     share_method: str = _opt(
         "stream",
         "How the per-bin gradients are taken: 'stream' (g, then one g_b at a time: two parameter-sized buffers), "
@@ -260,7 +260,7 @@ class ProbeConfig:
         set_(self, "bins", f"intervals:{n}" if kind == "intervals" else describe_bins(kind, n, edges))
         for name in ("sample_tokens", "direct_tokens", "sample_sequences", "token_shares", "view_sequences"):
             _int(name, getattr(self, name), 0)
-        for name in ("direct_every", "direct_chunk", "sigma_every"):
+        for name in ("direct_every", "direct_chunk", "sigma_every", "precision_check_every"):
             _int(name, getattr(self, name), 1)
         if self.check_tokens is not None:
             _int("check_tokens", self.check_tokens, 0, "None (every token) or ")
@@ -295,9 +295,10 @@ class ProbeConfig:
         for x in sweep:
             _number("lr_sweep", x, "a list of numbers > 0", lo=0.0, value=sweep)
         set_(self, "lr_sweep", tuple(sorted({float(x) for x in sweep})))
-        if self.step_precision not in STEP_PRECISIONS:
+        if self.step_precision not in PROBE_STEP_PRECISIONS:
             raise ProbeConfigError(
-                "step_precision", f"must be one of {', '.join(STEP_PRECISIONS)}, got {self.step_precision!r}"
+                "step_precision",
+                f"must be one of {', '.join(PROBE_STEP_PRECISIONS)}, got {self.step_precision!r}",
             )
         if self.share_method not in SHARE_METHODS:
             raise ProbeConfigError(

@@ -228,6 +228,27 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         **_RESOLUTION,
         **_DELTA,
     },
+    # the measured step-precision check (tokendyn.effects.precision): one analysed batch's analyses with float64 steps
+    # and in the model's dtype, one row per counterfactual update; rel_diff = the largest |difference| of its dpi
+    # statistics / its largest |dpi| in float64 (scale); ratio_diff = the largest correct-ratio difference
+    # (ratio_tokens: in tokens); agreed: within tol, ratios within one token, signs and nulls equal
+    "precision_check": {
+        **_REBALANCE_KEY,
+        "analysis": pl.Utf8,
+        "update": pl.Utf8,
+        "model_dtype": pl.Utf8,
+        "tol": pl.Float64,
+        "scale": pl.Float64,
+        "max_abs_diff": pl.Float64,
+        "rel_diff": pl.Float64,
+        "ratio_diff": pl.Float64,
+        "ratio_tokens": pl.Float64,
+        "signs_equal": pl.Boolean,
+        "nulls_equal": pl.Boolean,
+        "agreed": pl.Boolean,
+        "seconds_float64": pl.Float64,
+        "seconds_model": pl.Float64,
+    },
     # paired counterfactual comparison (tokendyn.effects.compare): sums over one sequence's tokens of one bin of pi_old
     # after each rule's update from the same state; rule base | reweight | lopti | ...; mode equal_norm | optimizer
     "paired": {

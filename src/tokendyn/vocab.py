@@ -85,6 +85,10 @@ RULE_CAMPS = {
 COMPARE_MODES = ("equal_norm", "optimizer")
 # the precision of the analyses' counterfactual steps (tokendyn.effects.change.InPlaceUpdate)
 STEP_PRECISIONS = ("float64", "model")
+# a probe's choice: one of them, or "measured" (both made now and then, the model's dtype kept while they agree:
+# tokendyn.effects.precision)
+MEASURED = "measured"
+PROBE_STEP_PRECISIONS = (MEASURED, *STEP_PRECISIONS)
 
 # ---- names retired from records: kind -> {"columns": {old: new}, "values": {column: {old: new}}} ------------------
 # the update stages were named by position: stage1 / stage2 (the first / second Lopti stage, which are low / high or

@@ -10,7 +10,8 @@ training did not make, or makes them again, and measures what they do to every t
 * ``influence``: the influence matrix, one counterfactual step per source bin;
 * ``compare``: the paired comparison of update rules from the same state (both camps, K inner updates), and ``axis``:
   the c and eta sweeps through them;
-* ``resolution``: how finely a counterfactual step was resolved, and which steps carry no update at all;
+* ``resolution``: how finely a counterfactual step was resolved, and which steps carry no update at all; and
+  ``precision``: whether the model's dtype gives the float64 numbers, measured on the run's own steps;
 * ``rebalance``: all of them on one batch (``analyze_update``), what the hooks call; ``token_view``: every token's
   numbers for the page.
 

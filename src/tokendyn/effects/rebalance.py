@@ -28,7 +28,6 @@ from torch import nn
 
 from tokendyn.config import TOKEN_SHARES_PER_BIN
 from tokendyn.effects.change import (
-    STEP_PRECISIONS,
     Resolution,
     change_frame,
     counterfactual_change,
@@ -39,12 +38,14 @@ from tokendyn.effects.change import (
 from tokendyn.effects.compare import FullUpdate
 from tokendyn.effects.influence import influence, influence_and_shares
 from tokendyn.effects.limit import limit_change, limit_refusal
+from tokendyn.effects.precision import MeasuredPrecision, measured_analysis
 from tokendyn.effects.shares import METHODS, as_edges, gradient_shares
 from tokendyn.effects.token_sample import token_shares_frame
 from tokendyn.effects.token_view import head_ratios, token_view_frame, view_rows
+from tokendyn.probe.parallel import is_fully_sharded
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index
 from tokendyn.records import process_rank, to_frame
-from tokendyn.vocab import HIGH, LOPTI, LOW, TRAIN, stage_name
+from tokendyn.vocab import HIGH, LOPTI, LOW, MEASURED, PROBE_STEP_PRECISIONS, TRAIN, stage_name
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,10 @@ class RebalanceOptions:
     view_sequences: sequences of the sample whose every token is recorded (`token_view`: its share, its
     counterfactual dpi, its own-gradient ratio; 0 = off); step_precision: the counterfactual steps' (influence
     sources, prob_change, the sweep; `tokendyn.effects.change.InPlaceUpdate`): "float64" (default: a float64 copy of
-    the model for the analysis, so a step below the float32 rounding of theta is made whole) or "model" (the
-    parameters' own dtype; each record's step_rounding says how much of the step that can lose)."""
+    the model for the analysis, so a step below the float32 rounding of theta is made whole), "model" (the
+    parameters' own dtype; each record's step_rounding says how much of the step that can lose) or "measured" (both,
+    compared, and the model's dtype kept while they agree: `tokendyn.effects.precision`; `analyze_update` then
+    checks on every call unless it is given the run's `MeasuredPrecision`)."""
 
     shares: bool = True
     token_shares: int = TOKEN_SHARES_PER_BIN
@@ -92,9 +95,9 @@ class RebalanceOptions:
             )
         if not float(self.lr) > 0:
             raise ValueError(f"rebalance: lr must be > 0, got {self.lr!r}")
-        if self.step_precision not in STEP_PRECISIONS:
+        if self.step_precision not in PROBE_STEP_PRECISIONS:
             raise ValueError(
-                f"rebalance: step_precision must be one of {', '.join(STEP_PRECISIONS)}, "
+                f"rebalance: step_precision must be one of {', '.join(PROBE_STEP_PRECISIONS)}, "
                 f"got {self.step_precision!r}"
             )
 
@@ -123,6 +126,7 @@ def analyze_update(
     stage_masks: Sequence[torch.Tensor] | None = None,
     lopti_order: str = "low_first",
     tokenizer=None,
+    precision_state: MeasuredPrecision | None = None,
     _reuse: bool = True,
 ) -> tuple[dict[str, pl.DataFrame], FullUpdate | None]:
     """The `shares`, `token_shares`, `prob_change` (counterfactual, and "sweep" rows for ``options.lr_sweep``, the
@@ -138,8 +142,21 @@ def analyze_update(
     (one update stage, method "stream") they come from one set of gradients (`influence_and_shares`). Counterfactual
     updates that were no update (`tokendyn.effects.resolution`) are counted in a `notes` frame (absent when none).
     A sweep point at ``options.lr`` is the counterfactual update's (or the influence run's all-token sources') own
-    result, not a second step (``_reuse`` False: made again, as a check that the two are the same)."""
+    result, not a second step (``_reuse`` False: made again, as a check that the two are the same).
+    ``options.step_precision`` "measured": `tokendyn.effects.precision.measured_analysis` with the run's
+    ``precision_state`` (a check on this call when None; ``precision_state.last`` says which precision was used)."""
     opts = options or RebalanceOptions()
+    if opts.step_precision == MEASURED:
+
+        def analyze(o: RebalanceOptions):
+            return analyze_update(model, batch, step=step, stage=stage, edges=edges, options=o, objective=objective,
+                                  stage_masks=stage_masks, lopti_order=lopti_order, tokenizer=tokenizer,
+                                  _reuse=_reuse)  # fmt: skip
+
+        state = precision_state if precision_state is not None else MeasuredPrecision()
+        frames, full, _ = measured_analysis(analyze, model, opts, state, step=step, stage=stage,
+                                            sharded=is_fully_sharded(model))  # fmt: skip
+        return frames, full
     made = None  # the counterfactual update at opts.lr as `counterfactual_change` reports it, once made
     edges_t = as_edges(edges)
     batch, pi0 = fix_pi_old(model, batch, precision=opts.step_precision)  # pi_old fixed once for all

@@ -103,6 +103,10 @@ def remedy(step_dtype: str) -> str:
     return "float64 steps (--probe_step_precision float64) or a larger step (--probe_lr) resolve it"
 
 
+class UnresolvedStepWarning(UserWarning):
+    """A counterfactual step whose rounding bound exceeds `STEP_ROUNDING_LIMIT` (`warn_unresolved`)."""
+
+
 def warn_unresolved(where: str, res: Resolution) -> None:
     """The loud flag of an update's step below the resolution (`Resolution`); nothing for a step that was no update
     (module docstring)."""
@@ -116,6 +120,7 @@ def warn_unresolved(where: str, res: Resolution) -> None:
     warnings.warn(
         f"{where}: the counterfactual step (||dtheta|| = {res.step_norm:.3g}) is not resolved in "
         f"{res.step_dtype}: {lost} (limit {100 * STEP_ROUNDING_LIMIT:.3g} %); {remedy(res.step_dtype)}",
+        UnresolvedStepWarning,
         stacklevel=3,
     )
 

@@ -25,8 +25,9 @@ VIEW_KINDS = (
     "token_view",
     "token_view_rules",
 )  # every token of the view's sequences (--probe_view_sequences)
+CHECK_KINDS = ("precision_check",)  # the measured step precision (--probe_step_precision measured)
 METRICS = "metrics"  # the training log, RUN_DIR/metrics.parquet
-KINDS = (*PROBE_KINDS, *ANALYSIS_KINDS, *COMPARISON_KINDS, *VIEW_KINDS, METRICS)
+KINDS = (*PROBE_KINDS, *ANALYSIS_KINDS, *COMPARISON_KINDS, *CHECK_KINDS, *VIEW_KINDS, METRICS)
 LOPTI_STAGES = ("low", "high")
 
 

@@ -11,6 +11,7 @@ import math
 import polars as pl
 
 from tokendyn.analysis.tables import checks_violations
+from tokendyn.effects.precision import check_summary
 from tokendyn.figures.data import MissingRecords, Records, bin_label, full_loss, one_point, run_order
 from tokendyn.figures.dynamics import _pooled_influence, pooled_change
 from tokendyn.figures.gradients import per_token_norms
@@ -94,7 +95,24 @@ def prob_change(records: Records) -> str:
         )
     changes = _need(records, "prob_change", "probability change")
     counterfactual = changes.filter(pl.col("update") != "real") if "update" in changes.columns else changes
-    return "After one update with all tokens, " + "; ".join(parts) + "." + resolution_note(counterfactual)
+    check = records.get("precision_check")
+    return ("After one update with all tokens, " + "; ".join(parts) + "."
+            + resolution_note(counterfactual, check) + precision_note(check))  # fmt: skip
+
+
+def precision_note(check: pl.DataFrame | None) -> str:
+    """One sentence per run of its measured step-precision checks (`tokendyn.effects.precision.check_summary`)."""
+    if check is None or check.is_empty():
+        return ""
+    runs = run_order(check) if "run" in check.columns else [None]
+    parts = [
+        (f"{run}: " if run is not None else "")
+        + check_summary(check.filter(pl.col("run") == run) if run else check)
+        for run in runs
+    ]
+    return (
+        " Measured step precision (float64 against the model's dtype, same state): " + "; ".join(parts) + "."
+    )
 
 
 def gradient_norm(records: Records) -> str:
@@ -166,10 +184,24 @@ def _moved(r: pl.DataFrame, src: int, targets: list[int]) -> float | None:
     return float((x["mean_abs"] * x["tokens"]).sum() / x["tokens"].sum()) if x.height else None
 
 
-def resolution_note(df: pl.DataFrame) -> str:
+def _checked(rows: pl.DataFrame, check: pl.DataFrame | None) -> pl.DataFrame:
+    """The ``rows`` stepped in the model's dtype on the agreement of the run's latest `precision_check` at or before
+    their step (`tokendyn.effects.precision`): their rounding bound was measured not to bind."""
+    if check is None or check.is_empty() or rows.is_empty():
+        return rows.clear()
+    by = ["run"] if "run" in rows.columns and "run" in check.columns else []
+    verdict = check.group_by([*by, "step"]).agg(pl.col("agreed").all(), pl.col("rel_diff").max())
+    verdict = verdict.rename({"step": "check_step"}).sort("check_step")
+    low = rows.filter(pl.col("step_dtype") != "float64").sort("step")
+    joined = low.join_asof(verdict, left_on="step", right_on="check_step", by=by or None, strategy="backward")
+    return joined.filter(pl.col("agreed").fill_null(False))
+
+
+def resolution_note(df: pl.DataFrame, check: pl.DataFrame | None = None) -> str:
     """What the records say of their counterfactual steps' resolution (`step_rounding`, `step_resolved`): "" for
     records that do not say (written before it was recorded), else one sentence, a warning where a step was not
-    resolved; and a sentence counting the updates that were no update (`no_update`: no policy-gradient signal,
+    resolved and no measured check (``check``: the runs' `precision_check` records) agreed to its dtype; and a
+    sentence counting the updates that were no update (`no_update`: no policy-gradient signal,
     `tokendyn.effects.resolution`), whose rows are empty."""
     note = _no_update_note(df)
     if "step_rounding" not in df.columns:
@@ -179,6 +211,15 @@ def resolution_note(df: pl.DataFrame) -> str:
         return note
     worst = float(known["step_rounding"].max())
     bad = known.filter(~pl.col("step_resolved"))
+    covered = _checked(bad, check)
+    if covered.height:
+        bad = bad.filter(~pl.col("step").is_in(covered["step"].unique().to_list()))
+        note = (f" {covered.height} rows come from steps in the model's dtype whose rounding bound (up to "
+                f"{100 * float(covered['step_rounding'].max()):.3g} % of a step) a measured check agreed not to bind "
+                f"(float64 and model-dtype steps within {float(covered['rel_diff'].max()):.2g} of the largest "
+                f"|Δπ|: precision_check).") + note  # fmt: skip
+        if bad.height == 0:
+            return note
     if bad.height == 0:
         return (
             f" Every counterfactual step was resolved (rounding could take at most {worst:.1e} of a step)."
@@ -226,7 +267,7 @@ def isolation(records: Records) -> str:
     return (". ".join(parts) + ". Ideally a frozen interval does not move at all. The paper (Fig. 1e/f): updating "
             "the low tokens alone reproduces most of the full update, and the high tokens move less when updated "
             "themselves than when only the low ones are."
-            + resolution_note(_need(records, "influence", "isolation")))  # fmt: skip
+            + resolution_note(_need(records, "influence", "isolation"), records.get("precision_check")))  # fmt: skip
 
 
 def influence_matrix(records: Records) -> str:
@@ -244,7 +285,7 @@ def influence_matrix(records: Records) -> str:
                 f"on [{t['target_lo']:g}, {t['target_hi']:g}), mean |Δπ| = {num(t['mean_abs'])}"
             )
     return ("Rows are the updated interval, columns the measured one. " + "; ".join(parts) + "."
-            + resolution_note(_need(records, "influence", "influence matrix")))  # fmt: skip
+            + resolution_note(_need(records, "influence", "influence matrix"), records.get("precision_check")))  # fmt: skip
 
 
 def bound(records: Records) -> str:

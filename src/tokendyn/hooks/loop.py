@@ -15,6 +15,7 @@ from torch import nn
 from tokendyn.common import write_json
 from tokendyn.config import ProbeConfig
 from tokendyn.config import resolve as resolve_config
+from tokendyn.effects.precision import CHECK_EVERY, MeasuredPrecision
 from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.probe.probe import GradientProbe
@@ -42,10 +43,14 @@ class Recorder:
         run_dir: str | os.PathLike,
         options: RebalanceOptions,
         method: str,
+        check_every: int = CHECK_EVERY,
     ):
         self.probe, self.model, self.run_dir = probe, model, Path(run_dir)
         self.options, self.method = options, method
         self.rows: list[dict] = []
+        self.precision = MeasuredPrecision(
+            every=check_every
+        )  # the run's measured step precision (its checks' schedule)
 
     def __getattr__(self, name: str):
         return getattr(self.probe, name)
@@ -79,6 +84,7 @@ class Recorder:
                 objective=objective,
                 stage_masks=stage_masks,
                 lopti_order=lopti_order,
+                precision_state=self.precision,
             )
         finally:
             self.probe.enabled = True
@@ -153,7 +159,9 @@ def instrument(
     probe.sink = writer.add
     yielded: GradientProbe | Recorder = probe
     if recorder:
-        yielded = Recorder(probe, model, run_dir, rebalance_options(cfg, seed), method)
+        yielded = Recorder(
+            probe, model, run_dir, rebalance_options(cfg, seed), method, cfg.precision_check_every
+        )
         if probe.rank == 0:
             _write_run_json(run_dir, method, temperature, cfg)
     try:

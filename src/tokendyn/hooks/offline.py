@@ -42,6 +42,7 @@ from torch import nn
 from tokendyn.common import write_json
 from tokendyn.config import ProbeConfig
 from tokendyn.config import resolve as resolve_config
+from tokendyn.effects.precision import MeasuredPrecision
 from tokendyn.effects.rebalance import analyze_update
 from tokendyn.effects.shares import jvp_attention
 from tokendyn.hooks.model_fit import POSITIONS, check_fits, model_limits, positions_from_masks
@@ -337,6 +338,7 @@ def _analyse(
     edges = probe.bins.edges
     edges = list(edges) if edges is not None else None
     frames, full = {}, None
+    state = MeasuredPrecision(every=cfg.precision_check_every)
     if cfg.active_analyses:
         frames, full = analyze_update(
             model,
@@ -347,6 +349,7 @@ def _analyse(
             options=options,
             objective=objective,
             tokenizer=tokenizer,
+            precision_state=state,
         )
     if cfg.compare_rules:
         from tokendyn.effects.axis import axis_rules
@@ -356,16 +359,18 @@ def _analyse(
 
         rules = [make_rule(name, objective, seed=options.seed) for name in cfg.compare_rules]
         rules += axis_rules(objective, cfg.compare_c_sweep, cfg.compare_eta_sweep)
-        results = compare_rules(
-            model,
-            batch,
-            rules,
-            modes=("equal_norm",),
-            lr=cfg.lr,
-            full=full,
-            precision=cfg.step_precision,
-            inner_steps=cfg.compare_inner_steps,
-        )
+        checked = state if cfg.active_analyses else None  # (no analysis: no check, float64 steps)
+        with MeasuredPrecision.quiet(checked):  # (model-dtype steps a check agreed to)
+            results = compare_rules(
+                model,
+                batch,
+                rules,
+                modes=("equal_norm",),
+                lr=cfg.lr,
+                full=full,
+                precision=MeasuredPrecision.used(cfg.step_precision, checked),
+                inner_steps=cfg.compare_inner_steps,
+            )
         frames["paired"] = paired_frame(results, batch, pi_old(model, batch), as_edges(edges), step=0)
         if "token_view" in frames:
             from tokendyn.effects.token_view import token_rules_frame

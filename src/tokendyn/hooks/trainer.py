@@ -33,6 +33,7 @@ import torch
 from transformers import TrainerCallback
 
 from tokendyn.effects.change import completion_probs, fix_pi_old, real_change
+from tokendyn.effects.precision import MeasuredPrecision
 from tokendyn.effects.rebalance import analyze_update, real_change_frame, stage_shares_frame
 from tokendyn.effects.shares import FSDP_NO_TOKEN_SHARES
 from tokendyn.effects.token_view import token_rules_frame, with_real_change
@@ -119,6 +120,7 @@ class TrainerProbe(TrainerCallback):
         self._sample_rows: dict | None = None  # the analysed rows of the global batch (rank 0; FSDP2: all)
         if self.analyses:
             self.options = rebalance_options(cfg, seed=args.seed)
+            self.precision = MeasuredPrecision(every=cfg.precision_check_every)  # (step_precision "measured")
             self.objective = Objective.from_config(args)  # the trained loss, or an error naming what is not
             edges = self.probe.bins.edges
             self.edges = list(edges) if edges is not None else None  # quantile bins: the paper's edges here
@@ -242,6 +244,7 @@ class TrainerProbe(TrainerCallback):
                 stage_masks=stage_masks,
                 lopti_order=self.order,
                 tokenizer=getattr(t, "processing_class", None),
+                precision_state=self.precision,
             )
             if self.config.compare_rules:
                 frames["paired"], results = self._paired(model, batch, sample, step, full)
@@ -289,17 +292,18 @@ class TrainerProbe(TrainerCallback):
         if is_fully_sharded(model) and "optimizer" in modes:
             modes = tuple(m for m in modes if m != "optimizer")
             self.probe.note("fsdp_no_optimizer_compare", FSDP_NO_OPTIMIZER_COMPARE, step=step)
-        results = compare_rules(
-            model,
-            batch,
-            rules,
-            modes=modes,
-            lr=cfg.lr,
-            optimizer=t.optimizer,
-            full=full,
-            precision=cfg.step_precision,
-            inner_steps=cfg.compare_inner_steps,
-        )
+        with MeasuredPrecision.quiet(self.precision):  # (model-dtype steps a check agreed to)
+            results = compare_rules(
+                model,
+                batch,
+                rules,
+                modes=modes,
+                lr=cfg.lr,
+                optimizer=t.optimizer,
+                full=full,
+                precision=MeasuredPrecision.used(cfg.step_precision, self.precision),
+                inner_steps=cfg.compare_inner_steps,
+            )
         frame = paired_frame(results, batch, pi_old(model, batch), as_edges(self.edges), step=step)
         return frame, results
 

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from tokendyn.common import write_json
 from tokendyn.config import ProbeConfig
 from tokendyn.config import resolve as resolve_config
+from tokendyn.effects.precision import MeasuredPrecision
 from tokendyn.hooks.live import check_sums, final_point_sums
 from tokendyn.integrations.verl.layout import prompt_response_lengths, response_layout
 from tokendyn.integrations.verl.loss import LOSS_NAME, VerlConfigError, stage_advantages
@@ -131,6 +132,9 @@ class EngineProbe:
             )
         self.analyses_every, self.seed = analyses_every, seed
         self.last_analysis: dict | None = None
+        self._precision = MeasuredPrecision(
+            every=self.config.precision_check_every
+        )  # (step_precision measured)
         self.step, self.stage = 0, TRAIN
         self.results: list = []  # the StepResults of the latest train_batch, one per micro-batch
         self._records: list[dict] = []
@@ -267,6 +271,7 @@ class EngineProbe:
                 edges=edges,
                 options=rebalance_options(self.config, self.seed),
                 objective=VerlObjective(config, seed=self.seed),
+                precision_state=self._precision,
             )
         finally:
             self.probe.enabled = True
