@@ -14,8 +14,8 @@ CLAIMS=runs/llm-study-claims.$$
 LOCK=runs/llm-study.lock
 mkdir -p "$LOGS" "$CLAIMS"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-# the plan, seed by seed: the paper's methods and Lopti's controls first, then the other camp (so a stop leaves every
-# method of a camp with as many seeds as the others)
+# the plan, seed by seed: the paper's methods and Lopti's controls first, then GRPO again for the both-camps sweep and
+# the other camp (so a stop leaves every method of a block with as many seeds as the others)
 PLAN=$("$BIN/python" - <<'PY'
 from tokendyn.commands.llm_study import FULL, ORDER
 main = [m for m in ORDER[:5]]

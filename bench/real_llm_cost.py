@@ -106,44 +106,13 @@ def probe_batch(batch: dict, n: int):
                       temperature=T)  # fmt: skip
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--micro", type=int, default=8, help="rows per micro-batch of the update phase")
-    ap.add_argument("--sample", type=int, default=16, help="rows of the analysis sample")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument(
-        "--step-precision",
-        choices=("measured", "float64", "model"),
-        default="measured",
-        help="the analyses' counterfactual steps (timed): measured (the default: a check step made both ways, then "
-        "steps in the dtype it chose), float64 or in the model's dtype",
-    )
-    ap.add_argument("--no-memory", action="store_true", help="time only")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-
-    from trl.trainer.utils import add_fused_lm_head
-
+def timing(args, model, tok, opt, batch, c_len, gen_s, sample, objective) -> None:
+    """The time section (module docstring)."""
     from tokendyn.config import ProbeConfig
     from tokendyn.effects.compare import compare_rules, make_rule
     from tokendyn.effects.precision import CHECK_EVERY, MeasuredPrecision, check_summary
     from tokendyn.effects.rebalance import RebalanceOptions, analyze_update
-    from tokendyn.policy import load_policy
     from tokendyn.probe.probe import GradientProbe
-    from tokendyn.probe.tokenloss import Objective
-
-    model, tok = load_policy(args.model, dtype=torch.float32)
-    add_fused_lm_head(model, temperature=T)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-8)
-    batch, c_len, gen_s = sample_rollout(model, tok, args.prompts, args.group)
-    n = batch["input_ids"].size(0)
-    tokens = int(batch["completion_mask"].sum())
-    print(f"{args.model}: rollout {args.prompts} prompts x {args.group} samples = {n} rows, prompt "
-          f"{batch['input_ids'].size(1) - c_len} + completion {c_len} columns, {tokens} completion tokens; "
-          f"mean reward {batch['rewards'].mean():.3f}; {torch.get_num_threads()} thread(s)", flush=True)  # fmt: skip
 
     # -- time
     update_phase(model, opt, batch, c_len, args.micro)  # warm-up
@@ -161,8 +130,6 @@ def main() -> None:
     plain.append(timed_once(lambda: update_phase(model, opt, batch, c_len, args.micro)))
     upd = sorted(plain)[1]
     whole = gen_s + upd
-    sample = probe_batch(batch, args.sample)
-    objective = Objective(eps_low=0.2, eps_high=0.24, delta=10.0, loss_type="dapo")
     held: dict = {}
     model.eval()
 
@@ -212,6 +179,48 @@ def main() -> None:
           f"{(whole - upd + later_s) / whole:.3f}x; a step with every analysis {(whole + t_an) / whole:.3f}x, "
           f"and the comparison {(whole + t_an + t_cmp) / whole:.3f}x")  # fmt: skip
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--micro", type=int, default=8, help="rows per micro-batch of the update phase")
+    ap.add_argument("--sample", type=int, default=16, help="rows of the analysis sample")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--step-precision",
+        choices=("measured", "float64", "model"),
+        default="measured",
+        help="the analyses' counterfactual steps (timed): measured (the default: a check step made both ways, then "
+        "steps in the dtype it chose), float64 or in the model's dtype",
+    )
+    ap.add_argument("--no-memory", action="store_true", help="time only")
+    ap.add_argument("--no-time", action="store_true", help="memory only")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from trl.trainer.utils import add_fused_lm_head
+
+    from tokendyn.effects.rebalance import RebalanceOptions, analyze_update
+    from tokendyn.policy import load_policy
+    from tokendyn.probe.tokenloss import Objective
+
+    model, tok = load_policy(args.model, dtype=torch.float32)
+    add_fused_lm_head(model, temperature=T)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-8)
+    batch, c_len, gen_s = sample_rollout(model, tok, args.prompts, args.group)
+    n = batch["input_ids"].size(0)
+    tokens = int(batch["completion_mask"].sum())
+    print(f"{args.model}: rollout {args.prompts} prompts x {args.group} samples = {n} rows, prompt "
+          f"{batch['input_ids'].size(1) - c_len} + completion {c_len} columns, {tokens} completion tokens; "
+          f"mean reward {batch['rewards'].mean():.3f}; {torch.get_num_threads()} thread(s)", flush=True)  # fmt: skip
+
+    sample = probe_batch(batch, args.sample)
+    objective = Objective(eps_low=0.2, eps_high=0.24, delta=10.0, loss_type="dapo")
+    if not args.no_time:
+        timing(args, model, tok, opt, batch, c_len, gen_s, sample, objective)
+
     if args.no_memory:
         return
     # -- memory (the allocator's peaks, one micro-batch of the update phase)
@@ -220,8 +229,11 @@ def main() -> None:
     probe_peak, probe_owned, _ = measure_probe(model, b, c_len)
     print(f"\nmemory (allocator peak, one micro-step of {args.micro} rows, parameters not counted):")
     print(f"micro-step plain {step_peak / 1e9:.3f} GB; with the probe {probe_peak / 1e9:.3f} GB "
-          f"({probe_peak / step_peak:.3f}x; the probe's own live bytes at most {probe_owned / 1e6:.1f} MB)")  # fmt: skip
-    for precision in ("float64", "model"):
+          f"({probe_peak / step_peak:.3f}x; the probe's own live bytes at most {probe_owned / 1e6:.1f} MB)", flush=True)  # fmt: skip
+    for precision in (
+        "model",
+        "float64",
+    ):  # (measured: the check step's peak is float64's, the others model's)
         model.eval()
         model.zero_grad(set_to_none=True)
         with AllocPeak() as p:
@@ -229,7 +241,7 @@ def main() -> None:
                            objective=objective)  # fmt: skip
         model.train()
         print(f"every analysis on {args.sample} rows, steps in {precision}: {p.peak / 1e9:.3f} GB "
-              f"({p.peak / step_peak:.3f}x the micro-step's peak)")  # fmt: skip
+              f"({p.peak / step_peak:.3f}x the micro-step's peak)", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -104,6 +104,36 @@ def test_the_report_comes_from_the_folders_alone(quick_study, tmp_path):
     assert (again / "study.md").read_text() == text
 
 
+def test_grpo_trained_again_sweeps_both_camps_and_trains_the_same(quick_study, tmp_path):
+    """grpo_camps: GRPO with the same seed, its probed states also making every rule of both camps and the c / eta
+    sweeps (its configuration; the embedded default's one rollout of sums has no signal to compare, so the `paired`
+    rows read here are test_axis_tables' hand-made ones); its held-out outcomes equal grpo's problem by problem, and
+    the report's both-camps table and guidance come from its folders."""
+    from test_axis_tables import _rows
+
+    from tokendyn.commands.study import BOTH_CAMPS
+    from tokendyn.records import write_frames
+
+    root, _ = quick_study
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    size = L.with_size(SIZE, methods=("grpo", "grpo_camps"), seeds=(0,))
+    _, camps_cfg = L.run_config(tmp_path / "w", "grpo_camps", 0, size, None)
+    _, grpo_cfg = L.run_config(tmp_path / "w", "grpo", 0, size, None)
+    for field, value in BOTH_CAMPS.items():
+        got = getattr(camps_cfg, field)
+        assert (list(got) if isinstance(value, list) else got) == value, field
+        assert getattr(grpo_cfg, field) != getattr(camps_cfg, field), field
+    L.llm_study(out, size, model=None, work_dir=tmp_path / "work", say=lambda _: None)
+    write_frames(out / "runs" / "grpo_camps-s0", {"paired": _rows(6)}, rank=0)
+    text = write_llm_study(out, L.with_size(SIZE, methods=("grpo", "random_halves", "grpo_camps"))).read_text()
+    assert "their held-out outcomes equal GRPO's problem by problem at every evaluation for 1 of 1 seeds (0)." in text
+    assert "## Both camps from the GRPO runs' states (grpo_camps)" in text
+    assert "## Guidance along the axis through both camps" in text
+    diffs = pl.read_parquet(out / "tables" / "differences.parquet")
+    assert "grpo_camps" not in set(diffs["method"])  # GRPO again: not a method compared with GRPO
+
+
 @pytest.mark.parametrize(
     ("flags", "field"),
     [

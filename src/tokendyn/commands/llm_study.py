@@ -11,7 +11,11 @@ policy once: greedy decoding of one policy is one result). The methods:
   rate (with Adam two steps move about twice as far as one);
 * the camp that protects low-probability tokens, with the rules that act at r = 1: the Delta-log-p reweight (c 0.2),
   W-REINFORCE (lambda 0.1), and DPPO-TV with two updates per rollout batch (``num_iterations`` 2) so that it can
-  differ from GRPO.
+  differ from GRPO;
+* ``grpo_camps``: GRPO trained again with the same seeds, its probed states also making every rule of both camps
+  and the c / eta sweeps (``BOTH_CAMPS``; too slow to run in every GRPO run): the both-camps table and the
+  guidance come from these runs, and their accuracy, which must equal grpo's seed by seed, checks that the
+  comparisons left training untouched.
 
 Each run is probed every ``probe_every`` rollouts (the recorder, and ``analyses`` on the first
 ``probe_sample_sequences`` sequences with a signal, counterfactual steps in the model's dtype: on this model they
@@ -51,6 +55,9 @@ METHODS: dict[str, dict] = {
     "logp_reweight": {"logp_reweight_c": 0.2},
     "w_reinforce": {"advantage_estimator": "w_reinforce", "w_reinforce_lambda": 0.1},
     "dppo_tv": {"policy_loss": "dppo_tv", "num_iterations": 2},
+    # GRPO again, its probed states also making every rule of both camps and the c / eta sweeps (BOTH_CAMPS): the
+    # same training as grpo's (the comparisons are undone bitwise), so its accuracy is a check of that
+    "grpo_camps": {},
 }
 CAMP = {
     "grpo": "baseline",
@@ -61,6 +68,7 @@ CAMP = {
     "logp_reweight": "protects",
     "w_reinforce": "other (W-REINFORCE)",
     "dppo_tv": "protects",
+    "grpo_camps": "baseline again: both camps swept from its states",
 }
 # the paper's remedies: their sign is the paper's claim (reproduced / reversed); the others are better / worse
 PAPER_METHODS = ("reweight", "lopti")
@@ -95,17 +103,20 @@ class LLMStudySize:
 
 
 # the order runs are made in: the paper's question and Lopti's controls seed by seed first (a stop leaves whole
-# seeds of them), then the other camp
+# seeds of them), then GRPO again for the both-camps sweep and the other camp
 ORDER = (
     "grpo",
     "lopti",
     "random_halves",
     "lopti_half_lr",
     "reweight",
+    "grpo_camps",
     "logp_reweight",
     "w_reinforce",
     "dppo_tv",
 )
+# GRPO's own runs and the runs that retrain it for the sweep: the same training, so not a method to compare
+SAME_AS_GRPO = ("grpo_camps",)
 # budget (measured here, one thread, two runs at a time): a GRPO rollout ~57 s, a two-step rollout (Lopti, its
 # controls, DPPO-TV) ~110-140 s, the analyses of a probed rollout on 8 sequences ~130 s, an evaluation of the 200
 # sums ~48 s: a GRPO run ~13 min, a two-step run ~20 min, the 32 runs ~9 h of one thread (~4.5 h on two)
@@ -182,9 +193,9 @@ def run_config(work: Path, method: str, seed: int, size: LLMStudySize, model: st
         disable_tqdm=True,
     )
     fields.update(METHODS[method])
-    if method == "grpo" and size.probe_every:
+    if method in ("grpo", *SAME_AS_GRPO) and size.probe_every:
         fields.update(probe_compare_rules=list(PAIRED_RULES), probe_compare_modes=[PAIRED_MODE])
-        if size.both_camps:
+        if size.both_camps or method == "grpo_camps":
             fields.update(BOTH_CAMPS)
     cfg = TokendynGRPOConfig(**fields)
     cfg.probe_every = size.probe_every * optimizer_steps_per_rollout(cfg)

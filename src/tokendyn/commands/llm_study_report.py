@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .llm_study import CAMP, DONE, ORDER, PAPER_METHODS, START, LLMStudySize
+from .llm_study import CAMP, DONE, ORDER, PAPER_METHODS, SAME_AS_GRPO, START, LLMStudySize
 
 CONTROL_PAIRS = (
     ("lopti", "grpo"),
@@ -174,19 +174,25 @@ def write_llm_study(out: str | Path, size: LLMStudySize) -> Path:
     final = int(trained["rollout"].max())
     methods = [m for m in ORDER if any(k[0] == m for k in runs)]
     seeds = sorted({s for _, s in runs})
-    versus = [(m, "grpo") for m in methods if m != "grpo"]
+    versus = [(m, "grpo") for m in methods if m != "grpo" and m not in SAME_AS_GRPO]
     diffs = pl.concat(
         [S.differences_table(evals, versus, r, size.n_boot) for r in sorted(set(trained["rollout"]) - {0})],
         how="vertical_relaxed",
     )
     controls = S.differences_table(evals, CONTROL_PAIRS, final, size.n_boot, PAPER_METHODS)
-    units = {m: A.load_units({s: str(d) for (mm, s), d in runs.items() if mm == m}) for m in methods}
+    units = {
+        m: A.load_units({s: str(d) for (mm, s), d in runs.items() if mm == m})
+        for m in methods
+        if m not in SAME_AS_GRPO
+    }
     mech = mechanism_table(units, runs, evals, final, size.n_boot)
     repro = A.reproduces_table(None, units, size.n_boot) if "grpo" in units else pl.DataFrame()
     if repro.height:  # its Fig. 3 rows are K&K accuracy: this study's accuracy is the sections above
         repro = repro.filter(~pl.col("phenomenon").str.starts_with("Fig. 3"))
     camp_size = LLMStudySize(**{**size.__dict__, "methods": tuple(methods), "seeds": tuple(seeds)})
-    camps, guide, camp_figs = both_camps_section(out, camp_size)
+    sweep_from = "grpo_camps" if "grpo_camps" in methods else "grpo"  # (the sweeps' runs, else GRPO's own)
+    camps, guide, camp_figs = both_camps_section(out, camp_size, sweep_from)
+    same = same_training(evals, runs)
     tables = {"evaluations": evals, "accuracy": acc, "differences": diffs, "controls": controls,
               "mechanism": mech, "reproduces": repro, "both_camps": camps, "guidance": guide}  # fmt: skip
     (out / "tables").mkdir(parents=True, exist_ok=True)
@@ -201,13 +207,27 @@ def write_llm_study(out: str | Path, size: LLMStudySize) -> Path:
     written += [f(figs) for f in camp_figs]
     walls = {k: json.loads((d / DONE).read_text()) for k, d in runs.items()}
     text = _markdown(size, runs, walls, acc, diffs, controls, mech, repro, camps, guide, final,
-                     [p.relative_to(out) for p in written])  # fmt: skip
+                     [p.relative_to(out) for p in written], same, sweep_from)  # fmt: skip
     path = out / "study.md"
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
     return path
 
 
-def _markdown(size, runs, walls, acc, diffs, controls, mech, repro, camps, guide, final, figures) -> str:
+def same_training(evals, runs: dict) -> list[tuple[int, bool]]:
+    """Per seed with both a grpo and a grpo_camps run: whether their held-out outcomes are equal problem by problem
+    at every evaluation (the comparisons made from the states are undone bitwise, so training is the same)."""
+    import polars as pl
+
+    out = []
+    for seed in sorted(s for (m, s) in runs if m == "grpo_camps" and ("grpo", s) in runs):
+        a, b = (evals.filter((pl.col("method") == m) & (pl.col("seed") == seed)).select("rollout", "problem", "correct")
+                .sort("rollout", "problem") for m in ("grpo", "grpo_camps"))  # fmt: skip
+        out.append((seed, a.equals(b)))
+    return out
+
+
+def _markdown(size, runs, walls, acc, diffs, controls, mech, repro, camps, guide, final, figures, same=(),
+              sweep_from="grpo") -> str:  # fmt: skip
     import polars as pl
 
     from tokendyn.analysis.seeds import VERDICT_TEXT
@@ -286,8 +306,28 @@ def _markdown(size, runs, walls, acc, diffs, controls, mech, repro, camps, guide
         lines += [markdown(mech), ""]
     if repro.height:
         lines += ["## Figures 1-2: what reproduces (GRPO's runs)", "", VERDICT_RULE, "", markdown(repro), ""]
+    if same:
+        equal = [s for s, ok in same if ok]
+        lines += [
+            "## GRPO trained twice",
+            "",
+            f"The grpo_camps runs retrain GRPO with the same seeds and make every rule of both camps from its probed "
+            f"states; their held-out outcomes equal GRPO's problem by problem at every evaluation for "
+            f"{len(equal)} of {len(same)} seeds ({', '.join(str(s) for s, _ in same)})"
+            + (
+                "."
+                if len(equal) == len(same)
+                else ": the comparisons are not free of side effects on training."
+            ),
+            "",
+        ]
     if camps is not None and camps.height:
-        lines += ["## Both camps from the GRPO runs' states", "", markdown(camps.drop("run")), ""]
+        lines += [
+            f"## Both camps from the GRPO runs' states ({sweep_from})",
+            "",
+            markdown(camps.drop("run")),
+            "",
+        ]
     if guide is not None and guide.height:
         from tokendyn.analysis.sweep import GUIDANCE_RULE
 

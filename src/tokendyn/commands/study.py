@@ -312,11 +312,11 @@ def write_study(out: Path, size: StudySize) -> Path:
     return path
 
 
-def both_camps_section(out: Path, size: StudySize):
-    """(both-camps table, guidance table, figure writers) from the GRPO runs' `paired` records, every seed's steps
-    as units of their own (step + seed * 10**6), the pairing kept: empty when the records hold no rule beyond the
-    paper's (both camps) or no sweep (guidance). Set them with overrides, e.g. ``probe_compare_rules``,
-    ``probe_compare_c_sweep``."""
+def both_camps_section(out: Path, size: StudySize, method: str = "grpo"):
+    """(both-camps table, guidance table, figure writers) from the GRPO runs' `paired` records (``method``'s runs:
+    grpo, or the real-LLM study's grpo_camps), every seed's steps as units of their own (step + seed * 10**6), the
+    pairing kept: empty when the records hold no rule beyond the paper's (both camps) or no sweep (guidance). Set
+    them with overrides, e.g. ``probe_compare_rules``, ``probe_compare_c_sweep``."""
     import polars as pl
 
     from tokendyn.analysis.load import load
@@ -326,10 +326,9 @@ def both_camps_section(out: Path, size: StudySize):
 
     parts = []
     for s in size.seeds:
+        folder = out / "runs" / f"{method}-s{s}"
         frame = (
-            load(out / "runs" / f"grpo-s{s}", "paired").collect()
-            if "grpo" in size.methods
-            else pl.DataFrame()
+            load(folder, "paired").collect() if method in size.methods and folder.is_dir() else pl.DataFrame()
         )
         if frame.height:
             parts.append(frame.with_columns(pl.col("step") + s * 10**6, pl.lit("grpo").alias("run")))
