@@ -126,8 +126,13 @@ def test_grpo_trained_again_sweeps_both_camps_and_trains_the_same(quick_study, t
         assert getattr(grpo_cfg, field) != getattr(camps_cfg, field), field
     L.llm_study(out, size, model=None, work_dir=tmp_path / "work", say=lambda _: None)
     write_frames(out / "runs" / "grpo_camps-s0", {"paired": _rows(6)}, rank=0)
-    text = write_llm_study(out, L.with_size(SIZE, methods=("grpo", "random_halves", "grpo_camps"))).read_text()
-    assert "their held-out outcomes equal GRPO's problem by problem at every evaluation for 1 of 1 seeds (0)." in text
+    text = write_llm_study(
+        out, L.with_size(SIZE, methods=("grpo", "random_halves", "grpo_camps"))
+    ).read_text()
+    assert (
+        "their held-out outcomes equal GRPO's problem by problem at every evaluation for 1 of 1 seeds (0)."
+        in text
+    )
     assert "## Both camps from the GRPO runs' states (grpo_camps)" in text
     assert "## Guidance along the axis through both camps" in text
     diffs = pl.read_parquet(out / "tables" / "differences.parquet")
