@@ -183,3 +183,18 @@ def test_the_reports_reading_of_a_check(policy_batch):  # noqa: F811
     assert "WARNING" in resolution_note(influence.with_columns(step_resolved=pl.lit(False)))
     said = precision_note(check)
     assert "step 0: float32 vs float64 over 6 updates" in said and "agreed: model-dtype steps kept" in said
+
+
+def test_a_check_covers_its_own_run_only():
+    """Two runs with unresolved float32 steps at step 1: run A's check at step 0 agreed, run B has none; the note
+    covers A's rows and still warns of B's."""
+    from tokendyn.figures.readings import resolution_note
+
+    rows = pl.DataFrame({
+        "run": ["A", "A", "B"], "step": [1, 1, 1], "step_dtype": ["float32"] * 3, "step_rounding": [0.02, 0.01, 0.03],
+        "step_resolved": [False, False, False], "no_update": [False] * 3,
+    })  # fmt: skip
+    check = pl.DataFrame({"run": ["A"], "step": [0], "agreed": [True], "rel_diff": [1e-3]})
+    note = resolution_note(rows, check)
+    assert "2 rows come from steps in the model's dtype" in note and "WARNING: 1 of 3 rows" in note
+    assert "WARNING: 3 of 3 rows" in resolution_note(rows, check.with_columns(agreed=pl.lit(False)))

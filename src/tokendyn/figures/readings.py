@@ -213,7 +213,8 @@ def resolution_note(df: pl.DataFrame, check: pl.DataFrame | None = None) -> str:
     bad = known.filter(~pl.col("step_resolved"))
     covered = _checked(bad, check)
     if covered.height:
-        bad = bad.filter(~pl.col("step").is_in(covered["step"].unique().to_list()))
+        keys = [c for c in ("run", "step") if c in bad.columns]  # (coverage is per run and step)
+        bad = bad.join(covered.select(keys).unique(), on=keys, how="anti")
         note = (f" {covered.height} rows come from steps in the model's dtype whose rounding bound (up to "
                 f"{100 * float(covered['step_rounding'].max()):.3g} % of a step) a measured check agreed not to bind "
                 f"(float64 and model-dtype steps within {float(covered['rel_diff'].max()):.2g} of the largest "

@@ -48,9 +48,8 @@ class Recorder:
         self.probe, self.model, self.run_dir = probe, model, Path(run_dir)
         self.options, self.method = options, method
         self.rows: list[dict] = []
-        self.precision = MeasuredPrecision(
-            every=check_every
-        )  # the run's measured step precision (its checks' schedule)
+        # the run's measured step precision (its checks' schedule; step_precision "measured")
+        self.precision = MeasuredPrecision(every=check_every)
 
     def __getattr__(self, name: str):
         return getattr(self.probe, name)
