@@ -4,6 +4,7 @@
 # stop loses at most the runs in flight. Resumable: finished runs are skipped, a claimed but unfinished run is
 # started over by the next call. Usage, from the repository root:
 #   bench/llm_study_workers.sh [WORKERS=2] [OUT=docs/study/llm]
+# ONLY="dppo_tv w_reinforce" restricts the plan to those methods (default: every method).
 # Logs: runs/llm-study-logs/. Stop: kill the workers; rerun the same command to continue.
 set -u
 WORKERS=${1:-2}
@@ -17,10 +18,13 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 # the plan, seed by seed: the paper's methods and Lopti's controls first, then GRPO again for the both-camps sweep and
 # the other camp (so a stop leaves every method of a block with as many seeds as the others)
 PLAN=$("$BIN/python" - <<'PY'
+import os
+
 from tokendyn.commands.llm_study import FULL, ORDER
 main = [m for m in ORDER[:5]]
 plan = [(m, s) for s in FULL.seeds for m in main] + [(m, s) for s in FULL.seeds for m in ORDER[5:]]
-print(" ".join(f"{m}:{s}" for m, s in plan))
+only = set(os.environ.get("ONLY", "").split())
+print(" ".join(f"{m}:{s}" for m, s in plan if not only or m in only))
 PY
 )
 

@@ -30,7 +30,7 @@ def _rows(units: int = 12) -> pl.DataFrame:
         r = dict(step=step, rule=rule, mode="equal_norm", seq=seq, bin=b, bin_lo=EDGES[b], bin_hi=EDGES[b + 1],
                  count=50, n_pos=40, n_neg=10, up_pos=up, down_neg=6, tie_pos=0, tie_neg=0, sum_dpi=diff + 0.01,
                  sum_dpi_ref=0.01, sum_diff=diff, sum_diff2=diff * diff, sum_share=0.25 / 3, sum_dentropy=-0.5 * b,
-                 sum_kl_ref=abs(value or 0.0), lr=1e-3, param_step=1e-4, norm_ratio=1.0, inner_steps=1,
+                 sum_kl_ref=abs(value or 0.0), lr=1e-3, param_step=1e-4, norm_ratio=1.0, inner_steps=1, diverged=False,
                  sweep=sweep, sweep_value=value, step_norm=1.0, step_dtype="float64", step_rounding=1e-12,
                  step_resolved=True, no_update=False)  # fmt: skip
         for k, v in r.items():

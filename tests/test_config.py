@@ -44,6 +44,7 @@ BAD = {
     "compare_rules": ("lopti,ppo2", "compare_rules: unknown ['ppo2']; allowed: base, reweight, lopti"),
     "compare_modes": ("adam", "compare_modes: unknown ['adam']; allowed: equal_norm, optimizer"),
     "compare_inner_steps": (0, "compare_inner_steps: must be an integer >= 1, got 0"),
+    "compare_lr": (-1e-4, "compare_lr: must be None (the analyses' lr) or a number > 0, got -0.0001"),
     "compare_c_sweep": ([-2.0], "compare_c_sweep: must be a list of numbers in [-1, 10], got [-2.0]"),
     "compare_eta_sweep": ([1.0], "compare_eta_sweep: must be a list of numbers in (0, 1), got [1.0]"),
 }

@@ -124,6 +124,9 @@ def test_grpo_trained_again_sweeps_both_camps_and_trains_the_same(quick_study, t
         got = getattr(camps_cfg, field)
         assert (list(got) if isinstance(value, list) else got) == value, field
         assert getattr(grpo_cfg, field) != getattr(camps_cfg, field), field
+    # the comparison's own lr (k = 2 leaves the local regime at the analyses' 1e-3 on the real LLM); the analyses' kept
+    assert camps_cfg.probe_compare_lr == L.CAMPS_LR < grpo_cfg.probe_lr == camps_cfg.probe_lr
+    assert grpo_cfg.probe_compare_lr is None
     L.llm_study(out, size, model=None, work_dir=tmp_path / "work", say=lambda _: None)
     write_frames(out / "runs" / "grpo_camps-s0", {"paired": _rows(6)}, rank=0)
     text = write_llm_study(

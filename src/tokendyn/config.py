@@ -214,9 +214,12 @@ class ProbeConfig:
     compare_inner_steps: int = _opt(
         1,
         "Updates per stage of every compared rule on the same batch (pi_old fixed at the state compared from, as "
-        "TRL's num_iterations); >= 1. At 1 every ratio r = pi / pi_old is 1, so DPPO-TV, DPPO-KL, ASPO and CE-GPPO "
-        "(like clip-higher, CISPO and GSPO's clip) are exactly the base rule: they act only at k > 1. Recorded in "
-        "`paired` (column inner_steps).",
+        "TRL's num_iterations); >= 1. At 1 every ratio r = pi / pi_old is 1, so DPPO-TV, DPPO-KL, ASPO, CE-GPPO and "
+        "every clip are exactly the base rule: they act only at k > 1. Recorded in `paired` (column inner_steps).",
+    )
+    compare_lr: float | None = _opt(
+        None,
+        "SGD lr of the paired comparison (None = lr; smaller if its k > 1 updates diverge); > 0.",
     )
     compare_c_sweep: tuple[float, ...] = _opt(
         (),
@@ -281,6 +284,9 @@ class ProbeConfig:
         set_(self, "compare_rules", ("base", *[r for r in rules if r != "base"]) if rules else ())
         set_(self, "compare_modes", _choices("compare_modes", self.compare_modes, COMPARE_MODES))
         _int("compare_inner_steps", self.compare_inner_steps, 1)
+        if self.compare_lr is not None:
+            _number("compare_lr", self.compare_lr, "None (the analyses' lr) or a number > 0", lo=0.0)
+            set_(self, "compare_lr", float(self.compare_lr))
         set_(self, "compare_c_sweep", _sweep("compare_c_sweep", self.compare_c_sweep, C_RANGE, closed=True))
         set_(self, "compare_eta_sweep", _sweep("compare_eta_sweep", self.compare_eta_sweep, (0.0, 1.0)))
         if (self.compare_c_sweep or self.compare_eta_sweep) and not self.compare_rules:

@@ -279,6 +279,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "inner_steps": pl.Int32,
         "sweep": pl.Utf8,
         "sweep_value": pl.Float64,
+        "diverged": pl.Boolean,
         **_RESOLUTION,
     },
     # per-token records of the view's sequences (tokendyn.effects.token_view): one row per scored token

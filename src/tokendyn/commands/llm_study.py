@@ -13,9 +13,9 @@ policy once: greedy decoding of one policy is one result). The methods:
   W-REINFORCE (lambda 0.1), and DPPO-TV with two updates per rollout batch (``num_iterations`` 2) so that it can
   differ from GRPO;
 * ``grpo_camps``: GRPO trained again with the same seeds, its probed states also making every rule of both camps
-  and the c / eta sweeps (``BOTH_CAMPS``; too slow to run in every GRPO run): the both-camps table and the
-  guidance come from these runs, and their accuracy, which must equal grpo's seed by seed, checks that the
-  comparisons left training untouched.
+  and the c / eta sweeps (``BOTH_CAMPS``, at the comparison lr ``CAMPS_LR``; too slow to run in every GRPO run):
+  the both-camps table and the guidance come from these runs, and their accuracy, which must equal grpo's seed by
+  seed, checks that the comparisons left training untouched.
 
 Each run is probed every ``probe_every`` rollouts (the recorder, and ``analyses`` on the first
 ``probe_sample_sequences`` sequences with a signal, counterfactual steps in the model's dtype: on this model they
@@ -45,6 +45,10 @@ from tokendyn.common import UsageError
 from .study import DONE, _done  # one marker and one identity check for both studies
 
 LR = 1e-5  # the real-LLM demo's learning rate (GRPO: held-out 0.19 -> 0.75 in 30 rollouts)
+# the both-camps comparison's SGD lr (k = 2 updates per rule): at the paper's 1e-3 the second update left the local
+# regime on this model (loss 200x the first's, then NaN: `tokendyn.effects.compare`), at 1e-4 every rule landed within
+# 3 % of the equal norm at once, with max |dpi| 0.3 (measured on grpo_camps seed 0's first probed state)
+CAMPS_LR = 1e-4
 # method -> fields of TokendynGRPOConfig on top of the study's trainer settings
 METHODS: dict[str, dict] = {
     "grpo": {},
@@ -196,7 +200,7 @@ def run_config(work: Path, method: str, seed: int, size: LLMStudySize, model: st
     if method in ("grpo", *SAME_AS_GRPO) and size.probe_every:
         fields.update(probe_compare_rules=list(PAIRED_RULES), probe_compare_modes=[PAIRED_MODE])
         if size.both_camps or method == "grpo_camps":
-            fields.update(BOTH_CAMPS)
+            fields.update(BOTH_CAMPS, probe_compare_lr=CAMPS_LR)
     cfg = TokendynGRPOConfig(**fields)
     cfg.probe_every = size.probe_every * optimizer_steps_per_rollout(cfg)
     return run, cfg

@@ -10,16 +10,19 @@ Two step sizes (``modes``):
 
 * ``equal_norm``: plain SGD at the norm of the base rule's step at the paper's lr:  T = lr ||g_base||, and every
   rule's update has ||theta_r - theta_0|| = T (a one-stage rule: lr_r = T / ||g_r||, exact, `NormalizedSGD`; Lopti's
-  two stages: one lr for both, lr first, then corrected once by T / ||achieved||, the achieved norm recorded), so no
-  rule is credited for a smaller step.
+  two stages: one lr for both, lr first, then corrected by T / ||achieved|| and, while more than 5 % off, by a secant
+  search in log lr, the achieved norm recorded), so no rule is credited for a smaller step.
 * ``optimizer``: one step of a copy of the run's optimizer (its state and learning rate, e.g. AdamW's moments) per
   stage; the run's optimizer itself is never touched.
 
 ``inner_steps`` k (default 1): each stage of each rule takes k updates on the same batch, pi_old fixed at theta_0, as
 TRL's ``num_iterations`` does, so from the second update on r_t != 1 and the ratio-based rules (DPPO, ASPO, CE-GPPO,
 clip-higher, CISPO), which at r = 1 are GRPO exactly, act. With k > 1 every rule's steps in equal_norm mode are plain
-SGD at one lr, corrected once so that its total displacement ||theta_r - theta_0|| equals the first rule's at lr (the
-achieved ratio recorded, as for Lopti).
+SGD at one lr, searched (`_to_norm`) so that its total displacement ||theta_r - theta_0|| equals the first rule's at lr
+within 5 % (the achieved ratio recorded, as for Lopti). A rule whose steps leave the finite numbers, or whose norm the
+search cannot bring within 2x of the target, is `diverged`: warned, its rows null. On a real LLM the paper's lr 1e-3
+is far outside the local regime at k > 1 (SmolLM2-135M: the second update's loss 200x the first's, then NaN): give
+the comparison a smaller lr (``--probe_compare_lr``, e.g. 1e-4 there, where every rule landed within 3 % at once).
 
 Sweeps (`tokendyn.effects.axis`): the Reweight / Delta-log-p family as one parameter c (A_t <- (1 + c (1 - pi_old,t))
 A_t; c = -alpha is the Reweight rule, c = 0 the base rule) and Lopti's eta, each value a rule of its own from the same
@@ -32,7 +35,7 @@ theta_0, `tokendyn.effects.shares.token_shares`). Records: `paired`, one row per
 (step, sequence) (`tokendyn.analysis.paired`).
 
 Cost per rule (equal_norm): one forward and backward per stage for the step (Lopti: its second stage twice, for the
-norm correction; its first stage's gradient at theta_0 is kept in host memory and reused), one forward for pi, one
+norm correction, and once more per further pass of the search at k > 1; its first stage's gradient at theta_0 is kept in host memory and reused), one forward for pi, one
 JVP for the shares. The base rule's equal_norm step is the analyses' own full counterfactual step (plain SGD at lr on
 the whole loss): handed over as a `FullUpdate`, it costs nothing more. Memory: that of `InPlaceUpdate` (host
 snapshot, one gradient, the optimizer copy's state in optimizer mode; Lopti: one gradient more in host memory) plus
@@ -41,6 +44,8 @@ one parameter-sized displacement for the shares' JVP (``shares=False`` drops it)
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -259,7 +264,9 @@ class RuleResult:
     """One rule in one mode: dpi (B, C) float64, the update shares s_t (B, C), ||dtheta|| / ||theta_0||, the lr,
     the achieved norm over the target (equal_norm; 1 for one-stage rules), and how finely the step was resolved
     (`tokendyn.effects.change.Resolution`); with ``distributions``: the entropy change dH_t and the KL to the first
-    rule's updated policy (B, C) float64 (`tokendyn.effects.axis.measure`); k inner updates; the rule's sweep point."""
+    rule's updated policy (B, C) float64 (`tokendyn.effects.axis.measure`); k inner updates; the rule's sweep point;
+    ``diverged``: its updates made a parameter or a probability non-finite, or (equal_norm) ended off the equal norm
+    by more than `NORM_RATIO_RANGE` allows (`warn_diverged`; its rows null)."""
 
     delta: torch.Tensor
     shares: torch.Tensor | None
@@ -271,6 +278,9 @@ class RuleResult:
     kl: torch.Tensor | None = None
     inner_steps: int = 1
     sweep: tuple[str, float] | None = None
+    diverged: bool = (
+        False  # non-finite, or off the equal norm (`NORM_RATIO_RANGE`): every measured column null
+    )
 
 
 @analysis_forward
@@ -360,7 +370,7 @@ def compare_rules(
                     _apply(update, rb, rule.objective, stages)
                     norm, target, opt.norm_lr = opt.grad_norm, opt.target, None
                     step_lr = target / norm if norm > 0 else 0.0
-                else:  # several steps (Lopti's stages, k > 1) at one lr: plain SGD at lr, corrected once to the target
+                else:  # several steps (Lopti's stages, k > 1) at one lr: plain SGD at lr, its lr corrected to the target
                     update.optimizer.target = None
                     _set_lr(update, lr)
                     _apply(update, rb, rule.objective, stages, keep=True, repeats=k)
@@ -368,13 +378,10 @@ def compare_rules(
                     step_lr = lr
                     if target is None:
                         target = achieved
-                    elif achieved > 0:
-                        first = update.last_gradient  # stage 1 from theta_0 again: the same gradient
-                        update.load(update.initial())
-                        step_lr = lr * target / achieved
-                        _set_lr(update, step_lr)
-                        _apply(update, rb, rule.objective, stages, first=first, repeats=k)
-                        del first
+                    else:
+                        step_lr = _to_norm(
+                            update, rb, rule.objective, stages, k, lr, achieved, target, theta0
+                        )
                     update.last_gradient = None
                 m = None
                 if dist:
@@ -383,11 +390,23 @@ def compare_rules(
                 else:
                     pi = update.probs(batch)
                 step = update.relative_step()
-                resolution = update.resolution(step * theta0, steps=len(stages) * k)
-                warn_unresolved(f"compare (rule {rule.name}, mode {mode})", resolution)
-                if mode == "equal_norm":
+                finite = math.isfinite(step) and bool(torch.isfinite(pi[mask.to(pi.device)]).all())
+                if mode == "equal_norm" and finite:
                     ratio = step * theta0 / target if target else float("nan")
-                direction = _displacement(update) if shares else None
+                diverged = not finite or (
+                    ratio is not None and not NORM_RATIO_RANGE[0] <= ratio <= NORM_RATIO_RANGE[1]
+                )
+                if diverged:
+                    resolution = None
+                    warn_diverged(
+                        rule.name, mode, step_lr if step_lr is not None else lr, k, ratio if finite else None
+                    )
+                    if not finite:
+                        step = float("nan")
+                else:
+                    resolution = update.resolution(step * theta0, steps=len(stages) * k)
+                    warn_unresolved(f"compare (rule {rule.name}, mode {mode})", resolution)
+                direction = _displacement(update) if shares and not diverged else None
                 update.load(update.initial())
                 s = None
                 if direction is not None and any(dot64(v, v) > 0 for v in direction.values()):
@@ -409,5 +428,82 @@ def compare_rules(
                     else (torch.zeros_like(delta) if m else None),  # the first rule: its KL to itself is 0
                     inner_steps=k,
                     sweep=rule.sweep,
+                    diverged=diverged,
                 )
     return out
+
+
+# equal_norm, several steps: the lr is corrected until ||dtheta|| is within this factor of the target, at most
+# NORM_PASSES times (one pass: the rule's every step again from theta_0)
+NORM_TOLERANCE, NORM_PASSES = 1.05, 8
+
+
+def _to_norm(update, batch, objective, stages, k, lr, achieved, target, theta0) -> float:
+    """Redo the rule's steps from theta_0 at the lr that makes ||dtheta|| = ``target`` (``achieved`` at ``lr``: the
+    steps just made), in place; returns that lr. The first correction is lr T / achieved (exact for one update of one
+    stage; Lopti's two stages at k = 1 land within 1e-4 of T on SmolLM2-135M); while the norm is more than
+    `NORM_TOLERANCE` off T, the next lr is the secant of log ||dtheta|| over log lr through the last two passes (its
+    slope clamped to [1/4, 4] until T is bracketed), bisected in log lr where the secant leaves the bracket, at most
+    `NORM_PASSES` passes. (k > 1 updates start where the first left the ratios, so the norm need not be linear in the
+    lr: DPPO-TV at k = 3 on the tiny test model grows as lr^5 near T, and one correction ended at 0.0013 of it.) Stage
+    1's gradient at theta_0 is computed once (``update.last_gradient``)."""
+    first = update.last_gradient  # stage 1 from theta_0 again: the same gradient
+    goal = math.log(target)
+    points: list[tuple[float, float]] = []  # (log lr, log ||dtheta||)
+    below = above = None  # the bracket: log lr of the largest pass short of T and of the smallest beyond it
+    for _ in range(NORM_PASSES):
+        if not (math.isfinite(achieved) and achieved > 0):
+            break
+        x, y = math.log(lr), math.log(achieved)
+        if points and abs(y - goal) <= math.log(NORM_TOLERANCE):
+            break  # (one correction always: the lr at which the first pass would have reached T to first order)
+        points.append((x, y))
+        if y < goal:
+            below = x if below is None else max(below, x)
+        else:
+            above = x if above is None else min(above, x)
+        slope = 1.0
+        if len(points) > 1 and points[-1][0] != points[-2][0]:
+            slope = (points[-1][1] - points[-2][1]) / (points[-1][0] - points[-2][0])
+            if below is None or above is None:
+                slope = min(max(slope, 0.25), 4.0)
+        step = x + (goal - y) / slope if slope > 0 else float("nan")
+        if below is not None and above is not None and not below < step < above:
+            step = (below + above) / 2
+        lr = math.exp(step)
+        update.load(update.initial())
+        _set_lr(update, lr)
+        _apply(update, batch, objective, stages, first=first, repeats=k)
+        achieved = update.relative_step() * theta0
+    return lr
+
+
+class DivergedStepWarning(UserWarning):
+    """A compared rule's update left the finite numbers (`compare_rules`): its rows are null, `diverged`."""
+
+
+# equal_norm: a rule whose ||dtheta|| is off the target by more than this factor after the lr corrections (`_to_norm`)
+# left the local regime: its rows are not a comparison at equal norm
+NORM_RATIO_RANGE = (0.5, 2.0)
+
+
+def warn_diverged(rule: str, mode: str, lr: float, k: int, ratio: float | None) -> None:
+    """The loud flag of a rule whose k updates made a parameter or a probability non-finite (``ratio`` None) or, in
+    equal_norm mode, ended off the equal norm by more than `NORM_RATIO_RANGE` allows after the lr correction."""
+    what = (
+        "a parameter or a probability not finite"
+        if ratio is None
+        else f"its ||dtheta|| {ratio:.3g}x the equal norm after the lr correction"
+    )
+    warnings.warn(
+        f"compare (rule {rule}, mode {mode}): its {k} update(s) per stage at lr {lr:.3g} diverged ({what}): its rows "
+        "are null (paired column diverged); "
+        + (
+            "the later updates start where the first left the ratios r = pi / pi_old: a smaller step "
+            "(--probe_compare_lr) keeps them in the local regime"
+            if k > 1
+            else "a smaller step (--probe_compare_lr) keeps it in the local regime"
+        ),
+        DivergedStepWarning,
+        stacklevel=3,
+    )

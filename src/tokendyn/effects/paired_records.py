@@ -3,6 +3,8 @@ that rows add up over sequences and steps (`tokendyn.analysis.paired` bootstraps
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tokendyn.effects.change import resolution_columns
@@ -25,8 +27,9 @@ def paired_frame(
     difference and its square, the sum of the update shares, the entropy change and the KL to the reference rule's
     updated policy (null unless measured, `tokendyn.effects.axis`); the rule's lr, ||dtheta|| / ||theta||, norm
     ratio, inner updates k, and its sweep point (sweep "c" / "eta" and its value; null for a plain rule). A rule whose
-    update was no update (no policy-gradient signal, `tokendyn.effects.resolution`) has its measured columns null, and
-    so has every rule's paired difference when the reference rule's was."""
+    update was no update (no policy-gradient signal, `tokendyn.effects.resolution`) or diverged (a parameter or a
+    probability not finite, `tokendyn.effects.compare.warn_diverged`) has its measured columns null, and so has every
+    rule's paired difference when the reference rule's was."""
     mask = batch.completion_mask
     bins = bin_index(pi_old.to(mask.device), mask, edges)
     adv = batch.advantages.to(mask.device)
@@ -40,7 +43,10 @@ def paired_frame(
         dh = res.entropy.to(mask.device) if res.entropy is not None else None
         kl = res.kl.to(mask.device) if res.kl is not None else None
         sweep, value = res.sweep if res.sweep is not None else (None, None)
-        none, ref_none = _no_update(res), ref is not None and _no_update(ref)
+        none, ref_none = (
+            _no_update(res) or res.diverged,
+            ref is not None and (_no_update(ref) or ref.diverged),
+        )
         for i in range(mask.size(0)):
             for b in range(k):
                 m = bins[i] == b
@@ -77,8 +83,11 @@ def paired_frame(
                     "lr": res.lr,
                     "param_step": res.param_step,
                     "norm_ratio": res.norm_ratio,
+                    "diverged": res.diverged,
                     **resolution_columns(res.resolution),
                 }
+                if res.diverged and not math.isfinite(res.param_step):
+                    values.update(param_step=None, norm_ratio=None)
                 if none:
                     values.update(dict.fromkeys(_MEASURED))
                 if none or ref_none:

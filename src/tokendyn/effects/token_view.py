@@ -187,7 +187,10 @@ def token_rules_frame(results: dict, frame: pl.DataFrame) -> pl.DataFrame:
         cols["pos"] += pos.tolist()
         cols["rule"] += [rule] * n
         cols["mode"] += [mode] * n
-        cols["delta_pi"] += res.delta.detach().to("cpu", torch.float64)[seq, pos].tolist()
+        diverged = getattr(res, "diverged", False)  # (its delta is not a measurement: null)
+        cols["delta_pi"] += (
+            [None] * n if diverged else res.delta.detach().to("cpu", torch.float64)[seq, pos].tolist()
+        )
         s = res.shares
         cols["share"] += (
             s.detach().to("cpu", torch.float64)[seq, pos].tolist() if s is not None else [None] * n
