@@ -4,14 +4,16 @@
 # stop loses at most the runs in flight. Resumable: finished runs are skipped, a claimed but unfinished run is
 # started over by the next call. Usage, from the repository root:
 #   bench/llm_study_workers.sh [WORKERS=2] [OUT=docs/study/llm]
-# ONLY="dppo_tv w_reinforce" restricts the plan to those methods (default: every method).
+# ONLY="dppo_tv w_reinforce" restricts the plan to those methods (default: every method); CLAIMS=DIR shares one claims
+# folder between invocations started at different times (each then skips the runs another has claimed).
 # Logs: runs/llm-study-logs/. Stop: kill the workers; rerun the same command to continue.
 set -u
 WORKERS=${1:-2}
 OUT=${2:-docs/study/llm}
 BIN=${BIN:-.venv/bin}
 LOGS=runs/llm-study-logs
-CLAIMS=runs/llm-study-claims.$$
+SHARED=${CLAIMS:+1}
+CLAIMS=${CLAIMS:-runs/llm-study-claims.$$}
 LOCK=runs/llm-study.lock
 mkdir -p "$LOGS" "$CLAIMS"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
@@ -49,7 +51,7 @@ worker() {
     fi
     echo "$(date -u +%FT%TZ) worker $id: $m seed $s" >>"$LOGS/progress.log"
     if "$BIN/tokendyn" study --policy smollm2-135m --out "$OUT" --methods "$m" --seeds "$s" --no-report \
-        --work "runs/llm-study-work-$id" >"$LOGS/$m-s$s.log" 2>&1; then
+        --work "runs/llm-study-work-$$-$id" >"$LOGS/$m-s$s.log" 2>&1; then
       commit_run "$m" "$s"
       echo "$(date -u +%FT%TZ) worker $id: $m seed $s done" >>"$LOGS/progress.log"
     else
@@ -60,4 +62,4 @@ worker() {
 
 for ((i = 0; i < WORKERS; i++)); do worker "$i" & done
 wait
-rm -rf "$CLAIMS"
+[ -z "$SHARED" ] && rm -rf "$CLAIMS"  # (a shared folder is left to the invocations sharing it)
