@@ -5,7 +5,8 @@
 # started over by the next call. Usage, from the repository root:
 #   bench/llm_study_workers.sh [WORKERS=2] [OUT=docs/study/llm]
 # ONLY="dppo_tv w_reinforce" restricts the plan to those methods (default: every method); CLAIMS=DIR shares one claims
-# folder between invocations started at different times (each then skips the runs another has claimed).
+# folder between invocations started at different times (each then skips the runs another has claimed);
+# PLAN="grpo_camps:0 dppo_tv:3" gives the runs and their order outright.
 # Logs: runs/llm-study-logs/. Stop: kill the workers; rerun the same command to continue.
 set -u
 WORKERS=${1:-2}
@@ -19,7 +20,7 @@ mkdir -p "$LOGS" "$CLAIMS"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 # the plan, seed by seed: the paper's methods and Lopti's controls first, then GRPO again for the both-camps sweep and
 # the other camp (so a stop leaves every method of a block with as many seeds as the others)
-PLAN=$("$BIN/python" - <<'PY'
+PLAN=${PLAN:-$("$BIN/python" - <<'PY'
 import os
 
 from tokendyn.commands.llm_study import FULL, ORDER
@@ -28,7 +29,7 @@ plan = [(m, s) for s in FULL.seeds for m in main] + [(m, s) for s in FULL.seeds 
 only = set(os.environ.get("ONLY", "").split())
 print(" ".join(f"{m}:{s}" for m, s in plan if not only or m in only))
 PY
-)
+)}
 
 commit_run() {  # $1 method, $2 seed: the report from every finished folder, then one commit of the study's folder
   # (every finished run in it: the report counts them all; a run in flight is a hidden staging folder, ignored)
