@@ -46,7 +46,7 @@ from .study import DONE, _done  # one marker and one identity check for both stu
 
 LR = 1e-5  # the real-LLM demo's learning rate (GRPO: held-out 0.19 -> 0.75 in 30 rollouts)
 # the both-camps comparison's SGD lr (k = 2 updates per rule): at the paper's 1e-3 the second update left the local
-# regime on this model (loss 200x the first's, then NaN: `tokendyn.effects.compare`), at 1e-4 every rule landed within
+# regime on this model (loss 230x the first's, then NaN: `tokendyn.effects.compare`), at 1e-4 every rule landed within
 # 3 % of the equal norm at once, with max |dpi| 0.3 (measured on grpo_camps seed 0's first probed state)
 CAMPS_LR = 1e-4
 # method -> fields of TokendynGRPOConfig on top of the study's trainer settings

@@ -21,7 +21,7 @@ clip-higher, CISPO), which at r = 1 are GRPO exactly, act. With k > 1 every rule
 SGD at one lr, searched (`_to_norm`) so that its total displacement ||theta_r - theta_0|| equals the first rule's at lr
 within 5 % (the achieved ratio recorded, as for Lopti). A rule whose steps leave the finite numbers, or whose norm the
 search cannot bring within 2x of the target, is `diverged`: warned, its rows null. On a real LLM the paper's lr 1e-3
-is far outside the local regime at k > 1 (SmolLM2-135M: the second update's loss 200x the first's, then NaN): give
+is far outside the local regime at k > 1 (SmolLM2-135M: the second update's loss 230x the first's, then NaN): give
 the comparison a smaller lr (``--probe_compare_lr``, e.g. 1e-4 there, where every rule landed within 3 % at once).
 
 Sweeps (`tokendyn.effects.axis`): the Reweight / Delta-log-p family as one parameter c (A_t <- (1 + c (1 - pi_old,t))
