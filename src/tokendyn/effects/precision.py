@@ -112,6 +112,13 @@ def _source(analysis: str, key: tuple) -> str:
     return f"{names['update']} {names['update_stage']} lr {names['lr']:g}"
 
 
+# the `precision_check` record's columns (tokendyn.records), in order
+_COLUMNS = (
+    "step", "stage", "analysis", "update", "model_dtype", "tol", "scale", "max_abs_diff", "rel_diff", "ratio_diff",
+    "ratio_tokens", "signs_equal", "nulls_equal", "agreed", "seconds_float64", "seconds_model",
+)  # fmt: skip
+
+
 def precision_check(
     reference: dict[str, pl.DataFrame],
     candidate: dict[str, pl.DataFrame],
@@ -158,12 +165,6 @@ def precision_check(
     if not rows:
         return to_frame("precision_check", {c: [] for c in _COLUMNS})
     return to_frame("precision_check", {c: [r[c] for r in rows] for c in _COLUMNS})
-
-
-_COLUMNS = (
-    "step", "stage", "analysis", "update", "model_dtype", "tol", "scale", "max_abs_diff", "rel_diff", "ratio_diff",
-    "ratio_tokens", "signs_equal", "nulls_equal", "agreed", "seconds_float64", "seconds_model",
-)  # fmt: skip
 
 
 def model_dtype(model: nn.Module) -> str:
@@ -234,13 +235,13 @@ def measured_analysis(
     what they lose; the candidate's of a check too). A model already in float64 and FSDP2-sharded parameters (``sharded``) make one
     analysis in the model's dtype, no check. Returns (frames, rest, the precision used)."""
     dtype = model_dtype(model)
+    due = state.due()
+    state.analysed += 1
     if sharded or dtype == "float64":
-        state.analysed += 1
         state.last = "model"
         frames, rest = analyze(replace(options, step_precision="model"))
         return frames, rest, "model"
-    if not state.due():
-        state.analysed += 1
+    if not due:
         state.last = state.chosen()
         with MeasuredPrecision.quiet(state):
             frames, rest = analyze(replace(options, step_precision=state.last))
@@ -255,7 +256,6 @@ def measured_analysis(
     check = precision_check(frames, low, step=step, stage=stage, model_dtype=dtype, tol=state.tol,
                             seconds=(t1 - t0, t2 - t1))  # fmt: skip
     state.agreed = bool(check["agreed"].all()) if check.height else False
-    state.analysed += 1
     state.last = "float64"
     frames = dict(frames)
     frames["precision_check"] = check
