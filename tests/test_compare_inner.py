@@ -115,58 +115,73 @@ def test_at_one_update_the_ratio_rules_are_grpo_and_at_three_they_differ_and_equ
             assert apart > 1e-3, (name, apart)
 
 
-def test_a_rule_whose_updates_leave_the_local_regime_is_null_and_leaves_the_others_and_the_model_as_they_were(
-    setup,
-):
-    """At a step far beyond the local regime (lr 1 on the embedded default policy, two updates per stage: the base
-    rule's second update moves theta by 3e4 of its norm) Lopti's second stage is not finite: it is `diverged` (warned,
-    every measured column of its rows null), while the base rule's result is bitwise the one it has compared alone,
-    Reweight's is at the equal norm, and the model's parameters are bitwise theta_0 again. (As on SmolLM2-135M at the
-    paper's lr 1e-3, where the study's first both-camps run logged NaN norms.) A rule the lr search leaves off the
-    equal norm is `diverged` too: DPPO-TV at k = 3 on the tiny model with one correction only (0.0013x)."""
+def test_a_rule_that_diverges_is_null_and_leaves_the_others_and_the_model_as_they_were(setup):
+    """Three ways out of the local regime, each made on purpose. (1) A rule whose update is not finite (W-REINFORCE
+    with one reward of inf: that row's advantage is inf): `diverged`, warned, its `paired` rows' measurements null,
+    while the base rule and Reweight are bitwise their results without it and the parameters bitwise theta_0. (2) The
+    reference rule itself not finite (an advantage of 1e308): the other rules have no norm to match and step at the
+    comparison's lr (two updates: W-REINFORCE, its rewards finite, is measured), the paired differences and the KL
+    to the reference are null and nothing in the record is NaN. (3) A rule whose norm the search cannot bring near
+    the equal norm: DPPO-TV at k = 3 with one correction only (0.0013x; `NORM_PASSES` 1) is `diverged` too."""
     import math
-    from pathlib import Path
+    from dataclasses import replace
 
     import polars as pl
 
-    import tokendyn
     from tokendyn.effects.compare import DivergedStepWarning, paired_frame
     from tokendyn.effects.shares import as_edges
     from tokendyn.probe.tokenloss import pi_old
 
-    model, batch = float64_probe_setup(Path(tokendyn.__file__).parent / "default_policy", 11, TEMP)
+    model, batch = setup
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    rules = [
-        make_rule("base", BASE),
-        make_rule("lopti", BASE, eta=0.5),
-        make_rule("reweight", BASE, alpha=0.3),
-    ]
+    rules = [make_rule("base", BASE), make_rule("reweight", BASE, alpha=0.3), make_rule("w_reinforce", BASE)]
+    n = batch.input_ids.size(0)
+    finite = replace(batch, rewards=torch.tensor([float(i % 2 == 0) for i in range(n)], dtype=torch.float64))
+    rewards = finite.rewards.clone()
+    rewards[0] = math.inf
+    bad_reward = replace(finite, rewards=rewards)
+    measured = ("count", "up_pos", "sum_dpi", "sum_diff", "sum_share", "sum_kl_ref")
+
+    def frame(out, b):
+        f = paired_frame(out, b, pi_old(model, b), as_edges(None), step=0)
+        for c in ("lr", "param_step", "norm_ratio", "sum_dpi", "sum_diff", "sum_kl_ref"):
+            assert not f[c].drop_nulls().is_nan().any(), c
+        return f
+
+    for k in (1, 2):
+        with pytest.warns(DivergedStepWarning, match="rule w_reinforce.*not finite") as caught:
+            out = compare_rules(model, bad_reward, rules, lr=LR, inner_steps=k)
+        assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+        alone = compare_rules(model, finite, rules[:2], lr=LR, inner_steps=k)
+        for name in ("base", "reweight"):
+            assert not out[(name, "equal_norm")].diverged
+            assert torch.equal(out[(name, "equal_norm")].delta, alone[(name, "equal_norm")].delta), (name, k)
+        assert out[("w_reinforce", "equal_norm")].diverged
+        assert sum(w.category is DivergedStepWarning for w in caught) == 1
+        rows = frame(out, bad_reward)
+        for name, diverged in (("base", False), ("reweight", False), ("w_reinforce", True)):
+            r = rows.filter(pl.col("rule") == name)
+            assert r.height and r["diverged"].to_list() == [diverged] * r.height
+            assert all(r[c].null_count() == (r.height if diverged else 0) for c in measured[:5]), name
+    # (2) the reference rule not finite
+    adv = batch.advantages.clone()
+    adv[0] = 1e308  # (row 0: its loss overflows)
+    bad_ref = replace(finite, advantages=adv)
     with pytest.warns(DivergedStepWarning) as caught:
-        out = compare_rules(model, batch, rules, modes=("equal_norm",), lr=1.0, inner_steps=2)
-    alone = compare_rules(model, batch, rules[:1], modes=("equal_norm",), lr=1.0, inner_steps=2)
+        out = compare_rules(model, bad_ref, rules, lr=LR, inner_steps=2, distributions=True)
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
-    base, lopti, rew = (out[(r.name, "equal_norm")] for r in rules)
-    print(f"lr 1: base ||dtheta||/||theta|| {base.param_step:.3g}; lopti {lopti.param_step}; reweight "
-          f"{rew.param_step:.3g} at {rew.norm_ratio:.3g}x the equal norm")  # fmt: skip
-    assert not base.diverged and torch.equal(base.delta, alone[("base", "equal_norm")].delta)
-    assert lopti.diverged and math.isnan(lopti.param_step) and lopti.resolution is None
-    assert not rew.diverged and abs(math.log(rew.norm_ratio)) <= math.log(1.05)
-    assert {str(w.message).split(")")[0] for w in caught if w.category is DivergedStepWarning} == {
-        "compare (rule lopti, mode equal_norm"
-    }
-    frame = paired_frame(out, batch, pi_old(model, batch), as_edges(None), step=0)
-    for name, diverged in (("base", False), ("lopti", True), ("reweight", False)):
-        rows = frame.filter(pl.col("rule") == name)
-        assert rows.height and rows["diverged"].to_list() == [diverged] * rows.height
-        measured = ("count", "up_pos", "sum_dpi", "sum_diff", "sum_share")
-        assert all(rows[c].null_count() == (rows.height if diverged else 0) for c in measured), name
-    assert frame.filter(pl.col("rule") == "lopti")["param_step"].null_count() > 0
-    # within the local regime (the tiny model at this module's lr) nothing is flagged
-    local = compare_rules(*setup, rules, lr=LR, inner_steps=2)
-    assert not any(r.diverged for r in local.values())
+    assert out[("base", "equal_norm")].diverged and out[("reweight", "equal_norm")].diverged
+    w = out[("w_reinforce", "equal_norm")]
+    assert not w.diverged and w.lr == LR and math.isnan(w.norm_ratio) and float(w.delta.abs().max()) > 0
+    rows = frame(out, bad_ref).filter(pl.col("rule") == "w_reinforce")
+    assert rows["sum_dpi"].null_count() == 0 and rows["norm_ratio"].null_count() == rows.height
+    assert all(rows[c].null_count() == rows.height for c in ("sum_diff", "sum_dpi_ref", "sum_kl_ref"))
+    # (3) off the equal norm
     dppo = [make_rule("base", BASE), make_rule("dppo_tv", BASE)]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("tokendyn.effects.compare.NORM_PASSES", 1)
-        with pytest.warns(DivergedStepWarning, match="rule dppo_tv.*the equal norm after the lr correction"):
-            once = compare_rules(*setup, dppo, lr=LR, inner_steps=3, shares=False)
+        with pytest.warns(DivergedStepWarning, match="rule dppo_tv.*the equal norm after the lr search"):
+            once = compare_rules(model, batch, dppo, lr=LR, inner_steps=3, shares=False)
     assert once[("dppo_tv", "equal_norm")].diverged and once[("dppo_tv", "equal_norm")].norm_ratio < 0.5
+    # within the local regime nothing is flagged
+    assert not any(r.diverged for r in compare_rules(model, finite, rules, lr=LR, inner_steps=2).values())

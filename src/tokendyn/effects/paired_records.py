@@ -86,8 +86,11 @@ def paired_frame(
                     "diverged": res.diverged,
                     **resolution_columns(res.resolution),
                 }
-                if res.diverged and not math.isfinite(res.param_step):
-                    values.update(param_step=None, norm_ratio=None)
+                for c in ("lr", "param_step", "norm_ratio"):  # (a diverged rule's, or one with no norm to match)
+                    if values[c] is not None and not math.isfinite(values[c]):
+                        values[c] = None
+                if ref is not None and ref.diverged:
+                    values["sum_kl_ref"] = None  # (to a policy that is not finite)
                 if none:
                     values.update(dict.fromkeys(_MEASURED))
                 if none or ref_none:
