@@ -66,6 +66,8 @@ def test_sweep_summary_is_the_ratio_of_the_written_sums():
 
 def test_guidance_is_the_argmax_with_its_interval():
     assert best_value([-0.6, -0.3, 0.0, 0.2], [0.5, 0.75, 0.5, 0.75]) == -0.3  # ties: the first
+    assert best_value([-0.6, -0.3, 0.0, 0.2], [0.5, 0.75, 0.5, 0.75], prefer=0.0) == 0.2  # ... or nearest 0
+    assert best_value([-0.6, -0.3, 0.0, 0.2], [0.5] * 4, prefer=0.0) == 0.0  # every c tied: no direction
     assert np.isnan(best_value([0.0, 1.0], [np.nan, np.nan]))
     g = guidance(_rows(), "c", n_boot=200).row(0, named=True)
     assert (g["best"], g["best_lo"], g["best_hi"]) == (-0.3, -0.3, -0.3)  # the peak is in every unit
@@ -124,3 +126,24 @@ def test_study_reports_both_camps_and_the_guidance_from_the_grpo_runs(tmp_path):
     empty = pl.DataFrame()
     text = study_markdown(QUICK, empty, empty, empty, [], None, None, camps, guide)
     assert "## Both camps from the same states" in text and "## Guidance along the axis" in text
+
+
+def test_paired_intervals_do_not_depend_on_the_order_of_the_rows():
+    """The both-camps table's intervals are a report's committed numbers: the same records in another order (as
+    shards are read, as group_by returns them) give the same resamples, so the same intervals (to the rounding of
+    sums taken in another order; before, each (mode, bin) drew from the shared generator in whatever order group_by
+    returned them, and a report regenerated from the same files moved its intervals in the third digit)."""
+    from tokendyn.analysis.paired import paired_summary
+
+    frame = _rows(6)
+    keys = ["rule", "mode", "bin"]
+    want = paired_summary(frame, n_boot=200).sort(keys)
+    for seed in (1, 2, 3):
+        shuffled = frame.sample(fraction=1.0, shuffle=True, seed=seed)
+        got = paired_summary(shuffled, n_boot=200).sort(keys)
+        assert got.select(keys).equals(want.select(keys))
+        for c in want.columns:
+            if want[c].dtype.is_float():
+                assert np.allclose(
+                    got[c].to_numpy(), want[c].to_numpy(), rtol=1e-12, atol=1e-15, equal_nan=True
+                ), c

@@ -67,7 +67,9 @@ def paired_summary(
     bins = frame.select("bin", "bin_lo", "bin_hi").unique("bin")
     rng = np.random.default_rng(seed)
     rows = []
-    for (mode, b), group in units.group_by(["mode", "bin"], maintain_order=True):
+    # (in sorted order: the groups draw their resamples from one generator in turn, so the intervals are the same
+    # from one call to the next; `_units`' group_by returns its rows in an order that varies)
+    for (mode, b), group in units.sort("mode", "bin").group_by(["mode", "bin"], maintain_order=True):
         unit_keys = group.select("step", "seq").unique().sort("step", "seq")
         n_units = unit_keys.height
         w = rng.multinomial(n_units, np.full(n_units, 1.0 / n_units), size=n_boot).astype(np.float64)
