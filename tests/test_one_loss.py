@@ -188,6 +188,10 @@ def test_the_analysis_loss_has_the_training_steps_gradient(tiny_model_dir, tmp_p
     trainer = _trainer(tiny_model_dir, args, cls=Capturing)
     trainer.add_callback(GradAtStep(trainer))
     trainer.train()
+    # every loss logs the sampled tokens' entropy, as TRL's own does (the rule losses did not: a study's
+    # entropy column was empty for DPPO-TV)
+    logged = [h["entropy"] for h in trainer.state.log_history if "entropy" in h]
+    assert logged and all(0 < e < math.log(trainer.model.config.vocab_size) for e in logged), name
     cap = Capturing.captured
     inputs, want = cap["inputs"], cap["grads"]
 

@@ -353,18 +353,24 @@ class TokendynGRPOTrainer(GRPOTrainer):
 
     def _rule_loss(self, model, inputs):
         """The micro-batch's loss of a registered rule (``policy_loss``: Clip-Cov, KL-Cov, DPPO, ASPO, CE-GPPO,
-        Lp-Reg): TRL's forward (and its entropies where the rule reads H_t), the per-token terms of `loss_terms` (the
-        rule the analyses differentiate), TRL's aggregation: dapo's normalizer spans the accumulation window, the
-        other loss types are divided by the accumulation steps."""
+        Lp-Reg): TRL's forward and its entropies (logged as TRL's loss logs them; read where the rule reads H_t), the
+        per-token terms of `loss_terms` (the rule the analyses differentiate), TRL's aggregation: dapo's normalizer
+        spans the accumulation window, the other loss types are divided by the accumulation steps."""
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         objective = replace(self._objective, cov_seed=self.cov_seed())
         logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=objective.needs_entropy
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True
         )
         train = self.model.training  # in eval TRL neither accumulates nor splits the batch
+        # the sampled tokens' entropy, logged as TRL's own loss logs it (masked mean over every process's tokens)
+        totals = torch.stack([(entropies.detach() * mask).sum(), mask.sum().float()])
+        totals = self.accelerator.reduce(totals, reduction="sum")
+        self._metrics["train" if train else "eval"]["entropy"].append(
+            float(totals[0] / totals[1].clamp(min=1.0))
+        )
         accumulation = self.current_gradient_accumulation_steps if train else 1
         normalizer = None
         if objective.loss_type == "dapo":
