@@ -71,6 +71,13 @@ def test_guidance_is_the_argmax_with_its_interval():
     assert np.isnan(best_value([0.0, 1.0], [np.nan, np.nan]))
     g = guidance(_rows(), "c", n_boot=200).row(0, named=True)
     assert (g["best"], g["best_lo"], g["best_hi"]) == (-0.3, -0.3, -0.3)  # the peak is in every unit
+    assert g["tied"] == 1
+    # every c with the same top-bin counts (as on SmolLM2's grpo_camps states): all tie, c* = 0 [0, 0], no direction
+    flat = _rows().with_columns(
+        pl.when(pl.col("bin") == len(EDGES) - 2).then(30).otherwise(pl.col("up_pos")).alias("up_pos")
+    )
+    t = guidance(flat, "c", n_boot=200).row(0, named=True)
+    assert t["tied"] == 4 and (t["best"], t["best_lo"], t["best_hi"]) == (0.0, 0.0, 0.0)
     assert g["peak"] == pytest.approx(30 / 40) and g["at"] == 0.0 and g["at_value"] == pytest.approx(0.5)
     assert g["values"] == "-0.6,-0.3,0,0.2"
     # moved: the top-bin peak shifted to c = 0.2 in half of the units -> the argmax spreads over both

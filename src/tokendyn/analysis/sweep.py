@@ -31,7 +31,8 @@ STATS = {
 }
 GUIDANCE_RULE = (
     "c* = argmax over the swept c of the top pi_old bin's correct ratio of A > 0 tokens (rose / (rose + fell), ties "
-    "apart; values tied at the peak: the one nearest 0), every c's update made from the same states at equal ||dtheta||; its 95 % interval: the 2.5 and 97.5 "
+    "apart; values tied at the peak: the one nearest 0, and `tied` counts them), every c's update made from the "
+    "same states at equal ||dtheta||; its 95 % interval: the 2.5 and 97.5 "
     "percentiles of the argmax over bootstrap resamples of (probed step, sequence), every c on the same resample. "
     "c* < 0 with the interval below 0: taming low-pi tokens (Reweight, alpha = -c*) helps the top bin here; c* > 0 "
     "with the interval above 0: protecting them (Delta-log-p reweight) does; an interval holding 0: no direction is "
@@ -151,7 +152,8 @@ def guidance(
     seed: int = 0,
 ) -> pl.DataFrame:
     """`GUIDANCE_RULE`, one row per mode: the value where the top bin's ``statistic`` peaks (``best``), its 95 %
-    interval over the resamples' argmax, the peak and the statistic at the sweep's value nearest 0 (GRPO on the c
+    interval over the resamples' argmax, how many swept values tie at that peak (``tied``: all of them, and the
+    statistic tells no value from another), the peak and the statistic at the sweep's value nearest 0 (GRPO on the c
     axis), each with its interval, and the swept values."""
     rows = sweep_rows(paired, sweep)
     if not rows.height:
@@ -172,7 +174,8 @@ def guidance(
         at_lo, at_hi = percentile_interval(draws[:, zero])
         out.append({
             "sweep": sweep, "mode": mode, "statistic": f"{statistic}, top bin", "bin": bins[top], "best": best,
-            "best_lo": lo, "best_hi": hi, "peak": float(np.nanmax(point)) if np.isfinite(point).any() else None,
+            "best_lo": lo, "best_hi": hi,
+            "tied": int(np.sum(point == np.nanmax(point))) if np.isfinite(point).any() else 0, "peak": float(np.nanmax(point)) if np.isfinite(point).any() else None,
             "peak_lo": peak_lo, "peak_hi": peak_hi, "at": values[zero],
             "at_value": float(point[zero]), "at_value_lo": at_lo, "at_value_hi": at_hi,
             "values": ",".join(f"{v:g}" for v in values),

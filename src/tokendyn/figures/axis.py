@@ -113,8 +113,12 @@ def reading(records) -> str:
 
     guide = guidance_table(records)
     parts = [
-        f"{r['run']} ({r['mode']}): {r['sweep']}* = {num(r['best'])} [{num(r['best_lo'])}, {num(r['best_hi'])}], "
-        f"top-bin correct ratio {num(r['peak'])} there against {num(r['at_value'])} at {r['sweep']} = {r['at']:g}"
+        f"{r['run']} ({r['mode']}): every swept {r['sweep']} ties (top-bin correct ratio {num(r['peak'])}): the "
+        "statistic tells none from another"
+        if r.get("tied") and r["tied"] == len(r["values"].split(","))
+        else f"{r['run']} ({r['mode']}): {r['sweep']}* = {num(r['best'])} [{num(r['best_lo'])}, "
+        f"{num(r['best_hi'])}], top-bin correct ratio {num(r['peak'])} there against {num(r['at_value'])} at "
+        f"{r['sweep']} = {r['at']:g}"
         for r in guide.iter_rows(named=True)
     ]
     return ("Where the top π_old bin's correct ratio of positive-advantage tokens peaks along each sweep, every "
