@@ -35,7 +35,8 @@ theta_0, `tokendyn.effects.shares.token_shares`). Records: `paired`, one row per
 (step, sequence) (`tokendyn.analysis.paired`).
 
 Cost per rule (equal_norm): one forward and backward per stage for the step (Lopti: its second stage twice, for the
-norm correction, and once more per further pass of the norm search, where the first correction lands > 5 % off; its first stage's gradient at theta_0 is kept in host memory and reused), one forward for pi, one
+norm correction, and once more per further pass of the norm search where the first correction lands > 5 % off;
+its first stage's gradient at theta_0 is kept in host memory and reused), one forward for pi, one
 JVP for the shares. The base rule's equal_norm step is the analyses' own full counterfactual step (plain SGD at lr on
 the whole loss): handed over as a `FullUpdate`, it costs nothing more. Memory: that of `InPlaceUpdate` (host
 snapshot, one gradient, the optimizer copy's state in optimizer mode; Lopti: one gradient more in host memory) plus
@@ -278,9 +279,8 @@ class RuleResult:
     kl: torch.Tensor | None = None
     inner_steps: int = 1
     sweep: tuple[str, float] | None = None
-    diverged: bool = (
-        False  # non-finite, or off the equal norm (`NORM_RATIO_RANGE`): every measured column null
-    )
+    # non-finite, or off the equal norm (`NORM_RATIO_RANGE`): every measured column null
+    diverged: bool = False
 
 
 @analysis_forward
@@ -366,9 +366,8 @@ def compare_rules(
                     len(stages) == 1 and k == 1
                 ):  # one step of norm `target` (the first rule's at lr sets it)
                     opt = update.optimizer
-                    plain = target is not None and not math.isfinite(
-                        target
-                    )  # (the first rule diverged: no norm)
+                    # (the first rule diverged: no norm to match, a plain step at lr)
+                    plain = target is not None and not math.isfinite(target)
                     opt.target, opt.norm_lr = None if plain else target, lr if target is None else None
                     _apply(update, rb, rule.objective, stages)
                     norm, opt.norm_lr = opt.grad_norm, None
@@ -476,9 +475,8 @@ def _to_norm(update, batch, objective, stages, k, lr, achieved, target, theta0) 
         return lr
     goal, tol = math.log(target), math.log(NORM_TOLERANCE)
     points: list[tuple[float, float]] = []  # (log lr, log ||dtheta||) of the finite passes
-    below = above = (
-        None  # log lr of the largest finite pass short of T, of the smallest beyond it (or not finite)
-    )
+    # log lr of the largest finite pass short of T, and of the smallest beyond it (or not finite)
+    below = above = None
     best: tuple[float, float] | None = None  # (|log ||dtheta|| - log T|, log lr)
     for _ in range(NORM_PASSES - 1):
         x = math.log(lr)
