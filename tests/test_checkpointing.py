@@ -66,7 +66,13 @@ def _step(kind: str | None, sink=None, autocast: bool = False, make_model=None, 
     batch = make_batch(model, n=4)
     probe_first = kind is not None and kind.endswith("probe_first")
     make = functools.partial(
-        GradientProbe, direct_tokens=direct_tokens, check_tokens=None, temperature=T, auto=True, sink=sink
+        GradientProbe,
+        direct_tokens=direct_tokens,
+        direct_budget=None,
+        check_tokens=None,
+        temperature=T,
+        auto=True,
+        sink=sink,
     )
     probe = make(model) if probe_first else None
     if kind is not None:

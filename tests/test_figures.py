@@ -45,7 +45,10 @@ def run_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     for name, extra in METHODS.items():
         compare = dict(probe_compare_rules=["reweight", "lopti", "logp_reweight"], probe_compare_modes=["equal_norm"],
                        probe_compare_c_sweep=[-0.3, 0.2], probe_compare_eta_sweep=[0.3])  # fmt: skip
-        cfg = _config(root / name, max_steps=4, probe_every=1, probe_lr_sweep=[1e-3, 1.0], **compare, **extra)
+        # every direct token of the one replay (4 steps; a budget replays what one step affords: on Lopti's first,
+        # low stage, only tokens of the other stage, whose weight is 0)
+        cfg = _config(root / name, max_steps=4, probe_every=1, probe_lr_sweep=[1e-3, 1.0], probe_direct_budget=None,
+                      **compare, **extra)  # fmt: skip
         trainer = _trainer(tiny_model_dir, cfg)
         run_dir = Path(cfg.output_dir)
         trainer.add_callback(ParquetLogCallback(run_dir / "metrics.parquet", method=method_name(cfg)))

@@ -124,7 +124,7 @@ def test_the_model_gives_the_hand_probabilities():
 
 def test_norms_ratios_and_bins_by_hand(tmp_path):
     model = HandModel()
-    with instrument(model, tmp_path, check_tokens=None, rank=0) as probe:
+    with instrument(model, tmp_path, check_tokens=None, direct_budget=None, rank=0) as probe:
         _step(model, probe)
     tokens = _tokens(tmp_path)
     final = tokens.filter(pl.col("point") == "final_norm.out")
@@ -141,7 +141,9 @@ def test_norms_ratios_and_bins_by_hand(tmp_path):
     # binstats with bins [0, .3), [.3, .4), [.4, 1] (no pi on an edge): one token per bin, pi_old = pi (on-policy)
     bins = tmp_path / "bins"
     model = HandModel()
-    with instrument(model, bins, bins=[0.0, 0.3, 0.4, 1.0], check_tokens=None, rank=0) as probe:
+    with instrument(
+        model, bins, bins=[0.0, 0.3, 0.4, 1.0], check_tokens=None, direct_budget=None, rank=0
+    ) as probe:
         _step(model, probe)
     bs = load_run(bins)["binstats"].filter(pl.col("quantity") == "norm").collect()
     for point, want in (("final_norm.out", FINAL), ("layers.0.out", LAYER)):
@@ -197,7 +199,7 @@ def _ddp_worker(rank: int, init_file: str, out: str) -> None:
         ddp = DistributedDataParallel(model)
         # every rank runs the same batch: DDP averages the two (equal) gradients, so the update is the gradient of
         # L = (L_0 + L_1) / 2, and each token's share of it is its own gradient / 2
-        with instrument(ddp, out, check_tokens=None, rank=rank) as probe:
+        with instrument(ddp, out, check_tokens=None, direct_budget=None, rank=rank) as probe:
             _step(ddp, probe)
     finally:
         dist.destroy_process_group()

@@ -110,6 +110,7 @@ def test_exact_checks_multiple_steps_with_optimizer_and_direct_equals_explicit_b
         check_tokens=None,
         direct_tokens=8,
         direct_chunk=3,
+        direct_budget=None,  # every direct token, whatever it costs (the budget: test_budget.py)
         temperature=T,
         auto=True,
         sink=results.append,
@@ -145,7 +146,14 @@ def test_exact_checks_multiple_steps_with_optimizer_and_direct_equals_explicit_b
     model = tiny_qwen2(sharpen=12.0)
     batch = make_batch(model, seed=20)
     with GradientProbe(  # 12 tokens over 6 rows: several backward slots, batched 2 at a time
-        model, check_tokens=None, direct_tokens=12, direct_chunk=2, sample_tokens=12, temperature=T, auto=True
+        model,
+        check_tokens=None,
+        direct_tokens=12,
+        direct_chunk=2,
+        direct_budget=None,
+        sample_tokens=12,
+        temperature=T,
+        auto=True,
     ) as probe:
         _, logps = _plain_step(model, batch, probe)
         res = probe.end_step()
@@ -181,7 +189,7 @@ def test_fused_lm_head_identity_zero_violations_and_bitwise_gradients():
         batch = make_batch(model)
         add_fused_lm_head(model, temperature=T)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        probe = GradientProbe(model, check_tokens=None, direct_tokens=16, temperature=T)
+        probe = GradientProbe(model, check_tokens=None, direct_tokens=16, direct_budget=None, temperature=T)
         labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
         labels[:, : -batch.c] = -100
         result = None

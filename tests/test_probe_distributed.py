@@ -28,7 +28,14 @@ import torch
 HERE = Path(__file__).resolve().parent
 BINS = {"intervals": None, "quantiles": "quantiles:3"}
 T = 0.7
-PROBE = {"check_tokens": None, "sample_tokens": 128, "direct_tokens": 64, "temperature": T}
+# every direct token on every micro-batch (a budget would cut a rank's replay by its own micro-batch's flops)
+PROBE = {
+    "check_tokens": None,
+    "sample_tokens": 128,
+    "direct_tokens": 64,
+    "direct_budget": None,
+    "temperature": T,
+}
 # FSDP2 analyses vs one process, max |difference| / max |value| of each column. The float32 forwards agree bitwise
 # here (one CPU thread; the model called whole instead of backbone + chunked head) and FSDP2 averages identical
 # gradients exactly, so only the order of the float64 sums over shards differs (measured <= 5e-16)

@@ -309,7 +309,8 @@ def test_a_replay_of_some_rows_equals_single_token_backwards(monkeypatch):
 
         monkeypatch.setattr(R, "batched_grads", spy)
         with GradientProbe(
-            model, check_tokens=None, direct_tokens=4, sample_tokens=4, direct_memory_mb=cap, temperature=T, auto=True
+            model, check_tokens=None, direct_tokens=4, sample_tokens=4, direct_memory_mb=cap, direct_budget=None,
+            temperature=T, auto=True,
         ) as probe:  # fmt: skip
             _on_policy_step(model, batch, probe, 0)
             results[label] = (probe.end_step().records["tokens"], shapes)
@@ -343,8 +344,8 @@ def _direct_run(monkeypatch, cap, reentrant=False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     batch = make_batch(model)
     with GradientProbe(
-        model, check_tokens=None, direct_tokens=24, sample_tokens=24, direct_memory_mb=cap, temperature=T,
-        auto=True,
+        model, check_tokens=None, direct_tokens=24, sample_tokens=24, direct_memory_mb=cap, direct_budget=None,
+        temperature=T, auto=True,
     ) as probe:  # fmt: skip
         _on_policy_step(model, batch, probe, 0)
         res = probe.end_step()

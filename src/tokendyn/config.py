@@ -160,8 +160,8 @@ class ProbeConfig:
     direct_budget: float | None = _opt(
         0.02,
         "Share of the probed micro-batches' training flops the direct gradients' layer replays may use, on "
-        "average: a replay runs when its credit allows (the first micro-batch always; probe/budget.py), on top of "
-        "direct_every; None = every direct_every-th micro-batch whatever it costs; > 0.",
+        "average: a replay runs when its credit allows (the first always), on what one step's flops can replay "
+        "(probe/budget.py); None = every direct_every-th micro-batch, every token, whatever it costs; > 0.",
     )
     sigma_every: int = _opt(
         16,
@@ -310,6 +310,11 @@ class ProbeConfig:
             raise ProbeConfigError(
                 "share_method", f"must be one of {', '.join(SHARE_METHODS)}, got {self.share_method!r}"
             )
+
+    @property
+    def comparison_lr(self) -> float:
+        """The paired comparison's SGD lr: `compare_lr`, else the analyses' `lr`."""
+        return self.lr if self.compare_lr is None else self.compare_lr
 
     @property
     def active_analyses(self) -> tuple[str, ...]:

@@ -172,10 +172,11 @@ def guidance(
         lo, hi = percentile_interval(argmax)
         peak_lo, peak_hi = percentile_interval(peak)
         at_lo, at_hi = percentile_interval(draws[:, zero])
+        best_point = float(np.nanmax(point)) if np.isfinite(point).any() else None
         out.append({
             "sweep": sweep, "mode": mode, "statistic": f"{statistic}, top bin", "bin": bins[top], "best": best,
             "best_lo": lo, "best_hi": hi,
-            "tied": int(np.sum(point == np.nanmax(point))) if np.isfinite(point).any() else 0, "peak": float(np.nanmax(point)) if np.isfinite(point).any() else None,
+            "tied": 0 if best_point is None else int(np.sum(point == best_point)), "peak": best_point,
             "peak_lo": peak_lo, "peak_hi": peak_hi, "at": values[zero],
             "at_value": float(point[zero]), "at_value_lo": at_lo, "at_value_hi": at_hi,
             "values": ",".join(f"{v:g}" for v in values),

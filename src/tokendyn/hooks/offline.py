@@ -366,7 +366,7 @@ def _analyse(
                 batch,
                 rules,
                 modes=("equal_norm",),
-                lr=cfg.lr if cfg.compare_lr is None else cfg.compare_lr,
+                lr=cfg.comparison_lr,
                 full=full,
                 precision=MeasuredPrecision.used(cfg.step_precision, checked),
                 inner_steps=cfg.compare_inner_steps,

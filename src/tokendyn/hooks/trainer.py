@@ -298,7 +298,7 @@ class TrainerProbe(TrainerCallback):
                 batch,
                 rules,
                 modes=modes,
-                lr=cfg.lr if cfg.compare_lr is None else cfg.compare_lr,
+                lr=cfg.comparison_lr,
                 optimizer=t.optimizer,
                 full=full,
                 precision=MeasuredPrecision.used(cfg.step_precision, self.precision),

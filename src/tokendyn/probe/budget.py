@@ -32,6 +32,11 @@ That is one to several training steps' worth, so it cannot run on every micro-ba
 Both run when their credit allows (`Credit`, a token bucket with debt): each probed micro-batch earns budget x step,
 a measurement spends its cost, and one runs when the credit is >= 0, so the first micro-batch always gets both and
 later ones once the debt is repaid: on average each costs at most its budget of the probed steps.
+
+No one replay may cost more than `REPLAY_STEPS` training steps of its micro-batch (a budgeted run): it replays the
+longest prefix of its sampled tokens that fits (`direct_tokens_within`; one token always fits, 6 P_L S <= 6 P N), so
+no probed step, the first included, costs much more than twice a plain one. (SmolLM2-135M, 2 rows of 32 + 160
+tokens: 16 tokens' replay was 2.4 steps, 8 slots each over 30 layers; two tokens fit.)
 """
 
 from __future__ import annotations
@@ -87,6 +92,23 @@ def check_flops(k: int, hidden: int, vocab: int, refresh: bool) -> float:
 def direct_flops(layer_params: int, seq: int, rows: int, slots: int) -> float:
     """2 P_L S R (1 + 2 m): the replay's forward of R rows of length S and m seed slots' backwards."""
     return 2.0 * layer_params * seq * rows * (1 + 2 * slots)
+
+
+REPLAY_STEPS = 1.0  # the most one replay may cost, in training steps (`step_flops`) of its micro-batch
+
+
+def direct_tokens_within(rows: list[int], layer_params: int, seq: int, cap: float) -> int:
+    """The longest prefix k >= 1 of the sampled tokens (their ``rows``, in sample order) whose replay fits ``cap``
+    flops: direct_flops(P_L, S, R_k, m_k) <= cap, with R_k the distinct rows of rows[:k] and m_k the most tokens in
+    one of them (the first token always counts: one row, one slot); 0 when there are no tokens."""
+    per_row: dict[int, int] = {}
+    k = 0
+    for r in rows:
+        per_row[r] = per_row.get(r, 0) + 1
+        if k and direct_flops(layer_params, seq, len(per_row), max(per_row.values())) > cap:
+            break
+        k += 1
+    return k
 
 
 class Credit:

@@ -524,10 +524,9 @@ class GradientProbe:
                 shard.vocab,
                 self.check_budget,
             )
-            kd = min(self.direct_tokens, idx.shape[0])
-            do_direct = self._direct_due(kd, rows[:kd], b, seq, shard)
+            kd = self._direct_due(min(self.direct_tokens, idx.shape[0]), rows, b, seq, shard)
             kc = self._checks_due(kc, b, seq, shard)
-            kh = max(kc, kd if do_direct else 0)
+            kh = max(kc, kd)
             targets = inp.completion_ids.to(device).reshape(-1)[idx[:kh]]
             h = h_final.detach()[rows[:kh], spos[:kh]]
             q, sigma_lower = parallel.head_sample_quantities(h, shard, targets, inp.temperature)
@@ -560,29 +559,33 @@ class GradientProbe:
                 at = (rows[:kc], (spos[:kc] - off).clamp(min=0))
                 head = (h[:kc], q.lse[:kc], targets[:kc], shard, inp.temperature)
                 p.handles.append(p.logits.register_hook(partial(self._on_logits_grad, p, idx[:kc], at, head)))
-            if do_direct:
+            if kd:
                 p.direct = self._direct(p, rows[:kd], spos[:kd], q.direction[:kd])
         p.hidden, p.logp_seq, p.logits, p.calls = {}, None, None, {}
 
-    def _direct_due(self, kd: int, rows: torch.Tensor, b: int, seq: int, shard: HeadShard) -> bool:
-        """Whether this micro-batch gets direct gradients: every `direct_every`-th probed micro-batch with a
-        credit >= 0 (`budget.Credit`: each micro-batch earns direct_budget x its training flops, a replay spends
-        its estimated flops, `budget.direct_flops`); under FSDP2 the ranks agree (one replays: all do)."""
+    def _direct_due(self, kd: int, rows: torch.Tensor, b: int, seq: int, shard: HeadShard) -> int:
+        """How many of the first ``kd`` sampled tokens (forward ``rows``) get direct gradients on this micro-batch:
+        none but on every `direct_every`-th probed micro-batch with a credit >= 0 (`budget.Credit`: each micro-batch
+        earns direct_budget x its training flops, a replay spends its estimated flops, `budget.direct_flops`); with
+        a budget, the longest prefix whose replay costs at most `budget.REPLAY_STEPS` of this micro-batch's training
+        flops (`budget.direct_tokens_within`: at least one). Under FSDP2 the ranks agree (one replays: all do)."""
         self._n_prepared += 1
-        self._direct_credit.earn(budget.step_flops(self._flop_params, b * seq))
+        step = budget.step_flops(self._flop_params, b * seq)
+        self._direct_credit.earn(step)
         if kd <= 0:
-            return False
+            return 0
         due = (self._n_prepared - 1) % self.direct_every == 0 and self._direct_credit.affordable()
-        due = bool(parallel.agree_max(int(due), self.model, rows.device))
-        if due:
-            per_row = torch.bincount(rows.cpu())
-            head_params = shard.vocab * shard.hidden
-            self._direct_credit.spend(
-                budget.direct_flops(
-                    max(self._flop_params - head_params, 0), seq, int((per_row > 0).sum()), int(per_row.max())
-                )
-            )
-        return due
+        if not parallel.agree_max(int(due), self.model, rows.device):
+            return 0
+        layer_params = max(self._flop_params - shard.vocab * shard.hidden, 0)
+        sampled = rows[:kd].tolist()
+        if self._direct_credit.budget is not None:
+            kd = budget.direct_tokens_within(sampled, layer_params, seq, budget.REPLAY_STEPS * step)
+        per_row = torch.bincount(torch.tensor(sampled[:kd]))
+        self._direct_credit.spend(
+            budget.direct_flops(layer_params, seq, int((per_row > 0).sum()), int(per_row.max()))
+        )
+        return kd
 
     def _checks_due(self, kc: int, b: int, seq: int, shard: HeadShard) -> int:
         """The tokens checked exactly at the LM head on this micro-batch: kc when the checks' credit allows
