@@ -124,12 +124,23 @@ def test_direct_replays_keep_to_their_share_of_the_training_flops(tmp_path):
         run["tokens"].filter(pl.col("direct_norm").is_not_null()).unique(["step", "row", "pos"]).collect()
     )
     costs, one_step = [], budget.step_flops(p, rows * seq)
+    tokens = run["tokens"].collect()
+    first_point, cut = tokens["point"][0], []
     for step in done:
+        # the replay took the longest prefix of the step's first 8 sampled tokens (records keep the sample's order)
+        sampled = tokens.filter((pl.col("step") == step) & (pl.col("point") == first_point)).head(8)
+        k = budget.direct_tokens_within(
+            sampled["row"].to_list(), p - 64 * 32, seq, budget.REPLAY_STEPS * one_step
+        )
+        replayed = direct.filter(pl.col("step") == step).select("row", "pos").sort("row", "pos")
+        assert replayed.equals(sampled.head(k).select("row", "pos").sort("row", "pos"))
+        cut.append(k < 8)
         per_row = direct.filter(pl.col("step") == step).group_by("row").len()["len"]
         cost = budget.direct_flops(p - 64 * 32, seq, per_row.len(), int(per_row.max()))
         # no replay costs more than one training step of its micro-batch, but a single token's
         assert 1 <= per_row.sum() <= 8 and (cost <= budget.REPLAY_STEPS * one_step or per_row.sum() == 1)
         costs.append(cost)
+    assert any(cut)  # (the cap binds here)
     earned = b * budget.step_flops(p, rows * seq) * n_steps
     assert sum(costs) <= earned + max(costs)
     assert sum(costs) + max(costs) > earned - b * budget.step_flops(p, rows * seq)
@@ -170,7 +181,7 @@ def test_one_replay_takes_the_longest_prefix_one_step_affords():
         rows = torch.randint(0, 5, (n,), generator=gen).tolist()
         cap = float(torch.randint(1, 200, (1,), generator=gen)) * 2.0 * 7 * 3
         assert budget.direct_tokens_within(rows, 7, 3, cap) == _replay_prefix_by_enumeration(rows, 7, 3, cap)
-    # SmolLM2-135M (P_L = 106.5M of P = 134.5M), two rows of 192 tokens: two tokens in distinct rows fit, not three
-    p, p_l, seq = 134_515_008, 134_515_008 - 49_152 * 576, 192
+    # SmolLM2-135M (P_L = 106.2M of P = 134.5M), two rows of 160 tokens: two tokens in distinct rows fit, not three
+    p, p_l, seq = 134_515_008, 134_515_008 - 49_152 * 576, 160
     assert budget.direct_tokens_within([0, 1, 0, 1, 0], p_l, seq, budget.step_flops(p, 2 * seq)) == 2
     assert budget.direct_tokens_within([0, 0, 0, 1], p_l, seq, budget.step_flops(p, 2 * seq)) == 3

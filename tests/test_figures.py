@@ -15,6 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -45,10 +46,7 @@ def run_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     for name, extra in METHODS.items():
         compare = dict(probe_compare_rules=["reweight", "lopti", "logp_reweight"], probe_compare_modes=["equal_norm"],
                        probe_compare_c_sweep=[-0.3, 0.2], probe_compare_eta_sweep=[0.3])  # fmt: skip
-        # every direct token of the one replay (4 steps; a budget replays what one step affords: on Lopti's first,
-        # low stage, only tokens of the other stage, whose weight is 0)
-        cfg = _config(root / name, max_steps=4, probe_every=1, probe_lr_sweep=[1e-3, 1.0], probe_direct_budget=None,
-                      **compare, **extra)  # fmt: skip
+        cfg = _config(root / name, max_steps=4, probe_every=1, probe_lr_sweep=[1e-3, 1.0], **compare, **extra)
         trainer = _trainer(tiny_model_dir, cfg)
         run_dir = Path(cfg.output_dir)
         trainer.add_callback(ParquetLogCallback(run_dir / "metrics.parquet", method=method_name(cfg)))
@@ -369,6 +367,11 @@ def test_bound_figure_layer_panels_show_the_direct_gradient_by_default(records):
     that have one; the total gradient on request; the final norm is the (exact) total in both."""
     tk = records.get("tokens")
     inner = sorted(p for p in tk["point"].unique().to_list() if p.startswith("layers."))[0]
+    # what the direct panel draws, direct_ratio (1 - pi), is the token's own ||dl_t/dh|| / |w| wherever w != 0
+    weighted = tk.filter(pl.col("direct_norm").is_not_null() & (pl.col("w") != 0))
+    assert weighted.height > 0
+    drawn = (weighted["direct_ratio"] * (1 - weighted["pi"])).to_numpy()
+    assert np.allclose(drawn, (weighted["direct_norm"] / weighted["w"].abs()).to_numpy(), rtol=1e-5, atol=0)
     fig = F.bound(tk, records.get("bound"), records.get("checks"), points=[inner, "final_norm.out"])
     titles = {ax.get_title() for ax in fig.axes}
     assert any(t.endswith("(direct)") for t in titles) and not any(t.endswith("(total)") for t in titles)

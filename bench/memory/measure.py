@@ -259,7 +259,15 @@ def measure_step(model, b: dict, c_len: int) -> int:
 
 # the probe's defaults (ProbeConfig) except direct_every = 1 is implied: a fresh probe's first step has direct
 # gradients (step 0 of every direct_every), which is the step measured
-PROBE_SETTINGS = {"sample_tokens": 128, "direct_tokens": 16, "direct_chunk": 8, "check_tokens": 256}
+# every direct token replayed (no budget: a budget replays the prefix one step affords), as the memory model's fit
+# counts them: the probe's worst replay
+PROBE_SETTINGS = {
+    "sample_tokens": 128,
+    "direct_tokens": 16,
+    "direct_chunk": 8,
+    "check_tokens": 256,
+    "direct_budget": None,
+}
 DIRECT_MEMORY_MB = 512  # ProbeConfig.direct_memory_mb's default
 # the README's 7B recipe: --probe_direct_memory_mb 2048 (one 4,396-token row of a Qwen2.5-7B layer replays in about
 # 1.1 GB, over the default cap; the replay runs between the forward and the backward, far below the backward's own

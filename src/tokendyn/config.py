@@ -124,8 +124,8 @@ class ProbeConfig:
     sample_tokens: int = _opt(128, "Raw token rows kept per probed micro-batch (a bounded sample); >= 0.")
     direct_tokens: int = _opt(
         16,
-        "Tokens per probed micro-batch whose 'direct' gradient (their own loss term only) is computed by replaying "
-        "the layers of their rows with batched backwards; 0 = off.",
+        "Tokens per probed micro-batch (at most: direct_budget) whose 'direct' gradient (own loss term) is "
+        "computed by replaying their rows' layers; 0 = off.",
     )
     direct_every: int = _opt(
         10,

@@ -209,8 +209,9 @@ def bound(
     first column, when the tokens carry ``logits_ratio``), at the final norm sigma_max(W) sqrt(2) / T (1 - pi)
     (``checks``).
 
-    ``gradient``: what the inner-layer panels show. "direct" (default): each token's own gradient ||dl_t/dh_l|| (the
-    sampled tokens that have one), with its envelope: the quantity the paper's Proposition bounds. "total": the
+    ``gradient``: what the inner-layer panels show. "direct" (default): each token's own gradient per unit weight,
+    ||d log pi_t / dh_l|| = direct_ratio (1 - pi) (every sampled token that has one, whatever its weight w), with its
+    envelope: the quantity the paper's Proposition bounds. "total": the
     training backward's ||dL/dh_l[p(t)]||, which at inner layers also carries later tokens' losses through attention,
     so a token with pi -> 1 keeps a finite gradient and D can be ~1e12; its axis is clipped with a note. At the final
     norm both are the same (exact) and the total is drawn."""
@@ -218,6 +219,9 @@ def bound(
         raise ValueError(f"bound figure: gradient must be 'direct' or 'total', got {gradient!r}")
     tk = need(tokens, "the (1 - pi) bound", ["tokens"])
     bound, checks = optional(bound), optional(checks)
+    # a token's own gradient ||d log pi_t / dh_l|| = direct_ratio (1 - pi) needs no weight: every replayed token
+    # (a weight-0 token too: in Lopti's other stage, or of a group whose advantages are all 0)
+    own = tk.filter(pl.col("direct_ratio").is_not_null()) if "direct_ratio" in tk.columns else None
     tk = tk.filter(pl.col("w").is_not_null() & (pl.col("w") != 0) & pl.col("norm").is_not_null())
     if "in_stage" in tk.columns:
         tk = tk.filter(pl.col("in_stage"))
@@ -263,14 +267,21 @@ def bound(
                     note = f"{len(x)} tokens, {bad} outside"
                 else:
                     d = rt.filter(pl.col("point") == col)
+                    mine = (
+                        own.filter((pl.col("run") == run) & (pl.col("point") == col))
+                        if own is not None
+                        else None
+                    )
                     direct = (
-                        gradient == "direct" and col != "final_norm.out" and "direct_norm" in d.columns
-                        and d["direct_norm"].drop_nulls().len() > 0
-                    )  # fmt: skip
+                        gradient == "direct"
+                        and col != "final_norm.out"
+                        and mine is not None
+                        and mine.height > 0
+                    )
                     if direct:
-                        d = d.drop_nulls("direct_norm")
+                        d = mine
                     x = d["pi"].to_numpy()
-                    y = ((d["direct_norm"] if direct else d["norm"]) / d["w"].abs()).to_numpy()
+                    y = (d["direct_ratio"] * (1 - d["pi"]) if direct else d["norm"] / d["w"].abs()).to_numpy()
                     c_d = _cd(env, run, col, d, direct=direct)
                     if c_d is not None:
                         c, dd = c_d

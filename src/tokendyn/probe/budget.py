@@ -33,10 +33,14 @@ Both run when their credit allows (`Credit`, a token bucket with debt): each pro
 a measurement spends its cost, and one runs when the credit is >= 0, so the first micro-batch always gets both and
 later ones once the debt is repaid: on average each costs at most its budget of the probed steps.
 
-No one replay may cost more than `REPLAY_STEPS` training steps of its micro-batch (a budgeted run): it replays the
-longest prefix of its sampled tokens that fits (`direct_tokens_within`; one token always fits, 6 P_L S <= 6 P N), so
-no probed step, the first included, costs much more than twice a plain one. (SmolLM2-135M, 2 rows of 32 + 160
-tokens: 16 tokens' replay was 2.4 steps, 8 slots each over 30 layers; two tokens fit.)
+No one replay may cost more than `REPLAY_STEPS` training steps of its micro-batch by this estimate (a budgeted run):
+it replays the longest prefix of its sampled tokens that fits (`direct_tokens_within`; one token always fits,
+6 P_L S <= 6 P N), so no probed step, the first included, costs much more than twice a plain one. (SmolLM2-135M, 2
+rows of 32 + 128 tokens: 16 tokens' replay was 2.4 steps, 8 slots each over 30 layers; two tokens fit.) The estimate
+is low where the replay does more than R rows and one forward per group: with dropout active every row of the
+micro-batch is replayed (its masks must repeat), and a chunk or memory cap below m slots repeats the group's forward
+(at most 1.5x the estimate, at one slot per backward). A packed layout (one row) fits one token per replay wherever
+the layers hold more than 60 % of the parameters (a second token in the row needs 10 P_L S <= 6 P S).
 """
 
 from __future__ import annotations

@@ -526,7 +526,7 @@ class GradientProbe:
             )
             kd = self._direct_due(min(self.direct_tokens, idx.shape[0]), rows, b, seq, shard)
             kc = self._checks_due(kc, b, seq, shard)
-            kh = max(kc, kd)
+            kh = max(kc, kd or 0)
             targets = inp.completion_ids.to(device).reshape(-1)[idx[:kh]]
             h = h_final.detach()[rows[:kh], spos[:kh]]
             q, sigma_lower = parallel.head_sample_quantities(h, shard, targets, inp.temperature)
@@ -559,23 +559,26 @@ class GradientProbe:
                 at = (rows[:kc], (spos[:kc] - off).clamp(min=0))
                 head = (h[:kc], q.lse[:kc], targets[:kc], shard, inp.temperature)
                 p.handles.append(p.logits.register_hook(partial(self._on_logits_grad, p, idx[:kc], at, head)))
-            if kd:
+            if kd is not None:
                 p.direct = self._direct(p, rows[:kd], spos[:kd], q.direction[:kd])
         p.hidden, p.logp_seq, p.logits, p.calls = {}, None, None, {}
 
-    def _direct_due(self, kd: int, rows: torch.Tensor, b: int, seq: int, shard: HeadShard) -> int:
-        """How many of the first ``kd`` sampled tokens (forward ``rows``) get direct gradients on this micro-batch:
-        none but on every `direct_every`-th probed micro-batch with a credit >= 0 (`budget.Credit`: each micro-batch
-        earns direct_budget x its training flops, a replay spends its estimated flops, `budget.direct_flops`); with
-        a budget, the longest prefix whose replay costs at most `budget.REPLAY_STEPS` of this micro-batch's training
-        flops (`budget.direct_tokens_within`: at least one). Under FSDP2 the ranks agree (one replays: all do)."""
+    def _direct_due(self, kd: int, rows: torch.Tensor, b: int, seq: int, shard: HeadShard) -> int | None:
+        """How many of the first ``kd`` sampled tokens (forward ``rows``) get direct gradients on this micro-batch,
+        None for no replay: one on every `direct_every`-th probed micro-batch with a credit >= 0 (`budget.Credit`:
+        each micro-batch earns direct_budget x its training flops, a replay spends its estimated flops,
+        `budget.direct_flops`); with a budget, on the longest prefix whose replay costs at most `budget.REPLAY_STEPS`
+        of this micro-batch's training flops (`budget.direct_tokens_within`: at least one). Under FSDP2 the ranks
+        agree (one replays: all do, a rank without a token with none, its replay's collectives matched)."""
         self._n_prepared += 1
         step = budget.step_flops(self._flop_params, b * seq)
         self._direct_credit.earn(step)
-        if kd <= 0:
-            return 0
-        due = (self._n_prepared - 1) % self.direct_every == 0 and self._direct_credit.affordable()
+        if self.direct_tokens <= 0:  # (off on every rank)
+            return None
+        due = kd > 0 and (self._n_prepared - 1) % self.direct_every == 0 and self._direct_credit.affordable()
         if not parallel.agree_max(int(due), self.model, rows.device):
+            return None
+        if kd <= 0:
             return 0
         layer_params = max(self._flop_params - shard.vocab * shard.hidden, 0)
         sampled = rows[:kd].tolist()
