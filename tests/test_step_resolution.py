@@ -18,7 +18,7 @@ import torch
 from _matrix import ARCHS
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokendyn.effects.change import STEP_ROUNDING_LIMIT, counterfactual_change, fix_pi_old
+from tokendyn.effects.change import STEP_ROUNDING_LIMIT, InPlaceUpdate, counterfactual_change, fix_pi_old, sgd
 from tokendyn.effects.compare import compare_rules, make_rule
 from tokendyn.effects.influence import influence, influence_and_shares
 from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch
@@ -93,6 +93,25 @@ def test_influence_matrix_on_the_float32_model_equals_the_float64_run(policy_bat
     assert frame["step_resolved"].all() and (frame["step_rounding"] < STEP_ROUNDING_LIMIT).all()
     for n, p in model.named_parameters():  # the model is back, bitwise, in its dtype
         assert p.dtype == torch.float32 and torch.equal(p, before[n]), n
+
+
+def test_float64_steps_keep_no_copy_of_the_models_weights(policy_batch):
+    """With float64 copies stepping, theta_0 is the model's own weights (no host copy of them): no step writes them,
+    and each restart upcasts them exactly."""
+    model, batch = policy_batch
+    own = {n: p for n, p in model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in own.items()}
+    with InPlaceUpdate(model, sgd(1e-3), precision="float64") as update:
+        assert all(update.start.tensors[n].data_ptr() == own[n].data_ptr() for n in own)
+        update.step(batch)
+        update.step(batch)
+        assert update.distance() > 0
+        update.load(update.initial())
+        for n, p in update.params.items():
+            assert p.dtype == torch.float64 and torch.equal(p, before[n].double()), n
+        assert update.distance() == 0.0
+    for n, p in model.named_parameters():
+        assert p is own[n] and torch.equal(p, before[n]), n
 
 
 def test_the_unresolved_float32_step_misses_the_float64_run_and_says_so(policy_batch):

@@ -97,6 +97,14 @@ class HostSnapshot:
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = {n: _to_host(local(t)) for n, t in tensors.items()}  # FSDP2: this rank's shard
 
+    @classmethod
+    def borrowed(cls, tensors: dict[str, torch.Tensor]) -> HostSnapshot:
+        """The tensors themselves (detached, no copy, wherever they live), for tensors nothing writes while the
+        snapshot is held: the model's own weights while float64 copies stand in for them (`InPlaceUpdate`)."""
+        snap = cls.__new__(cls)
+        snap.tensors = {n: local(t).detach() for n, t in tensors.items()}
+        return snap
+
     def restore(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy every saved tensor back into the (same-named, same-shape) tensor given, in place."""
         with torch.no_grad():
@@ -161,7 +169,8 @@ class InPlaceUpdate:
 
     ``precision`` "float64" (the default): inside the context float64 copies of the model's parameters and buffers
     stand in for them in their modules and every op computes in float64 (`tokendyn.probe.float64.as_float64`: 8
-    bytes a parameter on the device; the model's own parameters are not touched, and are its again on exit), so a
+    bytes a parameter on the device; the model's own parameters are not touched, and are its again on exit; they
+    are theta_0 itself, no host copy is made), so a
     step far below the float32 (or bf16) rounding of theta is applied and measured whole; pi is measured there too
     (`probs`, `pi_start`), so every delta pi compares float64 with float64. "model": the steps on the model's own
     parameters in their dtype (no copy; a step below their rounding is partly lost, which `resolution` states).
@@ -199,12 +208,15 @@ class InPlaceUpdate:
         reshard(self.model)  # FSDP2: the registered parameters are the shards (`parallel.reshard`)
         self.params = trainable_parameters(self.model)
         self.start_norm2 = self._sum_over_ranks(sum(dot64(local(p), local(p)) for p in self.params.values()))
-        self.start = HostSnapshot(self.params)
+        copy64 = self.precision == "float64" and not _sharded(self.model)
+        # theta_0: with float64 copies stepping, the model's own weights are never written (no copy of them, 4 or 2
+        # bytes a parameter of host memory saved: each restore upcasts them exactly); else a host copy
+        self.start = HostSnapshot.borrowed(self.params) if copy64 else HostSnapshot(self.params)
         self.step_signal, self.signal = None, False
         self._stack = ExitStack()
         self._copied = False
         try:
-            if self.precision == "float64" and not _sharded(self.model):
+            if copy64:
                 self._stack.enter_context(as_float64(self.model))  # the steps on float64 copies
                 self.params, self._copied = trainable_parameters(self.model), True
             self.step_dtype = max(
