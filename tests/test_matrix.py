@@ -124,3 +124,15 @@ def test_direct_gradients_of_a_token_sample_replayed_in_row_groups(arch, tmp_pat
     )
     assert result.ok, result.problems
     assert result.direct_tokens == 3 and result.errors["direct"] < 64 * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_budgeted_replay_takes_a_prefix_and_keeps_it_exact(arch, tmp_path):
+    """The default direct budget (one replay: the prefix of the sampled tokens one training step's flops afford,
+    `tokendyn.probe.budget.direct_tokens_within`) on every architecture: at least one token, at most the 16 asked,
+    each equal to float64 autograd as the unbudgeted replay is."""
+    result = run_cell(
+        Cell(arch, "float32", "full", "one", "probe"), tmp_path, direct_tokens=16, direct_budget=0.02
+    )
+    assert result.ok, result.problems
+    assert 1 <= result.direct_tokens < 16 and result.errors["direct"] < 1e-4  # (it binds here: 3 of 16)

@@ -86,11 +86,8 @@ def paired_frame(
                     "diverged": res.diverged,
                     **resolution_columns(res.resolution),
                 }
-                for c in (
-                    "lr",
-                    "param_step",
-                    "norm_ratio",
-                ):  # (a diverged rule's, or one with no norm to match)
+                # (a diverged rule's, or one with no norm to match)
+                for c in ("lr", "param_step", "norm_ratio"):
                     if values[c] is not None and not math.isfinite(values[c]):
                         values[c] = None
                 if ref is not None and ref.diverged:

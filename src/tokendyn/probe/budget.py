@@ -98,6 +98,14 @@ def direct_flops(layer_params: int, seq: int, rows: int, slots: int) -> float:
     return 2.0 * layer_params * seq * rows * (1 + 2 * slots)
 
 
+def replay_flops(rows: list[int], layer_params: int, seq: int) -> float:
+    """`direct_flops` of replaying the sampled tokens of ``rows`` (their forward rows): R = the distinct rows, m = the
+    most tokens in one of them; 0 for no token."""
+    if not rows:
+        return 0.0
+    return direct_flops(layer_params, seq, len(set(rows)), max(rows.count(r) for r in set(rows)))
+
+
 REPLAY_STEPS = 1.0  # the most one replay may cost, in training steps (`step_flops`) of its micro-batch
 
 

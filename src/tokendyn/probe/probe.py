@@ -584,10 +584,7 @@ class GradientProbe:
         sampled = rows[:kd].tolist()
         if self._direct_credit.budget is not None:
             kd = budget.direct_tokens_within(sampled, layer_params, seq, budget.REPLAY_STEPS * step)
-        per_row = torch.bincount(torch.tensor(sampled[:kd]))
-        self._direct_credit.spend(
-            budget.direct_flops(layer_params, seq, int((per_row > 0).sum()), int(per_row.max()))
-        )
+        self._direct_credit.spend(budget.replay_flops(sampled[:kd], layer_params, seq))
         return kd
 
     def _checks_due(self, kc: int, b: int, seq: int, shard: HeadShard) -> int:
