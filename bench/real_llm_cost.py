@@ -14,7 +14,8 @@ AdamW step). Measured:
   and the paired comparison (base, Reweight, Lopti at equal norm) in that precision, each against the whole step
   and its update phase;
 - memory: the allocator's peak (`memory.measure.AllocPeak`, not RSS) of one micro-step plain, with the probe, and of
-  the analyses on their sample (float64 steps, and steps in the model's dtype), against the micro-step's peak.
+  the analyses on their sample (steps in the model's dtype; float64 steps of the float32 gradient, a check step's
+  float64 half; every op in float64), against the micro-step's peak.
 
     python bench/real_llm_cost.py                      # ~15 min of one quiet thread (30 min under load)
     python bench/real_llm_cost.py --sample 4 --step-precision model --no-memory   # what the analyses' cost scales with
@@ -30,6 +31,10 @@ import torch
 from memory.measure import AllocPeak, grpo_step, measure_probe, measure_step
 
 T = 0.7
+LOPTI_STAGE = (
+    0.5,
+    "low_first",
+)  # the compared Lopti's first stage, kept from the analyses as the trainer does
 
 
 def timed_once(fn) -> float:
@@ -139,7 +144,8 @@ def timing(args, model, tok, opt, batch, c_len, gen_s, sample, objective) -> Non
     def analyses():
         with MeasuredPrecision.quiet(state):
             held["frames"], held["full"] = analyze_update(model, sample, step=0, options=options, objective=objective,
-                                                          tokenizer=tok, precision_state=state)  # fmt: skip
+                                                          tokenizer=tok, precision_state=state,
+                                                          first_stage=LOPTI_STAGE)  # fmt: skip
 
     t_check = None
     if args.step_precision == "measured":  # the check step, then a later one in the precision it chose
@@ -190,7 +196,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--step-precision",
-        choices=("measured", "float64", "model"),
+        choices=("measured", "float64", "float64_step", "model"),
         default="measured",
         help="the analyses' counterfactual steps (timed): measured (the default: a check step made both ways, then "
         "steps in the dtype it chose), float64 or in the model's dtype",
@@ -232,13 +238,15 @@ def main() -> None:
           f"({probe_peak / step_peak:.3f}x; the probe's own live bytes at most {probe_owned / 1e6:.1f} MB)", flush=True)  # fmt: skip
     for precision in (
         "model",
+        "float64_step",
         "float64",
-    ):  # (measured: the check step's peak is float64's, the others model's)
+    ):  # (measured: a check step's peak is float64_step's on float32 weights, the all-float64 path's on bf16; the
+        # others the model's dtype's)
         model.eval()
         model.zero_grad(set_to_none=True)
         with AllocPeak() as p:
             analyze_update(model, sample, step=0, options=RebalanceOptions(step_precision=precision),
-                           objective=objective)  # fmt: skip
+                           objective=objective, first_stage=LOPTI_STAGE)  # fmt: skip
         model.train()
         print(f"every analysis on {args.sample} rows, steps in {precision}: {p.peak / 1e9:.3f} GB "
               f"({p.peak / step_peak:.3f}x the micro-step's peak)", flush=True)  # fmt: skip

@@ -58,8 +58,10 @@ def test_sweep_records_name_their_point_and_equal_the_rule_rows(setup):
     point, rule = frame.filter(frame["rule"] == "c=-0.5"), frame.filter(frame["rule"] == "reweight")
     assert set(point["sweep"]) == {"c"} and set(point["sweep_value"]) == {-0.5}
     assert rule["sweep"].null_count() == rule.height and set(frame["inner_steps"]) == {2}
-    keep = [c for c in frame.columns if c not in ("rule", "sweep", "sweep_value")]
+    keep = [c for c in frame.columns if c not in ("rule", "sweep", "sweep_value", "sum_share")]
     assert point.select(keep).equals(rule.select(keep))
+    # (the shares' JVP of the named rule is batched with the base rule's, the point's made alone: to rounding)
+    assert ((point["sum_share"] - rule["sum_share"]).abs() <= 1e-12 * rule["sum_share"].abs().max()).all()
     base = frame.filter(frame["rule"] == "base")
     assert (base["sum_kl_ref"] == 0).all() and (point["sum_kl_ref"] > 0).any()
 

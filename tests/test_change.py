@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import polars as pl
 import pytest
@@ -114,6 +115,70 @@ def test_lopti_stages_with_adam_carry_the_optimizer_state(model, batch):
     assert torch.allclose(res.pi_after["high"], pi2, atol=1e-6, rtol=0)
     assert torch.allclose(res.delta["high"], (pi2 - pi1) * batch.completion_mask, atol=1e-6, rtol=0)
     assert torch.allclose(res.delta["lopti"], res.delta["low"] + res.delta["high"], atol=1e-12)
+
+
+class _InPlaceSGD(torch.optim.SGD):
+    """Plain SGD that `InPlaceUpdate` cannot tell is plain: it steps the parameters in place, from a host copy."""
+
+
+def test_model_dtype_sgd_steps_never_write_theta_0(model, batch):
+    """Plain SGD in the model's dtype is stepped as new tensors swapped in (no copy of theta_0): the same floats as
+    SGD's own in-place step from a host copy, through Lopti's two stages and the influence sources' restarts, and
+    every parameter is afterwards the very tensor it was, never written (its storage and its version counter)."""
+    low, high = lopti_stage_masks(batch, eta=0.5, pi_old=completion_probs(model, batch))
+    stages = [("low", low), ("high", high)]
+    snap = _snapshot(model)
+    swapped = counterfactual_change(model, batch, stages, lr=LR, precision="model")
+    in_place = counterfactual_change(
+        model, batch, stages, optimizer=lambda ps: _InPlaceSGD(ps, lr=LR), precision="model"
+    )
+    for name in ("low", "high", "lopti"):
+        assert torch.equal(swapped.delta[name], in_place.delta[name]), name
+        assert swapped.param_step[name] == in_place.param_step[name]
+    assert float(swapped.delta["lopti"][batch.completion_mask].abs().max()) > 1e-3
+    inf = influence(model, batch, lr=LR, precision="model")
+    inf_in_place = influence(
+        model, batch, lr=LR, optimizer=lambda ps: _InPlaceSGD(ps, lr=LR), precision="model"
+    )
+    assert inf.deltas.keys() == inf_in_place.deltas.keys()
+    assert all(torch.equal(inf.deltas[k], inf_in_place.deltas[k]) for k in inf.deltas)
+    assert _unchanged(model, snap)
+    before = {n: (p.data_ptr(), p._version) for n, p in model.named_parameters()}
+    counterfactual_change(model, batch, stages, lr=LR, precision="model")
+    influence(model, batch, lr=LR, precision="model")
+    after = {n: (p.data_ptr(), p._version) for n, p in model.named_parameters()}
+    assert after == before, "the swapped steps never write a parameter"
+
+
+def test_float64_step_resolves_a_step_float32_loses(model, batch):
+    """float64_step (the float32 gradient, the step and pi in float64) against every op in float64: a step far below
+    float32's rounding of theta (lr 1e-9: float32 steps lose it) is made whole, through Lopti's two stages, to the
+    float32 gradient's own rounding; theta_0 is never written; another optimizer than plain SGD falls back to the
+    float64 path itself."""
+    low, high = lopti_stage_masks(batch, eta=0.5, pi_old=completion_probs(model, batch))
+    stages = [("low", low), ("high", high)]
+    before = {n: (p.data_ptr(), p._version) for n, p in model.named_parameters()}
+    snap = _snapshot(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the float32 steps are not resolved: that is the point)
+        got = {pr: counterfactual_change(model, batch, stages, lr=1e-9, precision=pr)
+               for pr in ("float64_step", "float64", "model")}  # fmt: skip
+    for name in ("low", "high", "lopti"):
+        want, step = got["float64"].delta[name], got["float64_step"].delta[name]
+        scale = float(want.abs().max())
+        assert scale > 0 and float((step - want).abs().max()) < 1e-5 * scale, name
+        assert float((got["model"].delta[name] - want).abs().max()) > 0.1 * scale, name  # (float32 loses it)
+        assert got["float64_step"].resolution[name].step_dtype == "float64"
+        assert abs(got["float64_step"].param_step[name] / got["float64"].param_step[name] - 1) < 1e-5
+    assert _unchanged(model, snap)
+    assert {n: (p.data_ptr(), p._version) for n, p in model.named_parameters()} == before
+
+    def adam(params):
+        return torch.optim.Adam(params, lr=1e-3)
+
+    a = counterfactual_change(model, batch, stages, optimizer=adam, precision="float64_step")
+    b = counterfactual_change(model, batch, stages, optimizer=adam, precision="float64")
+    assert all(torch.equal(a.delta[k], b.delta[k]) for k in b.delta)
 
 
 def test_real_change_is_side_effect_free(model, batch):

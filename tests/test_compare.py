@@ -63,8 +63,8 @@ def sgd_step(model, gs, lr):
             p.sub_(lr * x)
 
 
-def plain_rule(model, batch, rule: str) -> torch.Tensor:
-    """dpi of every token after the rule's equal-norm SGD update, on a copy of the model."""
+def plain_rule(model, batch, rule: str, eta: float = ETA) -> torch.Tensor:
+    """dpi of every token after the rule's equal-norm SGD update, on a copy of the model (Lopti at ``eta``)."""
     model.eval()
     with torch.no_grad():
         old = logp_of(model, batch)
@@ -80,7 +80,7 @@ def plain_rule(model, batch, rule: str) -> torch.Tensor:
     if rule in ("base", "reweight"):
         sgd_step(work, g_all, lr)
     else:
-        low = ((pi0 < ETA) & batch.completion_mask).double()
+        low = ((pi0 < eta) & batch.completion_mask).double()
         theta0 = [p.detach().clone() for p in work.parameters()]
 
         def two_stages(lr):
@@ -98,6 +98,19 @@ def plain_rule(model, batch, rule: str) -> torch.Tensor:
         two_stages(LR * target / achieved)
     with torch.no_grad():
         return (torch.exp(logp_of(work, batch)) - pi0) * batch.completion_mask
+
+
+def plain_lopti(model, batch, eta: float, lr: float) -> torch.Tensor:
+    """dpi of every token after Lopti's two SGD stages at ``lr`` (pi_old < eta first), on a copy of the model."""
+    model.eval()
+    with torch.no_grad():
+        old = logp_of(model, batch)
+    work = copy.deepcopy(model)
+    low = ((torch.exp(old) < eta) & batch.completion_mask).double()
+    for keep in (low, batch.completion_mask.double() - low):
+        sgd_step(work, grads(work, plain_loss(work, batch, batch.advantages.double(), old, keep)), lr)
+    with torch.no_grad():
+        return (torch.exp(logp_of(work, batch)) - torch.exp(old)) * batch.completion_mask
 
 
 def plain_rule64(model, batch, rule: str) -> torch.Tensor:
@@ -200,6 +213,69 @@ def test_the_analyses_full_step_is_the_base_rule_and_is_reused(setup, with_influ
         assert share_err < 1e-5, (name, share_err)
     total = full.shares.sum()
     assert torch.equal(reused[("base", "equal_norm")].shares, full.shares / total)
+
+
+def test_lopti_takes_its_first_stage_from_the_influence_sources(setup):
+    """With steps in the model's dtype, the analyses keep the sum of the influence sources below eta (Lopti's first
+    stage at theta_0) and the comparison's Lopti makes no forward and backward of its own for it: one forward fewer,
+    every rule's dpi still the plain-torch update's. Not kept where the stage is no union of source bins (eta inside
+    a bin holding tokens on both sides) or under float64 steps."""
+    from tokendyn.effects.rebalance import RebalanceOptions, analyze_update
+
+    model, batch = setup
+    with (
+        torch.no_grad()
+    ):  # (this model's pi are all below 0.25: bins at its quartiles, eta the median, between tokens)
+        pi = torch.exp(logp_of(model, batch))[batch.completion_mask].sort().values
+    q = [float(pi[i - 1] + pi[i]) / 2 for i in (len(pi) // 4, len(pi) // 2, 3 * len(pi) // 4)]
+    edges, eta = [0.0, *q, 1.0], q[1]
+    opts = RebalanceOptions(lr=LR, token_shares=2, step_precision="model")
+    _, full = analyze_update(model, batch, step=0, edges=edges, options=opts, objective=BASE,
+                             first_stage=(eta, "low_first"))  # fmt: skip
+    assert full.first_stage is not None and full.first_stage.signal
+    low = torch.exp(full.batch.old_logp) < eta
+    assert torch.equal(full.first_stage.mask, low & batch.completion_mask)
+    assert 10 < int(full.first_stage.mask.sum()) < int(batch.completion_mask.sum()) - 10  # (two source bins)
+    # the kept sum against the stage's gradient by autograd, written out here
+    model.eval()
+    want = grads(
+        model, plain_loss(model, batch, batch.advantages.double(), full.batch.old_logp, low.double())
+    )
+    model.train()
+    for (name, got), w in zip(full.first_stage.gradient.items(), want, strict=True):
+        # (to 4e-8 of the largest entry: two backwards through the float32 attention softmax against one)
+        assert float((got - w).abs().max()) <= 1e-6 * float(w.abs().max()), name
+    names = ("base", "reweight", "lopti")
+    rules = [make_rule(n, BASE, alpha=ALPHA, eta=eta) for n in names]
+    _, plain = analyze_update(model, batch, step=0, edges=edges, options=opts, objective=BASE)
+    assert plain.first_stage is None
+    counter = Forwards(model)
+    try:
+        base_only = compare_rules(model, batch, rules, lr=LR, full=plain, precision="model")
+        n_base, counter.n = counter.n, 0
+        reused = compare_rules(model, batch, rules, lr=LR, full=full, precision="model")
+        n_reused = counter.n
+    finally:
+        counter.close()
+    assert n_base - n_reused == 1, (n_base, n_reused)
+    for (
+        name
+    ) in names:  # (model-dtype steps: against the plain update of a copy in the model's dtype, float64 here)
+        got = reused[(name, "equal_norm")]
+        # (Lopti at LR 1e-2 with a real split is far from linear: its first pass lands at 5.8x the equal norm, one
+        # correction at 489x; the comparison's search ends at 0.957x, and the plain update is made at its lr)
+        want = plain_rule(model, batch, name) if name != "lopti" else plain_lopti(model, batch, eta, got.lr)
+        err = float((got.delta - want).abs().max()) / float(want.abs().max())
+        # (Lopti's first stage is a sum of two backwards through the model's attention softmax, which HF's eager
+        # attention takes in float32: it differs from one backward by float32 rounding, 3.5e-8 seen)
+        assert err < (1e-6 if name == "lopti" else 1e-8), (name, err)
+        assert abs(got.norm_ratio / base_only[(name, "equal_norm")].norm_ratio - 1) < 1e-7, name
+    inside = (q[0] + eta) / 2, "low_first"  # (inside bin 1, which holds tokens on both sides of it)
+    assert analyze_update(model, batch, step=0, edges=edges, options=opts, objective=BASE,
+                          first_stage=inside)[1].first_stage is None  # fmt: skip
+    f64 = RebalanceOptions(lr=LR, token_shares=2, step_precision="float64")
+    assert analyze_update(model, batch, step=0, edges=edges, options=f64, objective=BASE,
+                          first_stage=(eta, "low_first"))[1].first_stage is None  # fmt: skip
 
 
 def test_the_run_optimizer_is_copied_and_the_undo_is_bitwise(setup):

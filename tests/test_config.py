@@ -39,7 +39,10 @@ BAD = {
     "lr": (0.0, "lr: must be a number > 0"),
     "lr_sweep": ((1e-3, -1.0), "lr_sweep: must be a list of numbers > 0"),
     "share_method": ("fast", "share_method: must be one of stream, loop, batched, got 'fast'"),
-    "step_precision": ("float16", "step_precision: must be one of measured, float64, model, got 'float16'"),
+    "step_precision": (
+        "float16",
+        "step_precision: must be one of measured, float64, float64_step, model, got 'float16'",
+    ),
     "precision_check_every": (0, "precision_check_every: must be an integer >= 1, got 0"),
     "compare_rules": ("lopti,ppo2", "compare_rules: unknown ['ppo2']; allowed: base, reweight, lopti"),
     "compare_modes": ("adam", "compare_modes: unknown ['adam']; allowed: equal_norm, optimizer"),

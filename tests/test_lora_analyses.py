@@ -131,8 +131,9 @@ def test_lora_run_with_analyses_matches_updates_applied_to_copies(tiny_model_dir
             p -= lr * d
     want = expected(start, stepped)
     assert max(abs(x) for x in want) > 1e-5  # the step moves pi
-    # the run's counterfactual step is float64 (its default precision), so is this reference, at every op
-    assert measured("counterfactual") == pytest.approx(want, rel=1e-7, abs=1e-13)
+    # this reference is float64 at every op; the run's first analysed step is its precision check, reported from
+    # float64 steps of the float32 gradient (`float64_step`): within that gradient's rounding (3.1e-6 seen)
+    assert measured("counterfactual") == pytest.approx(want, rel=2e-5, abs=1e-13)
     # the real change: pi of the same tokens under the model after the run's optimizer step minus before it
     want = expected(start, after[1])
     assert max(abs(x) for x in want) > 1e-5

@@ -81,10 +81,11 @@ def _cut(frames: dict, kind: str) -> pl.DataFrame:
 
 @pytest.mark.parametrize("lr, agreed", [(1e-3, False), (1e-1, True)])
 def test_a_check_step_reports_the_float64_records_and_steers_the_next(policy_batch, lr, agreed):  # noqa: F811
-    """On the shipped float32 policy: a check step's records are the float64 path's, bitwise; its check is the
-    difference of the two ways made separately; at lr 1e-3 float32 steps move correct ratios by up to 3 tokens (not
-    kept), at lr 0.1 they agree within 1e-4 (kept); the next analysed step then steps in the chosen dtype, and the
-    one after the schedule's period is a check again."""
+    """On the shipped float32 policy: a check step's records are the float64_step path's (float32 gradient, float64
+    step), bitwise, and the all-float64 path's within the float32 gradient's rounding; its check is the difference
+    of the two ways made separately; at lr 1e-3 float32 steps move correct ratios by up to 3 tokens (not kept), at
+    lr 0.1 they agree within 1e-4 (kept); the next analysed step then steps in the chosen way, and the one after the
+    schedule's period is a check again."""
     model, batch = policy_batch
     b = batch.select(slice(0, 4))
     base = dict(token_shares=0, view_sequences=0, lr=lr, lr_sweep=(lr,))
@@ -93,13 +94,27 @@ def test_a_check_step_reports_the_float64_records_and_steers_the_next(policy_bat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (float32 steps below their rounding warn)
         got = analyze_batch(model, b, step=0, options=measured, precision_state=state)
-        f64 = analyze_batch(model, b, step=0, options=RebalanceOptions(**base, step_precision="float64"))
+        f64 = analyze_batch(model, b, step=0, options=RebalanceOptions(**base, step_precision="float64_step"))
+        all64 = analyze_batch(model, b, step=0, options=RebalanceOptions(**base, step_precision="float64"))
         f32 = analyze_batch(model, b, step=0, options=RebalanceOptions(**base, step_precision="model"))
     for kind in f64:
         assert got[kind].equals(f64[kind]), kind
+    assert all64.keys() == f64.keys()
+    for kind in (
+        "influence",
+        "prob_change",
+    ):  # float64 steps of a float32 gradient against every op in float64
+        keys = ["update", "lr", "limit", "bin"] if kind == "prob_change" else ["source_bin", "target_bin"]
+        joined = f64[kind].join(all64[kind], on=keys, suffix="_64", nulls_equal=True)
+        assert joined.height == f64[kind].height
+        scale = max(joined["min_64"].abs().max(), joined["max_64"].abs().max())
+        rel = max((joined[c] - joined[f"{c}_64"]).abs().max() for c in STATS) / scale
+        print(f"{kind}: float64_step against all-float64 {rel:.1e} of max |dpi|")
+        assert rel < 1e-5, (kind, rel)
+        assert (joined["step_dtype"] == joined["step_dtype_64"]).all()
     check = got["precision_check"]
     assert check.height == 1 + 1 + 5  # the counterfactual update, its sweep point (no limit), 5 sources
-    assert bool(check["agreed"].all()) is agreed and state.agreed is agreed and state.last == "float64"
+    assert bool(check["agreed"].all()) is agreed and state.agreed is agreed and state.last == "float64_step"
     # the check's numbers from the two ways' frames, read here column by column
     for analysis, bin_col, keys in (
         ("influence", "target_bin", ["source_bin"]),

@@ -13,6 +13,7 @@ from tokendyn.effects.shares import (
     gradient_shares,
     parameter_group,
     token_shares,
+    token_shares_many,
 )
 from tokendyn.effects.token_sample import sample_tokens
 from tokendyn.probe.tokenloss import (
@@ -173,6 +174,43 @@ def test_jvp_shares_match_per_bin_shares_and_finite_differences(model64):
     model64.train()
     assert float((fd - s_t).abs().max()) < 1e-3 * float(s_t.abs().max())
     assert abs(float(fd.sum()) - 1.0) < 1e-4
+
+
+def test_batched_jvps_equal_one_each_and_finite_differences(model64):
+    """`token_shares_many`: two (advantages, direction, objective) in one vmapped forward-mode pass, each against its
+    own `token_shares` and against central finite differences of its own terms along its own direction; batches
+    whose forward differs (other tokens) fall back to one JVP each."""
+    from dataclasses import replace
+
+    from tokendyn.effects.change import fix_pi_old
+
+    b, _ = fix_pi_old(model64, tiny_batch(model64))  # (pi_old at theta: r = 1, inside the clip on both sides)
+    params = trainable_parameters(model64)
+    g = torch.Generator().manual_seed(5)
+    dirs = [
+        {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()} for _ in range(2)
+    ]
+    b2 = replace(
+        b, advantages=b.advantages * torch.linspace(0.5, 1.5, b.advantages.numel()).view_as(b.advantages)
+    )
+    objs = [Objective(eps_low=0.2, eps_high=0.24), Objective(eps_low=0.2, eps_high=0.24, entropy_coef=0.01)]
+    items = [(b, dirs[0], objs[0]), (b2, dirs[1], objs[1])]
+    many = token_shares_many(model64, items)
+    model64.eval()
+    for (batch, d, obj), got in zip(items, many, strict=True):
+        one = token_shares(model64, batch, d, objective=obj)
+        assert float((got - one).abs().max()) <= 1e-12 * float(one.abs().max())
+        norm2 = sum(float(v.pow(2).sum()) for v in d.values())
+        eps = 1e-2 / norm2**0.5  # (the error: 3.5e-5 here, 1e-4 at 1e-3 / ||v||, rounding below that)
+        with torch.no_grad():
+            plus = token_loss(model64, batch, obj, {n: p + eps * d[n] for n, p in params.items()}).terms
+            minus = token_loss(model64, batch, obj, {n: p - eps * d[n] for n, p in params.items()}).terms
+        fd = (plus - minus) / (2 * eps * norm2)
+        assert float((fd - got).abs().max()) < 2e-4 * float(got.abs().max())
+    other = replace(b, input_ids=b.input_ids.flip(0))
+    apart = token_shares_many(model64, [(b, dirs[0], objs[0]), (other, dirs[1], objs[0])])
+    assert torch.equal(apart[1], token_shares(model64, other, dirs[1], objective=objs[0]))
+    model64.train()
 
 
 def test_shares_of_a_token_subset_decompose_that_subsets_loss(model64):

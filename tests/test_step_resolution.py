@@ -190,7 +190,9 @@ def test_records_carry_the_resolution(policy_batch):
         "WARNING" in resolution_note(frames["influence"]) and not frames["influence"]["step_resolved"].all()
     )
     assert resolution_note(frames["influence"].drop("step_rounding", "step_resolved")) == ""
-    with pytest.raises(ValueError, match="step_precision must be one of measured, float64, model"):
+    with pytest.raises(
+        ValueError, match="step_precision must be one of measured, float64, float64_step, model"
+    ):
         RebalanceOptions(step_precision="float16")
 
 

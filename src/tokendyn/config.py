@@ -242,7 +242,7 @@ class ProbeConfig:
     )
     step_precision: str = _opt(
         "measured",
-        "Counterfactual steps: float64 copy, model dtype, or measured (checked both ways, model kept if equal).",
+        "Counterfactual steps: float64, float64_step (model-dtype gradient), model or measured (checked).",
         choices=list(PROBE_STEP_PRECISIONS),
     )
     precision_check_every: int = _opt(8, "Analysed steps per measured check; >= 1.")

@@ -84,7 +84,10 @@ RULE_CAMPS = {
 }  # fmt: skip
 COMPARE_MODES = ("equal_norm", "optimizer")
 # the precision of the analyses' counterfactual steps (tokendyn.effects.change.InPlaceUpdate)
-STEP_PRECISIONS = ("float64", "model")
+# (float64: a float64 copy of the model, every op in float64; float64_step: the gradient in the model's dtype, the
+# step and pi after it in float64, for plain SGD; model: the parameters' own dtype)
+FLOAT64, FLOAT64_STEP = "float64", "float64_step"
+STEP_PRECISIONS = (FLOAT64, FLOAT64_STEP, "model")
 # a probe's choice: one of them, or "measured" (both made now and then, the model's dtype kept while they agree:
 # tokendyn.effects.precision)
 MEASURED = "measured"

@@ -7,9 +7,13 @@
     order. It is applied in place and undone exactly (`InPlaceUpdate`): by default on float64 copies of the
     parameters swapped into the model for the analysis (a step of 1e-6 of |theta| is partly lost to float32
     rounding, entirely to bf16's; the copy costs 8 bytes a parameter on the device, the model's own parameters are
-    not touched), with precision "model" on the model's own parameters, first copied to host memory (CPU), tensor by
-    tensor, and copied back bitwise when the analysis ends, also on an exception (no copy on the device: a 7B model
-    in bf16 costs 15 GB of host memory instead). Each step records how finely it was resolved (`Resolution`).
+    not touched), with precision "model" on the model's own parameters: plain SGD's steps as new tensors swapped
+    into them (theta_0 never written, no copy of it), any other optimizer's in place after a copy to host memory
+    (CPU), tensor by tensor, copied back bitwise when the analysis ends, also on an exception (no copy on the
+    device: a 7B model in bf16 costs 15 GB of host memory instead), with precision "float64_step" (plain SGD only)
+    from the gradient in the model's dtype, the step and pi after it in float64 (a float64 copy of the parameters
+    only while a step is off theta_0: no float64 activations or gradients). Each step records how finely it was
+    resolved (`Resolution`).
     ``.grad`` of every parameter is set aside during the step and put back, hooks are untouched, and any
     ``torch.optim`` optimizer can make the step (its state, e.g. Adam's moments,
     lives on the device for the analysis only; the trainer's optimizer is never touched). Several stages run in
@@ -58,7 +62,7 @@ from tokendyn.probe.tokenloss import (
     trainable_parameters,
 )
 from tokendyn.records import to_frame
-from tokendyn.vocab import LOPTI, STEP_PRECISIONS, TRAIN
+from tokendyn.vocab import FLOAT64, FLOAT64_STEP, LOPTI, STEP_PRECISIONS, TRAIN
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
@@ -143,6 +147,35 @@ def _like(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
+def _plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps theta - s g with a scalar s per parameter and no state: plain SGD
+    (`torch.optim.SGD` itself: no momentum, weight decay, nesterov or maximize, float learning rates: s = lr), or an
+    optimizer saying so with a ``step_scales(params, grads) -> {id(param): s}`` method (the comparison's
+    `NormalizedSGD`). `InPlaceUpdate` then makes its step as new tensors swapped into the parameters
+    (``torch.add(theta, g, alpha=-s)``: the kernel of their own ``add_``, so the same floats), so that theta_0 is
+    never written and needs no copy."""
+    if hasattr(optimizer, "step_scales"):
+        return True
+    return type(optimizer) is torch.optim.SGD and all(
+        (g["momentum"], g["weight_decay"], g["nesterov"], g["maximize"]) == (0, 0, False, False)
+        and not torch.is_tensor(g["lr"])
+        for g in optimizer.param_groups
+    )
+
+
+def _step_scales(optimizer: torch.optim.Optimizer, params: list, grads: list) -> dict[int, float]:
+    """id(parameter) -> s of a `_plain_sgd` optimizer's step theta - s g with these gradients."""
+    if hasattr(optimizer, "step_scales"):
+        return optimizer.step_scales(params, grads)
+    return {id(p): float(group["lr"]) for group in optimizer.param_groups for p in group["params"]}
+
+
+def _swap_in(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """Each parameter's data replaced by the same-named tensor (no copy, nothing written)."""
+    for n, p in params.items():
+        p.data = tensors[n]
+
+
 @dataclass
 class Saved:
     """The parameters and the analysis optimizer's state at one point of an `InPlaceUpdate` (host memory)."""
@@ -154,8 +187,9 @@ class Saved:
 class InPlaceUpdate:
     """Counterfactual optimizer steps on the model's own trainable parameters, undone exactly.
 
-    Use as a context manager: on entry the trainable parameters theta_0 are copied to host memory (`HostSnapshot`),
-    on exit (also on an exception) they are copied back, so every parameter is bitwise what it was. `step(batch,
+    Use as a context manager: on entry the trainable parameters theta_0 are copied to host memory (`HostSnapshot`;
+    not when nothing will write them: float64 copies or plain SGD swapped in, below), on exit (also on an exception)
+    they are put back, so every parameter is bitwise what it was. `step(batch,
     mask)` makes one step of the analysis optimizer on L_mask = sum_{t in mask} l_t at the current parameters (the
     gradient by ``torch.autograd.grad``; ``.grad`` of each parameter is set aside and put back), `probs(batch)`
     measures pi at the current parameters, `save()` / `load(saved)` go back to an earlier point (parameters and
@@ -173,8 +207,17 @@ class InPlaceUpdate:
     are theta_0 itself, no host copy is made), so a
     step far below the float32 (or bf16) rounding of theta is applied and measured whole; pi is measured there too
     (`probs`, `pi_start`), so every delta pi compares float64 with float64. "model": the steps on the model's own
-    parameters in their dtype (no copy; a step below their rounding is partly lost, which `resolution` states).
-    Sharded (FSDP2) parameters are stepped in their own dtype.
+    parameters in their dtype (a step below their rounding is partly lost, which `resolution` states); plain SGD
+    (`_plain_sgd`, the analyses' own) then writes nothing: each step's theta - lr g is a new tensor swapped into the
+    parameter (``.data``, same dtype and device: ``.grad``, hooks and gradient accumulators untouched), and every
+    restart puts theta_0's own tensors back, so no host copy is made and the peak holds one parameter-sized buffer
+    less. "float64_step" (plain SGD; another optimizer falls back to "float64"): the gradient is the model's own, in
+    its dtype, at the current point rounded to that dtype; the step theta - lr g is made in float64 (theta and g
+    upcast exactly) and kept beside the model, and pi is measured in float64 there (`probs`: the float64 model with
+    that point standing in for the parameters, `tokendyn.probe.float64.as_float64`): what a float64 step of the
+    model-dtype gradient does, at the memory of the model's own backward plus 8 bytes a parameter while off
+    theta_0 (`tokendyn.effects.precision`'s check of float32 weights). Sharded (FSDP2) parameters are stepped in
+    their own dtype, in place.
 
     FSDP2: every rank makes the same steps on the same batch (each step's forward and backward are collectives);
     each rank saves and restores its own shards, the gradient is FSDP2's reduce-scattered one
@@ -203,27 +246,41 @@ class InPlaceUpdate:
         self._pi_start: tuple[ProbeBatch, torch.Tensor] | None = None
         self.step_signal: bool | None = None
         self.signal = False
+        # float64_step: the current point in float64 (None: theta_0, the model's own), and whether the model's
+        # parameters hold it rounded to their dtype (where the next gradient is taken)
+        self._theta64: dict[str, torch.Tensor] | None = None
+        self._rounded, self._mode = True, precision
 
     def __enter__(self) -> InPlaceUpdate:
         reshard(self.model)  # FSDP2: the registered parameters are the shards (`parallel.reshard`)
         self.params = trainable_parameters(self.model)
         self.start_norm2 = self._sum_over_ranks(sum(dot64(local(p), local(p)) for p in self.params.values()))
-        copy64 = self.precision == "float64" and not _sharded(self.model)
-        # theta_0: with float64 copies stepping, the model's own weights are never written (no copy of them, 4 or 2
-        # bytes a parameter of host memory saved: each restore upcasts them exactly); else a host copy
-        self.start = HostSnapshot.borrowed(self.params) if copy64 else HostSnapshot(self.params)
+        mode = "model" if _sharded(self.model) else self.precision
+        if mode == FLOAT64_STEP and not _plain_sgd(self.optimizer_factory(list(self.params.values()))):
+            mode = FLOAT64  # (another optimizer than plain SGD: its state is float64 too, every op float64)
+        copy64, self._mode = mode == FLOAT64, mode
+        self.step_dtype = torch.float64 if mode == FLOAT64_STEP else None
         self.step_signal, self.signal = None, False
         self._stack = ExitStack()
-        self._copied = False
+        self._copied, self._swap, self._theta64, self._rounded = False, False, None, True
+        own = dict(self.params)  # (the model's own parameters, before any float64 copy stands in for them)
         try:
             if copy64:
                 self._stack.enter_context(as_float64(self.model))  # the steps on float64 copies
                 self.params, self._copied = trainable_parameters(self.model), True
-            self.step_dtype = max(
-                (p.dtype for p in self.params.values()), key=unit_roundoff, default=torch.float64
-            )
+            if self.step_dtype is None:
+                self.step_dtype = max(
+                    (p.dtype for p in self.params.values()), key=unit_roundoff, default=torch.float64
+                )
             self.optimizer = self.optimizer_factory(list(self.params.values()))
             self._fresh_state = _state_to_host(self.optimizer.state_dict())
+            if mode == "model" and not _sharded(self.model):
+                self._swap = _plain_sgd(self.optimizer)
+            # theta_0: with float64 copies stepping, or plain SGD steps swapped in as new tensors (`_swap`), the
+            # model's own weights are never written (no copy of them: 4 or 2 bytes a parameter of host memory
+            # saved, and each restore is the weights themselves); else a host copy
+            never_written = copy64 or self._swap or mode == FLOAT64_STEP
+            self.start = HostSnapshot.borrowed(own) if never_written else HostSnapshot(own)
         except BaseException:
             self._stack.close()
             raise
@@ -231,7 +288,10 @@ class InPlaceUpdate:
 
     def __exit__(self, *exc) -> None:
         try:
-            if self.start is not None and not self._copied:  # (copies stepped: the model's own untouched)
+            swapped = self._swap or self._step64()
+            if self.start is not None and swapped:  # (theta_0's own tensors back in place)
+                _swap_in(self.params, self.start.tensors)
+            elif self.start is not None and not self._copied:  # (copies stepped: the model's own untouched)
                 self.start.restore(self.params)
         finally:
             if self._stack is not None:
@@ -239,6 +299,7 @@ class InPlaceUpdate:
             if self.start is not None:
                 reshard(self.model)
             self.start, self.optimizer, self._moved, self.last_gradient = None, None, False, None
+            self._swap, self._theta64, self._rounded, self._mode = False, None, True, self.precision
             self._stack, self._pi_start = None, None
             self.params = trainable_parameters(self.model)
 
@@ -268,6 +329,7 @@ class InPlaceUpdate:
             grads = [gradient.tensors[n].to(local(p).device) for n, p in self.params.items()]
             signal = getattr(gradient, "signal", True)
         else:
+            self._round_in()
             with eval_mode(self.model):
                 tl = token_loss(self.model, batch, self.objective)
                 terms = tl.terms
@@ -285,8 +347,29 @@ class InPlaceUpdate:
                 {n: torch.zeros_like(local(p)) if g is None else g for (n, p), g in named}
             )
             self.last_gradient.signal = signal
-        kept = [p.grad for p in tensors]
         self._moved = True
+        if self._swap or self._step64():
+            # theta <- theta - lr g as new tensors, the old ones never written (`_plain_sgd`); float64_step: in
+            # float64 from the current float64 point, the gradient upcast (exactly), the model's dtype rounded in
+            # only when a gradient is next taken there
+            lr = _step_scales(self.optimizer, tensors, grads)
+            step64 = not self._swap
+            current = self._theta64 if step64 and self._theta64 is not None else None
+            with torch.no_grad():
+                stepped = {}
+                for (n, p), g in zip(self.params.items(), grads, strict=True):
+                    theta = p.detach() if current is None else current[n]
+                    if step64:
+                        theta = theta.to(torch.float64)
+                        g = None if g is None else g.to(torch.float64)
+                    stepped[n] = theta if g is None else torch.add(theta, g, alpha=-lr[id(p)])
+            del grads
+            if step64:
+                self._theta64, self._rounded = stepped, False
+            else:
+                _swap_in(self.params, stepped)
+            return float(loss.detach())
+        kept = [p.grad for p in tensors]
         try:
             for p, g in zip(tensors, grads, strict=True):
                 p.grad = torch.zeros_like(p) if g is None else _like(g, p)
@@ -298,8 +381,34 @@ class InPlaceUpdate:
         return float(loss.detach())
 
     def probs(self, batch: ProbeBatch) -> torch.Tensor:
-        """pi at the current parameters (`completion_probs`), in the update's precision."""
+        """pi at the current parameters (`completion_probs`), in the update's precision (float64_step: the float64
+        model at the float64 point, `as_float64`)."""
+        if self._step64():
+            values = None
+            if self._theta64 is not None:
+                values = {id(p): self._theta64[n] for n, p in self.params.items()}
+            with as_float64(self.model, values):
+                return completion_probs(self.model, batch)
         return completion_probs(self.model, batch)
+
+    def _step64(self) -> bool:
+        return self._mode == FLOAT64_STEP
+
+    def _round_in(self) -> None:
+        """float64_step: the model's parameters hold the current point rounded to their dtype (theta_0: their own)."""
+        if not self._step64() or self._rounded:
+            return
+        if self._theta64 is None:
+            _swap_in(self.params, self.start.tensors)
+        else:
+            _swap_in(self.params, {n: self._theta64[n].to(p.dtype) for n, p in self.params.items()})
+        self._rounded = True
+
+    def current(self) -> dict[str, torch.Tensor]:
+        """The current point, name -> tensor (float64_step: the float64 one; FSDP2: this rank's shards)."""
+        if self._step64():
+            return self._theta64 if self._theta64 is not None else self.start.tensors
+        return {n: local(p).detach() for n, p in self.params.items()}
 
     def pi_start(self, batch: ProbeBatch, given: torch.Tensor | None = None) -> torch.Tensor:
         """pi at theta_0 in the update's precision, measured once per batch (before any step). ``given``: pi at
@@ -315,15 +424,15 @@ class InPlaceUpdate:
 
     def norm2(self) -> float:
         """||theta||^2 at the current parameters (float64 sums over every rank)."""
-        return self._sum_over_ranks(sum(dot64(local(p), local(p)) for p in self.params.values()))
+        return self._sum_over_ranks(sum(dot64(t, t) for t in self.current().values()))
 
     def distance(self, saved: Saved | None = None) -> float:
         """||theta - theta_saved|| (theta_0 by default), float64 sums, the saved point brought from host memory one
         tensor at a time."""
         ref = (saved or self.initial()).params
         num = 0.0
-        for n, p in self.params.items():
-            d = local(p).detach() - ref.tensors[n].to(p.device, non_blocking=True)
+        for n, t in self.current().items():
+            d = t - ref.tensors[n].to(t.device, non_blocking=True)
             num += dot64(d, d)
             del d
         return self._sum_over_ranks(num) ** 0.5
@@ -355,9 +464,13 @@ class InPlaceUpdate:
 
     def save(self) -> Saved:
         """The current point (parameters and optimizer state) in host memory; before any step, theta_0 itself (no
-        second snapshot)."""
+        second snapshot); with plain SGD steps swapped in, the current tensors themselves (never written)."""
         if not self._moved:
             return Saved(self.start, self._fresh_state)
+        if self._step64():
+            return Saved(HostSnapshot.borrowed(self.current()), self._fresh_state)
+        if self._swap:
+            return Saved(HostSnapshot.borrowed(self.params), self._fresh_state)
         return Saved(HostSnapshot(self.params), _state_to_host(self.optimizer.state_dict()))
 
     def initial(self) -> Saved:
@@ -365,8 +478,16 @@ class InPlaceUpdate:
         return Saved(self.start, self._fresh_state)
 
     def load(self, saved: Saved) -> None:
-        """Back to a saved point: parameters copied in place, the optimizer's state loaded (as a copy)."""
-        saved.params.restore(self.params)
+        """Back to a saved point: parameters copied in place (plain SGD swapped in: the saved tensors put back), the
+        optimizer's state loaded (as a copy)."""
+        if self._step64():
+            at_start = saved.params is self.start
+            self._theta64 = None if at_start else dict(saved.params.tensors)
+            self._rounded = False
+        elif self._swap:
+            _swap_in(self.params, saved.params.tensors)
+        else:
+            saved.params.restore(self.params)
         reshard(self.model)
         self.optimizer.load_state_dict(_state_to_host(saved.optimizer))
         self._moved = saved.params is not self.start
@@ -401,7 +522,7 @@ def fix_pi_old(
     theta_0)."""
     if batch.old_logp is not None and pi_before is not None:
         return batch, pi_before
-    with as_float64(model) if precision == "float64" and not _sharded(model) else nullcontext():
+    with as_float64(model) if precision in (FLOAT64, FLOAT64_STEP) and not _sharded(model) else nullcontext():
         if batch.old_logp is not None:
             return batch, completion_probs(model, batch)
         logp, logp64 = loss_and_measured_logp(model, batch)  # pi_old: the loss's own log pi, ratio 1 at start

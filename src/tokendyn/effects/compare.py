@@ -30,17 +30,19 @@ state; with them every rule's entropy change and KL to the first rule's updated 
 
 Per rule: the update share of each token, s_t = <grad l_t(r), dtheta_r> / <grad L(r), dtheta_r> (its part of the
 first-order change of the rule's loss along the rule's own update, summing to 1; one JVP of the per-token loss at
-theta_0, `tokendyn.effects.shares.token_shares`). Records: `paired`, one row per
-(rule, mode, sequence, bin), sums that add up over sequences and steps, so intervals can be bootstrapped over
-(step, sequence) (`tokendyn.analysis.paired`).
+theta_0, two rules' in one batched forward-mode pass, `tokendyn.effects.shares.token_shares_many`). Records:
+`paired`, one row per (rule, mode, sequence, bin), sums that add up over sequences and steps, so intervals can be
+bootstrapped over (step, sequence) (`tokendyn.analysis.paired`).
 
 Cost per rule (equal_norm): one forward and backward per stage for the step (Lopti: its second stage twice, for the
 norm correction, and once more per further pass of the norm search where the first correction lands > 5 % off;
-its first stage's gradient at theta_0 is kept in host memory and reused), one forward for pi, one
-JVP for the shares. The base rule's equal_norm step is the analyses' own full counterfactual step (plain SGD at lr on
-the whole loss): handed over as a `FullUpdate`, it costs nothing more. Memory: that of `InPlaceUpdate` (host
-snapshot, one gradient, the optimizer copy's state in optimizer mode; Lopti: one gradient more in host memory) plus
-one parameter-sized displacement for the shares' JVP (``shares=False`` drops it).
+its first stage's gradient at theta_0 is kept in host memory and reused, or taken from the analyses' influence
+sources when they kept it, `given_first_stage`: then its first pass is one forward and backward), one forward for
+pi, one JVP for the shares (batched by two: the primal forward once per pair). The base rule's equal_norm step is
+the analyses' own full counterfactual step (plain SGD at lr on the whole loss): handed over as a `FullUpdate`, it
+costs nothing more. Memory: that of `InPlaceUpdate` (host snapshot, one gradient, the optimizer copy's state in
+optimizer mode; Lopti: one gradient more in host memory) plus `JVP_BATCH` (2) parameter-sized displacements for the
+shares' JVPs (``shares=False`` drops them).
 """
 
 from __future__ import annotations
@@ -53,11 +55,12 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from tokendyn.effects.change import InPlaceUpdate, Resolution, fix_pi_old, warn_unresolved
+from tokendyn.effects.change import HostSnapshot, InPlaceUpdate, Resolution, fix_pi_old, warn_unresolved
 from tokendyn.effects.compare_optim import NormalizedSGD, _set_lr, optimizer_copy
 from tokendyn.effects.distributions import measure
+from tokendyn.effects.influence import SourceSum
 from tokendyn.effects.paired_records import paired_frame
-from tokendyn.effects.shares import dot64, token_shares
+from tokendyn.effects.shares import dot64, token_shares_many
 from tokendyn.probe.forward import completion_proxy_logp
 from tokendyn.probe.parallel import local
 from tokendyn.probe.rules import SURROGATES
@@ -68,7 +71,7 @@ from tokendyn.probe.tokenloss import (
     analysis_forward,
 )
 from tokendyn.remedies import logp_reweight_advantages, lopti_masks, w_reinforce_advantages
-from tokendyn.vocab import COMPARE_MODES, COMPARE_RULES
+from tokendyn.vocab import COMPARE_MODES, COMPARE_RULES, FLOAT64, FLOAT64_STEP
 
 RULES, MODES = COMPARE_RULES, COMPARE_MODES
 __all__ = [
@@ -203,17 +206,15 @@ def _apply(
                 update.step(batch, mask)
 
 
-def _displacement(update: InPlaceUpdate) -> dict[str, torch.Tensor]:
-    return {n: local(p).detach() - update.start.tensors[n].to(p.device) for n, p in update.params.items()}
-
-
 @dataclass(frozen=True)
 class FullUpdate:
     """The analyses' full counterfactual step of one batch (plain SGD at ``lr`` on the whole loss from theta_0,
     pi_old fixed: `tokendyn.effects.rebalance.analyze_update`), which is also the base rule's equal_norm update:
     the batch with pi_old fixed, pi at theta_0 (B, C) float64, dpi of every token after the step (B, C) float64,
     ||g|| (float64) and the per-token shares s_t = <grad l_t, g> / ||g||^2 (B, C); ``signal``: whether the step
-    carried a policy-gradient signal (else it was no update, `tokendyn.effects.resolution`)."""
+    carried a policy-gradient signal (else it was no update, `tokendyn.effects.resolution`); ``first_stage``: the
+    gradient of a Lopti rule's first stage at theta_0, from the influence matrix's sources (`given_first_stage`),
+    or None."""
 
     batch: ProbeBatch
     objective: Objective
@@ -223,6 +224,7 @@ class FullUpdate:
     grad_norm: float
     shares: torch.Tensor | None
     signal: bool = True
+    first_stage: SourceSum | None = None
 
 
 def reuses(full: FullUpdate, rule: Rule, batch: ProbeBatch, lr: float) -> bool:
@@ -238,7 +240,13 @@ def reuses(full: FullUpdate, rule: Rule, batch: ProbeBatch, lr: float) -> bool:
     )
     if not (same_rule and float(lr) == float(full.lr) and full.grad_norm > 0):
         return False
-    if (b.temperature, b.normalizer) != (batch.temperature, batch.normalizer):
+    # (pi_old None: fixed by the analyses)
+    return _same_batch(b, batch) and (batch.old_logp is None or _same(b.old_logp, batch.old_logp))
+
+
+def _same_batch(a: ProbeBatch, b: ProbeBatch) -> bool:
+    """The same completions, masks, advantages and sampling terms, temperature and normalizer (pi_old apart)."""
+    if (a.temperature, a.normalizer) != (b.temperature, b.normalizer):
         return False
     tensors = (
         "input_ids",
@@ -249,9 +257,32 @@ def reuses(full: FullUpdate, rule: Rule, batch: ProbeBatch, lr: float) -> bool:
         "sampling_logp",
         "is_ratio",
     )
-    if not all(_same(getattr(b, n), getattr(batch, n)) for n in tensors):
-        return False
-    return batch.old_logp is None or _same(b.old_logp, batch.old_logp)  # None: pi_old fixed by the analyses
+    return all(_same(getattr(a, n), getattr(b, n)) for n in tensors)
+
+
+def given_first_stage(
+    full: FullUpdate | None, rule: Rule, batch: ProbeBatch, stages: list, update: InPlaceUpdate
+) -> HostSnapshot | None:
+    """The analyses' gradient of the rule's first stage at theta_0 (``full.first_stage``: a sum of the influence
+    matrix's sources, `tokendyn.effects.influence.influence_and_shares`), when it is that gradient: the same
+    objective, the same batch and pi_old, the stage's token mask exactly the sources' union, every tensor the
+    shape and dtype of the parameter it steps (the same step precision); else None (the rule makes it)."""
+    given = full.first_stage if full is not None else None
+    if given is None or stages[0] is None or rule.objective != full.objective:
+        return None
+    if not (_same_batch(full.batch, batch) and _same(full.batch.old_logp, batch.old_logp)):
+        return None
+    if not torch.equal(given.mask.to(stages[0].device), stages[0].bool() & batch.completion_mask.bool()):
+        return None
+    params = {n: local(p) for n, p in update.params.items()}
+    if given.gradient.keys() != params.keys() or any(
+        (g.shape, g.dtype, g.device) != (params[n].shape, params[n].dtype, params[n].device)
+        for n, g in given.gradient.items()
+    ):
+        return None
+    snap = HostSnapshot.borrowed(given.gradient)
+    snap.signal = given.signal
+    return snap
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -307,7 +338,8 @@ def compare_rules(
     and lr), that rule's result is taken from it instead of being recomputed: its dpi, ||g|| (so the target
     T = lr ||g||), its shares (the analyses' s_t along g, over their sum) and ||dtheta|| / ||theta_0|| = lr ||g|| /
     ||theta_0||; and pi at theta_0 is the analyses' (no forward; it must then have been measured in the same
-    ``precision``). ``precision``: the steps' (`tokendyn.effects.change.InPlaceUpdate`), float64 by default.
+    ``precision``). ``precision``: the steps' (`tokendyn.effects.change.InPlaceUpdate`), float64 by default
+    ("float64_step", a check step's analyses', is made "float64": the rules' entropy and KL are read off the model).
     ``inner_steps``: k updates per stage on the same batch (module docstring; ``full`` is reused only at k = 1). A
     rule reading Lp-Reg's proxy gets it from theta_0 (`completion_proxy_logp`) when the batch has none.
     ``distributions`` (default: on when a rule is a sweep point): each rule's entropy change and KL to the first
@@ -315,6 +347,10 @@ def compare_rules(
     its distribution kept in host memory)."""
     if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
         raise ValueError(f"compare: inner_steps must be an integer >= 1, got {inner_steps!r}")
+    if (
+        precision == FLOAT64_STEP
+    ):  # (the rules' distributions are read off the model itself: every op in float64)
+        precision = FLOAT64
     k = inner_steps
     for mode in modes:
         if mode not in MODES:
@@ -344,6 +380,7 @@ def compare_rules(
             target = None
             start = measure(model, batch) if dist else None  # H at theta_0
             reference = None  # the first rule's updated log-softmax (KL)
+            pending = _Shares()
             for i, rule in enumerate(rules):
                 if reuse and i == 0 and mode == "equal_norm":
                     target = lr * full.grad_norm
@@ -360,8 +397,9 @@ def compare_rules(
                     continue
                 rb, stages = rule_batch(rule, batch), rule_stages(rule, batch)
                 step_lr, ratio = None, None
+                given = given_first_stage(full, rule, rb, stages, update) if len(stages) > 1 else None
                 if mode == "optimizer":
-                    _apply(update, rb, rule.objective, stages, repeats=k)
+                    _apply(update, rb, rule.objective, stages, first=given, repeats=k)
                 elif (
                     len(stages) == 1 and k == 1
                 ):  # one step of norm `target` (the first rule's at lr sets it)
@@ -377,7 +415,11 @@ def compare_rules(
                 else:  # several steps (Lopti's stages, k > 1) at one lr: plain SGD at lr, its lr corrected to the target
                     update.optimizer.target = None
                     _set_lr(update, lr)
-                    _apply(update, rb, rule.objective, stages, keep=True, repeats=k)
+                    _apply(update, rb, rule.objective, stages, first=given, keep=given is None, repeats=k)
+                    if (
+                        given is not None
+                    ):  # (stage 1 from theta_0 again in the norm search: the same gradient)
+                        update.last_gradient = given
                     achieved = update.relative_step() * theta0
                     step_lr = lr
                     if target is None:
@@ -413,18 +455,13 @@ def compare_rules(
                         step = float("nan")
                 else:
                     warn_unresolved(f"compare (rule {rule.name}, mode {mode})", resolution)
-                direction = _displacement(update) if shares and not diverged else None
+                if shares and not diverged:  # (its shares' JVP batched with the next rule's: `_Shares`)
+                    pending.add((rule.name, mode), rb, rule.objective, update)
                 update.load(update.initial())
-                s = None
-                if direction is not None and any(dot64(v, v) > 0 for v in direction.values()):
-                    s = token_shares(model, rb, direction, objective=rule.objective)
-                    total = float(s.sum())
-                    s = s / total if total != 0 else None
-                    del direction
                 delta = torch.where(mask.to(pi.device), pi - pi0.to(pi.device), torch.zeros_like(pi))
                 out[(rule.name, mode)] = RuleResult(
                     delta,
-                    s,
+                    None,
                     step,
                     step_lr,
                     ratio,
@@ -437,7 +474,53 @@ def compare_rules(
                     sweep=rule.sweep,
                     diverged=diverged,
                 )
+                if len(pending.items) == JVP_BATCH:
+                    pending.flush(model, out)
+            pending.flush(model, out)
     return out
+
+
+# the rules' share JVPs made together (`tokendyn.effects.shares.token_shares_many`): one parameter-sized
+# displacement held per rule of a batch
+JVP_BATCH = 2
+
+
+class _Shares:
+    """The rules' update shares pending their JVP: each rule's displacement theta_r - theta_0 written into a slot of
+    one stacked buffer (`JVP_BATCH` slots, allocated at the first), then `token_shares_many` for all of them."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[tuple[str, str], ProbeBatch, object]] = []
+        self.stack: dict[str, torch.Tensor] | None = None
+
+    def add(self, key: tuple[str, str], batch: ProbeBatch, objective, update: InPlaceUpdate) -> None:
+        """The rule's displacement from theta_0 (the model at its update) into the next slot; none (no shares)
+        when it is zero."""
+        if self.stack is None:
+            self.stack = {
+                n: torch.empty((JVP_BATCH, *local(p).shape), dtype=local(p).dtype, device=local(p).device)
+                for n, p in update.params.items()
+            }
+        slot = len(self.items)
+        for n, t in update.current().items():
+            torch.sub(t, update.start.tensors[n].to(t.device), out=self.stack[n][slot])
+        if any(dot64(v[slot], v[slot]) > 0 for v in self.stack.values()):
+            self.items.append((key, batch, objective))
+
+    def flush(self, model: nn.Module, out: dict) -> None:
+        """The pending rules' shares s_t (over their sum), into their results; the buffer freed."""
+        if self.items:
+            n = len(self.items)
+            directions = [{name: v[i] for name, v in self.stack.items()} for i in range(n)]
+            found = token_shares_many(
+                model,
+                [(b, d, o) for (_, b, o), d in zip(self.items, directions, strict=True)],
+                {name: v[:n] for name, v in self.stack.items()},
+            )
+            for (key, _, _), s in zip(self.items, found, strict=True):
+                total = float(s.sum())
+                out[key].shares = s / total if total != 0 else None
+        self.items, self.stack = [], None
 
 
 # equal_norm, several steps: after the first correction the lr is searched until ||dtheta|| is within this factor of

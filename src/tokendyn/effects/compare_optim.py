@@ -52,21 +52,32 @@ class NormalizedSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        sq = torch.tensor([sum(dot64(local(x), local(x)) for x in grads)], dtype=torch.float64)
+        params = [p for g in self.param_groups for p in g["params"]]
+        scales = self.step_scales(params, [p.grad for p in params])
+        for p in params:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-scales[id(p)])
+
+    def step_scales(self, params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> dict[int, float]:
+        """id(parameter) -> s of the step theta - s g with the gradients ``grads`` of ``params`` (``grad_norm`` and,
+        with ``norm_lr``, ``target`` set as the step sets them); `tokendyn.effects.change.InPlaceUpdate` makes
+        the step itself as new tensors (no copy of theta_0 then)."""
+        sq = torch.tensor(
+            [sum(dot64(local(x), local(x)) for x in grads if x is not None)], dtype=torch.float64
+        )
         self.grad_norm = float(sum_over_ranks(sq, self.model)) ** 0.5
         if (
             self.target is None and self.norm_lr is not None
         ):  # the first rule: its own step at norm_lr sets it
             self.target = self.norm_lr * self.grad_norm
+        scales = {}
         for group in self.param_groups:
             if self.target is None:
                 scale = group["lr"]
             else:
                 scale = self.target / self.grad_norm if self.grad_norm > 0 else 0.0
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-scale)
+            scales.update({id(p): float(scale) for p in group["params"]})
+        return scales
 
 
 def _set_lr(update: InPlaceUpdate, lr: float) -> None:

@@ -19,9 +19,11 @@ tokens carry no policy-gradient signal (no token with A != 0, or every such toke
 
 Every update is made in place (`tokendyn.effects.change.InPlaceUpdate`), by default on float64 copies of the
 parameters (a source's step is far below the float32 rounding of theta), and each source's step records how finely it
-was resolved (`tokendyn.effects.change.Resolution`). A source's update is undone by copying the stage's starting
-parameters back from host memory, and the model is left bitwise as it was. Host memory: theta_0, and with two
-stages the parameters at the start of stage 2; device memory: the float64 copy (none with precision "model").
+was resolved (`tokendyn.effects.change.Resolution`). A source's update is undone by putting the stage's starting
+parameters back (plain SGD in the model's dtype: its own tensors, never written; another optimizer: copied back
+from host memory), and the model is left bitwise as it was. Host memory: theta_0 and with two stages the
+parameters at the start of stage 2 (another optimizer than plain SGD in the model's dtype); device memory: the
+float64 copy (none with precision "model").
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from tokendyn.effects.shares import (
     with_token_shares,
 )
 from tokendyn.probe.bins import bin_bounds
-from tokendyn.probe.parallel import fsdp_modules
+from tokendyn.probe.parallel import fsdp_modules, local
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index, trainable_parameters
 from tokendyn.records import to_frame
 from tokendyn.vocab import HIGH, LOPTI, LOW, TRAIN
@@ -81,6 +83,17 @@ def lopti_stage_masks(
     return lopti_masks(old, batch.completion_mask, eta=eta, quantile=quantile, order=order)
 
 
+@dataclass(frozen=True)
+class SourceSum:
+    """The gradient at theta_0 of L_S = sum_{t in S} l_t for S a union of source bins (`influence_and_shares`'
+    ``keep``): ``gradient`` name -> tensor (the steps' own, float64 under float64 steps), S as a (B, C) token mask,
+    ``signal``: whether a token of S carried a policy-gradient signal (`tokendyn.effects.resolution`)."""
+
+    gradient: dict[str, torch.Tensor]
+    mask: torch.Tensor
+    signal: bool
+
+
 @dataclass
 class InfluenceResult:
     """delta pi (B, C) per (update_stage, source bin); bins (B, C) over pi_old, -1 on padding; per (update_stage,
@@ -100,6 +113,9 @@ class InfluenceResult:
     resolution: dict[tuple[str, int], Resolution] | None = None
     pi0: torch.Tensor | None = None
     change: ChangeResult | None = None
+    # `influence_and_shares`' ``keep``: the sum of those sources' gradients at theta_0 (name -> tensor, in the steps'
+    # precision), its token mask (B, C) and whether a policy-gradient signal was in it
+    kept: SourceSum | None = None
 
     def matrix(self, update_stage: str = TRAIN, quantity: str = "mean_abs") -> torch.Tensor:
         """M[source, target] as a (K + 1, K) tensor; row 0 is source = all tokens, row b + 1 source bin b; NaN
@@ -276,6 +292,7 @@ def influence_and_shares(
     per_token: bool = True,
     pi_before: torch.Tensor | None = None,
     precision: str = "float64",
+    keep: Sequence[int] = (),
 ) -> tuple[InfluenceResult, ShareResult]:
     """`influence` (one update stage, plain SGD at lr) and `gradient_shares` (method "stream") from the same
     gradients. Each source's counterfactual step is made with g_b = grad L_b, the gradient the shares need, and the
@@ -286,7 +303,10 @@ def influence_and_shares(
     functions (each source's update from the same theta_0 with the same gradient; the shares up to the rounding of a
     backward through a separate forward). Cost: (K + 1) x (forward + backward + step + forward) and the JVP.
     ``precision``: the steps' (`influence`); the shares are then reduced from float64 gradients, the JVP runs at the
-    model's own precision."""
+    model's own precision. ``keep``: source bins whose gradients' sum is kept (`InfluenceResult.kept`, e.g. Lopti's
+    first stage for the paired comparison, which then makes no forward and backward of its own for it): one
+    parameter-sized buffer more from the first of them on (the first source's gradient itself, the later ones added
+    into it)."""
     edges_t = as_edges(edges)
     k = edges_t.numel() - 1
     valid = batch.completion_mask
@@ -317,15 +337,41 @@ def influence_and_shares(
         resolution[(TRAIN, -1)] = update.resolution(update.distance(), signal=update.step_signal)
         change = ChangeResult(pi_start, losses={TRAIN: loss})
         _record_stage(change, update, TRAIN, 0, pi_after, deltas[(TRAIN, -1)], resolution[(TRAIN, -1)])
+        kept: list[torch.Tensor | None] = []
+        kept_mask, kept_signal = torch.zeros_like(valid, dtype=torch.bool), False
+
+        def add_bin(gb: list[torch.Tensor | None], b: int) -> None:
+            sums.add_bin(b, gb, total)
+            if b not in keep:
+                return
+            if not kept:  # (the step reads g_b and never writes it: kept as it is)
+                kept.extend(gb)
+                return
+            for i, g in enumerate(gb):
+                if g is not None:
+                    kept[i] = g if kept[i] is None else kept[i].add_(g)
+
         for src in range(k):
             mask = valid & (bins == src)
             if not bool(mask.any()):
                 continue
             update.load(update.initial())
-            update.step(batch, mask, inspect=lambda gb, b=src: sums.add_bin(b, gb, total))
+            update.step(batch, mask, inspect=lambda gb, b=src: add_bin(gb, b))
+            if src in keep:
+                kept_mask |= mask
+                kept_signal = kept_signal or bool(update.step_signal)
             deltas[(TRAIN, src)] = _masked(update.probs(batch) - pi_start, valid)
             counts[(TRAIN, src)] = int(mask.sum())
             resolution[(TRAIN, src)] = update.resolution(update.distance(), signal=update.step_signal)
+        source_sum = None
+        if kept:
+            named = zip(update.params.items(), kept, strict=True)
+            source_sum = SourceSum(
+                {n: torch.zeros_like(local(p)) if g is None else g for (n, p), g in named},
+                kept_mask,
+                kept_signal,
+            )
+            kept.clear()
     _warn(resolution)
     total = [None if g is None else g.to(p.dtype) for g, p in zip(total, update.params.values(), strict=True)]
     split = BinSplit(names, groups, edges_t, bins, pi_old, loss, None)
@@ -348,6 +394,7 @@ def influence_and_shares(
         {key: resolution[key] for key in ordered},
         pi_start,
         change,
+        source_sum,
     )
     return result, with_token_shares(model, batch, split, shares, direction, objective)
 

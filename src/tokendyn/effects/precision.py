@@ -3,11 +3,17 @@
 A counterfactual step in the model's own dtype (float32, bf16) loses to rounding whatever part of the step falls
 below the rounding of the weights; `tokendyn.effects.resolution` bounds that loss, and the bound is a worst case (on
 SmolLM2-135M about 100x the measured effect). With ``step_precision`` "measured", a run makes the analyses of its
-first analysed step both ways, in float64 and in the model's dtype, compares every number they report, and keeps the
-model's dtype for the next analysed steps when the two agree to ``tol``; the check is made again every ``every``
-analysed steps (the policy moves, so can the answer). The steps of a check are reported in float64, and the check
-itself is a `precision_check` record, one row per counterfactual update (an influence source, the counterfactual
-update, a sweep point):
+first analysed step both ways, with float64 steps and in the model's dtype, compares every number they report, and
+keeps the model's dtype for the next analysed steps when the two agree to ``tol`` (else float64 steps); the check
+is made again every ``every`` analysed steps (the policy moves, so can the answer). For float32 weights the float64
+steps of a check are `FLOAT64_STEP`'s: the gradient in float32, as the candidate's, the step and pi after it in
+float64 (`tokendyn.effects.change.InPlaceUpdate`), so the check measures what rounding the step to the weights'
+dtype changes and nothing else, at the memory of the model's own backward (no float64 activations, no float64
+gradient); against the all-float64 path its records differ by the float32 gradient's own rounding
+(`tests/test_precision_matrix.py`). For bf16 / fp16 weights, whose gradient itself rounds at the check's
+tolerance, they are the all-float64 path's (`reference_precision`). The steps of a
+check are reported from the float64 ones, and the check itself is a `precision_check` record, one row per
+counterfactual update (an influence source, the counterfactual update, a sweep point):
 
     scale     = max |dpi| of the float64 update (its tokens' largest change: max(|min|, |max|) over its bins)
     rel_diff  = max over its bins and its dpi statistics (mean, std, mean_abs, min, quantiles, max) of
@@ -36,7 +42,7 @@ from torch import nn
 
 from tokendyn.effects.resolution import UnresolvedStepWarning
 from tokendyn.records import to_frame
-from tokendyn.vocab import MEASURED
+from tokendyn.vocab import FLOAT64, FLOAT64_STEP, MEASURED
 
 PRECISION_TOL = (
     5e-3  # the largest difference kept: 0.5 % of the update's largest |dpi| (a report prints 3 digits)
@@ -184,6 +190,7 @@ class MeasuredPrecision:
     agreed: bool | None = None
     analysed: int = 0
     last: str | None = None
+    reference: str = FLOAT64_STEP  # the float64 steps of the last check (`reference_precision`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.every, int) or self.every < 1:
@@ -196,8 +203,9 @@ class MeasuredPrecision:
         return self.analysed % self.every == 0
 
     def chosen(self) -> str:
-        """The precision of an analysed step that is not a check."""
-        return "model" if self.agreed else "float64"
+        """The precision of an analysed step that is not a check: the model's dtype on agreement, else the check's
+        own float64 steps (`FLOAT64_STEP`)."""
+        return "model" if self.agreed else self.reference
 
     @staticmethod
     @contextmanager
@@ -246,8 +254,9 @@ def measured_analysis(
         with MeasuredPrecision.quiet(state):
             frames, rest = analyze(replace(options, step_precision=state.last))
         return frames, rest, state.last
+    state.reference = reference_precision(dtype)
     t0 = time.perf_counter()
-    frames, rest = analyze(replace(options, step_precision="float64"))
+    frames, rest = analyze(replace(options, step_precision=state.reference))
     t1 = time.perf_counter()
     with warnings.catch_warnings():  # (the candidate's steps: what they lose is what the check measures)
         warnings.simplefilter("ignore", UnresolvedStepWarning)
@@ -256,10 +265,18 @@ def measured_analysis(
     check = precision_check(frames, low, step=step, stage=stage, model_dtype=dtype, tol=state.tol,
                             seconds=(t1 - t0, t2 - t1))  # fmt: skip
     state.agreed = bool(check["agreed"].all()) if check.height else False
-    state.last = "float64"
+    state.last = state.reference
     frames = dict(frames)
     frames["precision_check"] = check
-    return frames, rest, "float64"
+    return frames, rest, state.reference
+
+
+def reference_precision(dtype: str) -> str:
+    """The float64 steps a check compares the model's dtype with: `FLOAT64_STEP` (the gradient in the model's
+    dtype) for float32 weights, whose gradient's own rounding (1e-7 relative) is far below anything reported, so
+    that the check measures the step's rounding alone; the all-float64 path for bf16 / fp16 weights, whose gradient
+    rounds at 4e-3 (bf16), the check's own tolerance."""
+    return FLOAT64_STEP if dtype == "float32" else FLOAT64
 
 
 def check_summary(check: pl.DataFrame) -> str:

@@ -45,6 +45,7 @@ from tokendyn.effects.token_view import head_ratios, token_view_frame, view_rows
 from tokendyn.probe.parallel import is_fully_sharded
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index
 from tokendyn.records import process_rank, to_frame
+from tokendyn.remedies import lopti_masks
 from tokendyn.vocab import HIGH, LOPTI, LOW, MEASURED, PROBE_STEP_PRECISIONS, TRAIN, stage_name
 
 
@@ -62,10 +63,12 @@ class RebalanceOptions:
     view_sequences: sequences of the sample whose every token is recorded (`token_view`: its share, its
     counterfactual dpi, its own-gradient ratio; 0 = off); step_precision: the counterfactual steps' (influence
     sources, prob_change, the sweep; `tokendyn.effects.change.InPlaceUpdate`): "float64" (default: a float64 copy of
-    the model for the analysis, so a step below the float32 rounding of theta is made whole), "model" (the
-    parameters' own dtype; each record's step_rounding says how much of the step that can lose) or "measured" (both,
-    compared, and the model's dtype kept while they agree: `tokendyn.effects.precision`; `analyze_update` then
-    checks on every call unless it is given the run's `MeasuredPrecision`)."""
+    the model for the analysis, so a step below the float32 rounding of theta is made whole), "float64_step" (the
+    gradient in the model's dtype, the step and pi after it in float64: the memory of the model's own backward),
+    "model" (the parameters' own dtype; each record's step_rounding says how much of the step that can lose) or
+    "measured" (float64 steps and the model's dtype, compared, and the model's dtype kept while they agree:
+    `tokendyn.effects.precision`; `analyze_update` then checks on every call unless it is given the run's
+    `MeasuredPrecision`)."""
 
     shares: bool = True
     token_shares: int = TOKEN_SHARES_PER_BIN
@@ -127,6 +130,7 @@ def analyze_update(
     lopti_order: str = "low_first",
     tokenizer=None,
     precision_state: MeasuredPrecision | None = None,
+    first_stage: tuple[float, str] | None = None,
     _reuse: bool = True,
 ) -> tuple[dict[str, pl.DataFrame], FullUpdate | None]:
     """The `shares`, `token_shares`, `prob_change` (counterfactual, and "sweep" rows for ``options.lr_sweep``, the
@@ -144,14 +148,19 @@ def analyze_update(
     A sweep point at ``options.lr`` is the counterfactual update's (or the influence run's all-token sources') own
     result, not a second step (``_reuse`` False: made again, as a check that the two are the same).
     ``options.step_precision`` "measured": `tokendyn.effects.precision.measured_analysis` with the run's
-    ``precision_state`` (a check on this call when None; ``precision_state.last`` says which precision was used)."""
+    ``precision_state`` (a check on this call when None; ``precision_state.last`` says which precision was used).
+    ``first_stage``: the (eta, order) of a Lopti rule the paired comparison will make: with steps in the model's
+    dtype, when its first stage's tokens are a union of the influence matrix's source bins, the sum of those
+    sources' gradients is kept in the `FullUpdate` (``first_stage``), and the comparison makes no forward and
+    backward of its own for that stage (one parameter-sized buffer more while the later sources run, no more than
+    the host copy of theta_0 such steps no longer make; not under float64 steps, whose peak it would raise)."""
     opts = options or RebalanceOptions()
     if opts.step_precision == MEASURED:
 
         def analyze(o: RebalanceOptions):
             return analyze_update(model, batch, step=step, stage=stage, edges=edges, options=o, objective=objective,
                                   stage_masks=stage_masks, lopti_order=lopti_order, tokenizer=tokenizer,
-                                  _reuse=_reuse)  # fmt: skip
+                                  first_stage=first_stage, _reuse=_reuse)  # fmt: skip
 
         state = precision_state if precision_state is not None else MeasuredPrecision()
         frames, full, _ = measured_analysis(analyze, model, opts, state, step=step, stage=stage,
@@ -169,6 +178,9 @@ def analyze_update(
     res = None
     if opts.influence and want_shares and stage_masks is None and opts.share_method == "stream":
         # one set of gradients for both: each source's step is made with the g_b the shares reduce
+        keep = ()
+        if first_stage is not None and opts.step_precision == "model":
+            keep = _source_union(batch, bins, edges_t, *first_stage)
         inf, res = influence_and_shares(
             model,
             batch,
@@ -178,6 +190,7 @@ def analyze_update(
             per_token=opts.token_shares > 0,
             pi_before=pi0,
             precision=opts.step_precision,
+            keep=keep,
         )
     elif opts.influence:
         names = tuple(n for n, _ in stages) if stage_masks is not None else (LOW, HIGH)
@@ -309,11 +322,25 @@ def analyze_update(
             else float(res.bins.total_norm[0]),
             res.tokens,
             not (resolution.get(TRAIN) is not None and resolution[TRAIN].no_update),
+            inf.kept if opts.influence else None,
         )
     notes = _no_update_notes(step, inf.resolution if opts.influence else {}, resolution, sweep_res)
     if notes is not None:
         frames["notes"] = notes
     return frames, full
+
+
+def _source_union(
+    batch: ProbeBatch, bins: torch.Tensor, edges: torch.Tensor, eta: float, order: str
+) -> tuple:
+    """The source bins whose union is Lopti's first stage at (eta, order) on this batch's tokens (its
+    `tokendyn.remedies.lopti_masks`, pi_old fixed), or () when the stage is not such a union (eta inside a bin
+    that holds tokens on both sides of it) or holds no token."""
+    first = lopti_masks(batch.old_logp, batch.completion_mask, eta=eta, order=order)[0].to(bins.device)
+    valid = batch.completion_mask.bool().to(bins.device)
+    sources = tuple(b for b in range(edges.numel() - 1) if bool((first & (bins == b)).any()))
+    union = valid & torch.isin(bins, torch.tensor(sources, dtype=bins.dtype, device=bins.device))
+    return sources if sources and torch.equal(union, first & valid) else ()
 
 
 def _no_update_notes(step: int, sources: dict, stages: dict, sweep: dict) -> pl.DataFrame | None:

@@ -40,7 +40,10 @@ from tokendyn.probe.tokenloss import (
     ProbeBatch,
     analysis_forward,
     bin_index,
+    completion_logp,
+    completion_logp_entropy,
     eval_mode,
+    loss_terms,
     token_loss,
     trainable_parameters,
 )
@@ -428,6 +431,61 @@ def token_shares(
     with eval_mode(model, checkpoint=False), jvp_attention(model), _no_input_require_grads(model):
         _, dterms = torch.func.jvp(terms, primals, tangents)
     return dterms.detach().to(torch.float64) / norm2
+
+
+def token_shares_many(
+    model: nn.Module,
+    items: list[tuple[ProbeBatch, dict[str, torch.Tensor], Objective | None]],
+    tangents: dict[str, torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """`token_shares` of several (batch, direction v_i, objective) at once: s_i,t = <grad l_t(batch_i, objective_i),
+    v_i> / ||v_i||^2. Batches that differ at most in their advantages and rewards (one forward for all: the same
+    tokens, masks and temperature) share one forward-mode pass with the directions batched (``torch.func.vmap`` over
+    the tangents: the primal forward made once, 1.25 s less of 9.2 s per direction on SmolLM2-135M); otherwise,
+    and under FSDP2, one `token_shares` each. ``tangents``: name -> (len(items), *shape) tensor holding the
+    directions stacked (no second copy of them is made), else stacked here."""
+    same = all(_same_forward(items[0][0], b) for b, _, _ in items[1:])
+    if len(items) < 2 or not same or fsdp_modules(model):
+        return [token_shares(model, b, d, objective=o) for b, d, o in items]
+    params = trainable_parameters(model)
+    names = list(items[0][1])
+    if any(list(d) != names for _, d, _ in items) or any(n not in params for n in names):
+        raise ValueError("shares: the directions must name the same trainable parameters")
+    primals = tuple(params[n].detach() for n in names)
+    if tangents is None:
+        tangents = {n: torch.stack([d[n].detach() for _, d, _ in items]) for n in names}
+    stacked = tuple(tangents[n].to(dtype=params[n].dtype, device=params[n].device) for n in names)
+    norms = [sum(dot64(d[n], d[n]) for n in names) for _, d, _ in items]
+    if any(x == 0.0 for x in norms):
+        raise ValueError("shares: a direction is zero (no advantage on any token?); shares are undefined")
+    objectives = [o or Objective() for _, _, o in items]
+    entropy = any(o.needs_entropy for o in objectives)
+    batch = items[0][0]
+
+    def terms(*ps: torch.Tensor) -> torch.Tensor:
+        named = dict(zip(names, ps, strict=True))
+        if entropy:
+            logp, h = completion_logp_entropy(model, batch, named)
+        else:
+            logp, h = completion_logp(model, batch, named), None
+        return torch.stack(
+            [loss_terms(logp, b, o, h) for (b, _, _), o in zip(items, objectives, strict=True)]
+        )
+
+    with eval_mode(model, checkpoint=False), jvp_attention(model), _no_input_require_grads(model):
+        # (randomness "same": a rule drawing random numbers, Clip-Cov, draws them once for every direction, as one
+        # forward would; its draws come from its own seeded generator)
+        dterms = torch.func.vmap(lambda *t: torch.func.jvp(terms, primals, t)[1], randomness="same")(*stacked)
+    return [dterms[i, i].detach().to(torch.float64) / norms[i] for i in range(len(items))]
+
+
+def _same_forward(a: ProbeBatch, b: ProbeBatch) -> bool:
+    """Whether the two batches' model forward is the same (tokens, masks, temperature)."""
+    same = a.temperature == b.temperature
+    for name in ("input_ids", "attention_mask", "completion_mask"):
+        x, y = getattr(a, name), getattr(b, name)
+        same = same and (x is y or (x.shape == y.shape and torch.equal(x, y.to(x.device))))
+    return same
 
 
 @contextlib.contextmanager

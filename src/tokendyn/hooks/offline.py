@@ -350,6 +350,7 @@ def _analyse(
             objective=objective,
             tokenizer=tokenizer,
             precision_state=state,
+            first_stage=(0.5, "low_first") if "lopti" in cfg.compare_rules else None,  # (make_rule's Lopti)
         )
     if cfg.compare_rules:
         from tokendyn.effects.axis import axis_rules

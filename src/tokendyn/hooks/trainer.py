@@ -245,6 +245,10 @@ class TrainerProbe(TrainerCallback):
                 lopti_order=self.order,
                 tokenizer=getattr(t, "processing_class", None),
                 precision_state=self.precision,
+                # (the comparison's Lopti: its first stage from the influence matrix's sources)
+                first_stage=(self._compare_eta(), "low_first")
+                if "lopti" in self.config.compare_rules
+                else None,
             )
             if self.config.compare_rules:
                 frames["paired"], results = self._paired(model, batch, sample, step, full)
@@ -283,7 +287,7 @@ class TrainerProbe(TrainerCallback):
         if sample.get("raw_advantages") is not None:
             batch = replace(batch, advantages=sample["raw_advantages"])
         alpha = float(getattr(t.args, "advantage_reweight_alpha", 0.0) or 0.3)
-        eta = getattr(t.args, "lopti_eta", None) or 0.5
+        eta = self._compare_eta()
         seed = t.cov_seed() if hasattr(t, "cov_seed") else int(t.args.seed)
         rules = [
             make_rule(name, self.objective, alpha=alpha, eta=eta, seed=seed) for name in cfg.compare_rules
@@ -306,6 +310,10 @@ class TrainerProbe(TrainerCallback):
             )
         frame = paired_frame(results, batch, pi_old(model, batch), as_edges(self.edges), step=step)
         return frame, results
+
+    def _compare_eta(self) -> float:
+        """Lopti's eta in the paired comparison: the run's, else the paper's 0.5."""
+        return getattr(self.trainer.args, "lopti_eta", None) or 0.5
 
     def _stage2_start(self) -> int:
         """Micro-step (modulo the rollout period) at which Lopti's stage 2 begins."""

@@ -88,13 +88,15 @@ def original(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def as_float64(model: nn.Module):
+def as_float64(model: nn.Module, values: dict[int, torch.Tensor] | None = None):
     """The model in float64 within the ``with``, computing in float64 at every op (`exact_float64`), autocast off
     (module docstring). Every floating parameter and buffer is replaced, in its module, by a float64 copy (a new
     ``nn.Parameter`` with the same ``requires_grad``; a tensor shared by two modules, a tied embedding, by one copy);
     on exit, also on an exception, the original objects are put back. The originals are never touched: their
     values, ``.grad``, version counters and gradient accumulators (where DDP's and other hooks live; assigning a
-    float64 ``.data`` would reset them) stay as they were. Refused for sharded parameters (FSDP2's DTensor)."""
+    float64 ``.data`` would reset them) stay as they were. Refused for sharded parameters (FSDP2's DTensor).
+    ``values``: id(parameter) -> a float64 tensor of its shape that stands in for it as it is (no copy: a point
+    other than the model's own, e.g. a step made in float64 from it, `tokendyn.effects.change.InPlaceUpdate`)."""
     from tokendyn.probe.parallel import local
 
     made: dict[int, torch.Tensor] = {}
@@ -109,7 +111,8 @@ def as_float64(model: nn.Module):
                         "as_float64: a sharded (FSDP2) model cannot be copied to float64 in place"
                     )
                 if id(t) not in made:
-                    copy = t.detach().to(torch.float64, copy=True)
+                    given = values.get(id(t)) if values is not None and is_param else None
+                    copy = t.detach().to(torch.float64, copy=True) if given is None else given.detach()
                     if is_param:
                         copy = nn.Parameter(copy, requires_grad=t.requires_grad)
                         copy.float64_original = t  # (`original`: an optimizer's groups name the originals)
