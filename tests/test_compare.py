@@ -270,6 +270,22 @@ def test_lopti_takes_its_first_stage_from_the_influence_sources(setup):
         # attention takes in float32: it differs from one backward by float32 rounding, 3.5e-8 seen)
         assert err < (1e-6 if name == "lopti" else 1e-8), (name, err)
         assert abs(got.norm_ratio / base_only[(name, "equal_norm")].norm_ratio - 1) < 1e-7, name
+
+    # an optimizer that writes .grad (here: halves it) never reaches the kept gradient: it steps a copy of it
+    class Halving(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(0.5)
+            return super().step(closure)
+
+    kept = {n: t.clone() for n, t in full.first_stage.gradient.items()}
+    run_opt = Halving(model.parameters(), lr=LR)
+    compare_rules(model, batch, rules, modes=("optimizer", "equal_norm"), lr=LR, full=full, precision="model",
+                  optimizer=run_opt)  # fmt: skip
+    assert all(torch.equal(kept[n], t) for n, t in full.first_stage.gradient.items())
     inside = (q[0] + eta) / 2, "low_first"  # (inside bin 1, which holds tokens on both sides of it)
     assert analyze_update(model, batch, step=0, edges=edges, options=opts, objective=BASE,
                           first_stage=inside)[1].first_stage is None  # fmt: skip

@@ -15,6 +15,7 @@ import torch
 from _matrix import ADAPTERS, ARCHS, PROMPT, T, build, sample_batch, token_logps, with_adapter
 
 from tokendyn.effects.compare import compare_rules, make_rule
+from tokendyn.effects.shares import token_shares, token_shares_many
 from tokendyn.probe.float64 import exact_float64
 from tokendyn.probe.tokenloss import Objective, ProbeBatch
 
@@ -74,3 +75,38 @@ def test_paired_dpi_against_float64_on_every_architecture(arch, adapter):
             assert scale > 1e-8, (arch, adapter, rule)
             err = float((got - w).abs().max())
             assert err <= rel * scale + floor, (arch, adapter, rule, precision, err, scale)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_share_jvps_on_every_architecture(arch, adapter):
+    """Two rules' share JVPs in one vmapped forward-mode pass (`token_shares_many`, no fallback: ``strict``), the
+    base and the Reweight rule's advantages along two directions, against one `token_shares` each, on the float64
+    copy of every architecture and adapter."""
+    if adapter == "lora":
+        pytest.importorskip("peft")
+    model = copy.deepcopy(with_adapter(build(arch), adapter)).double().eval()
+    b = sample_batch(model)
+    batch = ProbeBatch(
+        b.input_ids, torch.ones_like(b.input_ids), b.completion_mask.bool(), b.advantages, temperature=T
+    )
+    from dataclasses import replace
+
+    from tokendyn.effects.change import fix_pi_old
+    from tokendyn.probe.tokenloss import trainable_parameters
+
+    batch, _ = fix_pi_old(model, batch)
+    reweighted = replace(batch, advantages=batch.advantages * 0.7 + 0.1)
+    g = torch.Generator().manual_seed(3)
+    params = trainable_parameters(model)
+    dirs = [
+        {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()} for _ in range(2)
+    ]
+    objective = Objective(eps_low=0.2, eps_high=0.24)
+    items = [(batch, dirs[0], objective), (reweighted, dirs[1], objective)]
+    with exact_float64():
+        many = token_shares_many(model, items, strict=True)
+        for (bt, d, o), got in zip(items, many, strict=True):
+            one = token_shares(model, bt, d, objective=o)
+            assert float(one.abs().max()) > 0, (arch, adapter)
+            assert float((got - one).abs().max()) <= 1e-10 * float(one.abs().max()), (arch, adapter)

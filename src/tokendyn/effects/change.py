@@ -7,12 +7,12 @@
     order. It is applied in place and undone exactly (`InPlaceUpdate`): by default on float64 copies of the
     parameters swapped into the model for the analysis (a step of 1e-6 of |theta| is partly lost to float32
     rounding, entirely to bf16's; the copy costs 8 bytes a parameter on the device, the model's own parameters are
-    not touched), with precision "model" on the model's own parameters: plain SGD's steps as new tensors swapped
-    into them (theta_0 never written, no copy of it), any other optimizer's in place after a copy to host memory
-    (CPU), tensor by tensor, copied back bitwise when the analysis ends, also on an exception (no copy on the
-    device: a 7B model in bf16 costs 15 GB of host memory instead), with precision "float64_step" (plain SGD only)
+    not touched), with precision "model" on the model's own parameters: in host memory (CPU), plain SGD's steps as
+    new tensors swapped into them (theta_0 never written, no copy of it); on a GPU, or with another optimizer, in
+    place after a copy to host memory, tensor by tensor, copied back bitwise when the analysis ends, also on an
+    exception (no copy on the device: a 7B model in bf16 costs 15 GB of host memory instead), with precision "float64_step" (plain SGD only)
     from the gradient in the model's dtype, the step and pi after it in float64 (a float64 copy of the parameters
-    only while a step is off theta_0: no float64 activations or gradients). Each step records how finely it was
+    only while a step is off theta_0: no float64 activations kept for a backward, no float64 gradients). Each step records how finely it was
     resolved (`Resolution`).
     ``.grad`` of every parameter is set aside during the step and put back, hooks are untouched, and any
     ``torch.optim`` optimizer can make the step (its state, e.g. Adam's moments,
@@ -163,6 +163,15 @@ def _plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+def swaps_steps(model: nn.Module) -> bool:
+    """Whether `InPlaceUpdate` makes plain SGD's steps in the model's dtype as new tensors swapped in (`_plain_sgd`):
+    for unsharded parameters in host memory (CPU), where theta_0 then needs no host copy, so a parameter-sized buffer
+    more (the stepped tensors, a kept gradient) costs no more than that copy did. On a GPU the copy of theta_0 goes to
+    host memory and the step is in place: no second copy of the parameters on the device."""
+    params = list(trainable_parameters(model).values())
+    return not _sharded(model) and all(p.device.type == "cpu" for p in params)
+
+
 def _step_scales(optimizer: torch.optim.Optimizer, params: list, grads: list) -> dict[int, float]:
     """id(parameter) -> s of a `_plain_sgd` optimizer's step theta - s g with these gradients."""
     if hasattr(optimizer, "step_scales"):
@@ -207,16 +216,19 @@ class InPlaceUpdate:
     are theta_0 itself, no host copy is made), so a
     step far below the float32 (or bf16) rounding of theta is applied and measured whole; pi is measured there too
     (`probs`, `pi_start`), so every delta pi compares float64 with float64. "model": the steps on the model's own
-    parameters in their dtype (a step below their rounding is partly lost, which `resolution` states); plain SGD
-    (`_plain_sgd`, the analyses' own) then writes nothing: each step's theta - lr g is a new tensor swapped into the
-    parameter (``.data``, same dtype and device: ``.grad``, hooks and gradient accumulators untouched), and every
-    restart puts theta_0's own tensors back, so no host copy is made and the peak holds one parameter-sized buffer
-    less. "float64_step" (plain SGD; another optimizer falls back to "float64"): the gradient is the model's own, in
+    parameters in their dtype (a step below their rounding is partly lost, which `resolution` states); for
+    parameters in host memory (`swaps_steps`) plain SGD (`_plain_sgd`, the analyses' own) then writes nothing: each
+    step's theta - lr g is a new tensor swapped into the parameter (``.data``, same dtype and device: ``.grad``,
+    hooks and gradient accumulators untouched), and every restart puts theta_0's own tensors back, so no copy of
+    theta_0 is made (on a CPU, where host and device memory are one, the peak holds one parameter-sized buffer less;
+    on a GPU the in-place step keeps a single copy on the device). "float64_step" (plain SGD; another optimizer falls back to "float64"): the gradient is the model's own, in
     its dtype, at the current point rounded to that dtype; the step theta - lr g is made in float64 (theta and g
     upcast exactly) and kept beside the model, and pi is measured in float64 there (`probs`: the float64 model with
     that point standing in for the parameters, `tokendyn.probe.float64.as_float64`): what a float64 step of the
-    model-dtype gradient does, at the memory of the model's own backward plus 8 bytes a parameter while off
-    theta_0 (`tokendyn.effects.precision`'s check of float32 weights). Sharded (FSDP2) parameters are stepped in
+    model-dtype gradient does, at the memory of the model's own backward plus 8 bytes a parameter per float64 point
+    held (one off theta_0 for the influence sources; two during Lopti's second stage, its start kept; the point
+    rounded to the model's dtype where a gradient is taken there) and the float64 forward's transients, no float64
+    activations kept for a backward (`tokendyn.effects.precision`'s check of float32 weights). Sharded (FSDP2) parameters are stepped in
     their own dtype, in place.
 
     FSDP2: every rank makes the same steps on the same batch (each step's forward and backward are collectives);
@@ -274,7 +286,7 @@ class InPlaceUpdate:
                 )
             self.optimizer = self.optimizer_factory(list(self.params.values()))
             self._fresh_state = _state_to_host(self.optimizer.state_dict())
-            if mode == "model" and not _sharded(self.model):
+            if mode == "model" and swaps_steps(self.model):
                 self._swap = _plain_sgd(self.optimizer)
             # theta_0: with float64 copies stepping, or plain SGD steps swapped in as new tensors (`_swap`), the
             # model's own weights are never written (no copy of them: 4 or 2 bytes a parameter of host memory
@@ -325,8 +337,11 @@ class InPlaceUpdate:
         tensors = list(self.params.values())
         reshard(self.model)
         loss = torch.tensor(float("nan"))
-        if gradient is not None:
-            grads = [gradient.tensors[n].to(local(p).device) for n, p in self.params.items()]
+        if (
+            gradient is not None
+        ):  # (copied for an optimizer's own step: it may write .grad; a swapped step only reads)
+            fresh = not (self._swap or self._step64())
+            grads = [gradient.tensors[n].to(local(p).device, copy=fresh) for n, p in self.params.items()]
             signal = getattr(gradient, "signal", True)
         else:
             self._round_in()
@@ -354,15 +369,15 @@ class InPlaceUpdate:
             # only when a gradient is next taken there
             lr = _step_scales(self.optimizer, tensors, grads)
             step64 = not self._swap
-            current = self._theta64 if step64 and self._theta64 is not None else None
+            current = self.current() if step64 else {n: p.detach() for n, p in self.params.items()}
             with torch.no_grad():
                 stepped = {}
                 for (n, p), g in zip(self.params.items(), grads, strict=True):
-                    theta = p.detach() if current is None else current[n]
+                    theta, scale = current[n], lr.get(id(p))  # (a parameter no group holds: not stepped)
                     if step64:
                         theta = theta.to(torch.float64)
                         g = None if g is None else g.to(torch.float64)
-                    stepped[n] = theta if g is None else torch.add(theta, g, alpha=-lr[id(p)])
+                    stepped[n] = theta if g is None or scale is None else torch.add(theta, g, alpha=-scale)
             del grads
             if step64:
                 self._theta64, self._rounded = stepped, False
@@ -385,7 +400,9 @@ class InPlaceUpdate:
         model at the float64 point, `as_float64`)."""
         if self._step64():
             values = None
-            if self._theta64 is not None:
+            if self._theta64 is None:
+                self._round_in()  # (theta_0 itself in the parameters: `as_float64` upcasts them)
+            else:
                 values = {id(p): self._theta64[n] for n, p in self.params.items()}
             with as_float64(self.model, values):
                 return completion_probs(self.model, batch)

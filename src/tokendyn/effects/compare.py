@@ -55,7 +55,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from tokendyn.effects.change import HostSnapshot, InPlaceUpdate, Resolution, fix_pi_old, warn_unresolved
+from tokendyn.effects.change import (
+    HostSnapshot,
+    InPlaceUpdate,
+    Resolution,
+    fix_pi_old,
+    swaps_steps,
+    warn_unresolved,
+)
 from tokendyn.effects.compare_optim import NormalizedSGD, _set_lr, optimizer_copy
 from tokendyn.effects.distributions import measure
 from tokendyn.effects.influence import SourceSum
@@ -214,7 +221,7 @@ class FullUpdate:
     ||g|| (float64) and the per-token shares s_t = <grad l_t, g> / ||g||^2 (B, C); ``signal``: whether the step
     carried a policy-gradient signal (else it was no update, `tokendyn.effects.resolution`); ``first_stage``: the
     gradient of a Lopti rule's first stage at theta_0, from the influence matrix's sources (`given_first_stage`),
-    or None."""
+    or None; ``precision``: the step precision that made it (`reuses` only in the same)."""
 
     batch: ProbeBatch
     objective: Objective
@@ -225,6 +232,9 @@ class FullUpdate:
     shares: torch.Tensor | None
     signal: bool = True
     first_stage: SourceSum | None = None
+    precision: str | None = (
+        None  # the steps' precision it was made in (None: not said; `reuses` then trusts it)
+    )
 
 
 def reuses(full: FullUpdate, rule: Rule, batch: ProbeBatch, lr: float) -> bool:
@@ -358,7 +368,8 @@ def compare_rules(
     if "optimizer" in modes and optimizer is None:
         raise ValueError("compare: mode 'optimizer' needs the run's optimizer")
     dist = any(r.sweep is not None for r in rules) if distributions is None else bool(distributions)
-    reuse = not dist and full is not None and bool(rules) and k == 1 and reuses(full, rules[0], batch, lr)
+    same = full is not None and full.precision in (None, precision)  # (a check's float64_step: made again)
+    reuse = not dist and same and bool(rules) and k == 1 and reuses(full, rules[0], batch, lr)
     if reuse:
         batch, pi0 = full.batch, full.pi0
     else:
@@ -380,7 +391,7 @@ def compare_rules(
             target = None
             start = measure(model, batch) if dist else None  # H at theta_0
             reference = None  # the first rule's updated log-softmax (KL)
-            pending = _Shares()
+            pending = _Shares(JVP_BATCH if swaps_steps(model) else 1)
             for i, rule in enumerate(rules):
                 if reuse and i == 0 and mode == "equal_norm":
                     target = lr * full.grad_norm
@@ -474,22 +485,23 @@ def compare_rules(
                     sweep=rule.sweep,
                     diverged=diverged,
                 )
-                if len(pending.items) == JVP_BATCH:
+                if len(pending.items) == pending.size:
                     pending.flush(model, out)
             pending.flush(model, out)
     return out
 
 
 # the rules' share JVPs made together (`tokendyn.effects.shares.token_shares_many`): one parameter-sized
-# displacement held per rule of a batch
+# displacement held per rule of a batch (parameters in host memory, `swaps_steps`; on a GPU one at a time)
 JVP_BATCH = 2
 
 
 class _Shares:
     """The rules' update shares pending their JVP: each rule's displacement theta_r - theta_0 written into a slot of
-    one stacked buffer (`JVP_BATCH` slots, allocated at the first), then `token_shares_many` for all of them."""
+    one stacked buffer (``size`` slots, allocated at the first), then `token_shares_many` for all of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
+        self.size = size
         self.items: list[tuple[tuple[str, str], ProbeBatch, object]] = []
         self.stack: dict[str, torch.Tensor] | None = None
 
@@ -498,7 +510,7 @@ class _Shares:
         when it is zero."""
         if self.stack is None:
             self.stack = {
-                n: torch.empty((JVP_BATCH, *local(p).shape), dtype=local(p).dtype, device=local(p).device)
+                n: torch.empty((self.size, *local(p).shape), dtype=local(p).dtype, device=local(p).device)
                 for n, p in update.params.items()
             }
         slot = len(self.items)

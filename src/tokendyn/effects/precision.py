@@ -8,7 +8,7 @@ keeps the model's dtype for the next analysed steps when the two agree to ``tol`
 is made again every ``every`` analysed steps (the policy moves, so can the answer). For float32 weights the float64
 steps of a check are `FLOAT64_STEP`'s: the gradient in float32, as the candidate's, the step and pi after it in
 float64 (`tokendyn.effects.change.InPlaceUpdate`), so the check measures what rounding the step to the weights'
-dtype changes and nothing else, at the memory of the model's own backward (no float64 activations, no float64
+dtype changes and nothing else, at the memory of the model's own backward (no float64 activations kept, no float64
 gradient); against the all-float64 path its records differ by the float32 gradient's own rounding
 (`tests/test_precision_matrix.py`). For bf16 / fp16 weights, whose gradient itself rounds at the check's
 tolerance, they are the all-float64 path's (`reference_precision`). The steps of a

@@ -33,6 +33,7 @@ from tokendyn.effects.change import (
     counterfactual_change,
     fix_pi_old,
     real_change,
+    swaps_steps,
     warn_unresolved,
 )
 from tokendyn.effects.compare import FullUpdate
@@ -43,7 +44,7 @@ from tokendyn.effects.shares import METHODS, as_edges, gradient_shares
 from tokendyn.effects.token_sample import token_shares_frame
 from tokendyn.effects.token_view import head_ratios, token_view_frame, view_rows
 from tokendyn.probe.parallel import is_fully_sharded
-from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index
+from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index, trainable_parameters
 from tokendyn.records import process_rank, to_frame
 from tokendyn.remedies import lopti_masks
 from tokendyn.vocab import HIGH, LOPTI, LOW, MEASURED, PROBE_STEP_PRECISIONS, TRAIN, stage_name
@@ -152,8 +153,9 @@ def analyze_update(
     ``first_stage``: the (eta, order) of a Lopti rule the paired comparison will make: with steps in the model's
     dtype, when its first stage's tokens are a union of the influence matrix's source bins, the sum of those
     sources' gradients is kept in the `FullUpdate` (``first_stage``), and the comparison makes no forward and
-    backward of its own for that stage (one parameter-sized buffer more while the later sources run, no more than
-    the host copy of theta_0 such steps no longer make; not under float64 steps, whose peak it would raise)."""
+    backward of its own for that stage: one parameter-sized buffer more while the later sources run, no more than
+    the copy of theta_0 swapped steps no longer make, so only where they are swapped (`_keeps_first_stage`: float32
+    or float64 parameters in host memory; not under float64 steps, nor on a GPU, whose peaks it would raise)."""
     opts = options or RebalanceOptions()
     if opts.step_precision == MEASURED:
 
@@ -179,7 +181,7 @@ def analyze_update(
     if opts.influence and want_shares and stage_masks is None and opts.share_method == "stream":
         # one set of gradients for both: each source's step is made with the g_b the shares reduce
         keep = ()
-        if first_stage is not None and opts.step_precision == "model":
+        if first_stage is not None and opts.step_precision == "model" and _keeps_first_stage(model):
             keep = _source_union(batch, bins, edges_t, *first_stage)
         inf, res = influence_and_shares(
             model,
@@ -323,11 +325,20 @@ def analyze_update(
             res.tokens,
             not (resolution.get(TRAIN) is not None and resolution[TRAIN].no_update),
             inf.kept if opts.influence else None,
+            opts.step_precision,
         )
     notes = _no_update_notes(step, inf.resolution if opts.influence else {}, resolution, sweep_res)
     if notes is not None:
         frames["notes"] = notes
     return frames, full
+
+
+def _keeps_first_stage(model: nn.Module) -> bool:
+    """Whether the analyses keep Lopti's first stage for the comparison: steps swapped in (`swaps_steps`: parameters
+    in host memory, so the kept sum takes the place of theta_0's copy, no memory more) and float32 or float64
+    weights (bf16 sums of the sources would round at 2^-9)."""
+    params = list(trainable_parameters(model).values())
+    return swaps_steps(model) and all(p.dtype in (torch.float32, torch.float64) for p in params)
 
 
 def _source_union(

@@ -437,13 +437,16 @@ def token_shares_many(
     model: nn.Module,
     items: list[tuple[ProbeBatch, dict[str, torch.Tensor], Objective | None]],
     tangents: dict[str, torch.Tensor] | None = None,
+    *,
+    strict: bool = False,
 ) -> list[torch.Tensor]:
     """`token_shares` of several (batch, direction v_i, objective) at once: s_i,t = <grad l_t(batch_i, objective_i),
     v_i> / ||v_i||^2. Batches that differ at most in their advantages and rewards (one forward for all: the same
     tokens, masks and temperature) share one forward-mode pass with the directions batched (``torch.func.vmap`` over
     the tangents: the primal forward made once, 1.25 s less of 9.2 s per direction on SmolLM2-135M); otherwise,
-    and under FSDP2, one `token_shares` each. ``tangents``: name -> (len(items), *shape) tensor holding the
-    directions stacked (no second copy of them is made), else stacked here."""
+    and under FSDP2, one `token_shares` each, as where vmap refuses an op (unless ``strict``: raised). ``tangents``:
+    name -> (len(items), *shape) tensor holding the directions stacked (no second copy of them is made), else
+    stacked here."""
     same = all(_same_forward(items[0][0], b) for b, _, _ in items[1:])
     if len(items) < 2 or not same or fsdp_modules(model):
         return [token_shares(model, b, d, objective=o) for b, d, o in items]
@@ -472,10 +475,17 @@ def token_shares_many(
             [loss_terms(logp, b, o, h) for (b, _, _), o in zip(items, objectives, strict=True)]
         )
 
-    with eval_mode(model, checkpoint=False), jvp_attention(model), _no_input_require_grads(model):
-        # (randomness "same": a rule drawing random numbers, Clip-Cov, draws them once for every direction, as one
-        # forward would; its draws come from its own seeded generator)
-        dterms = torch.func.vmap(lambda *t: torch.func.jvp(terms, primals, t)[1], randomness="same")(*stacked)
+    try:
+        with eval_mode(model, checkpoint=False), jvp_attention(model), _no_input_require_grads(model):
+            # (randomness "same": a rule drawing random numbers, Clip-Cov, draws them once for every direction, as
+            # one forward would; its draws come from its own seeded generator)
+            dterms = torch.func.vmap(lambda *t: torch.func.jvp(terms, primals, t)[1], randomness="same")(
+                *stacked
+            )
+    except RuntimeError:  # (an op vmap has no batching rule for: one JVP each, the same numbers)
+        if strict:
+            raise
+        return [token_shares(model, b, d, objective=o) for b, d, o in items]
     return [dterms[i, i].detach().to(torch.float64) / norms[i] for i in range(len(items))]
 
 
