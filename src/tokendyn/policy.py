@@ -182,7 +182,14 @@ def load_policy(path: str | os.PathLike | None = None, dtype=None, attn_implemen
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-    return model, load_tokenizer(path)
+    tok = load_tokenizer(path)
+    if (Path(path) / MARKER).is_file() and tok.bos_token_id is None:
+        # a tokendyn-built policy's tokenizer has no BOS token (its config names the chat's): set here what
+        # transformers' Trainer would set, and warn about, when it aligns the model with the tokenizer
+        model.config.bos_token_id = None
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.bos_token_id = None
+    return model, tok
 
 
 EMBEDDED_DIR = Path(__file__).parent / "default_policy"
