@@ -20,10 +20,10 @@ tokens carry no policy-gradient signal (no token with A != 0, or every such toke
 Every update is made in place (`tokendyn.effects.change.InPlaceUpdate`), by default on float64 copies of the
 parameters (a source's step is far below the float32 rounding of theta), and each source's step records how finely it
 was resolved (`tokendyn.effects.change.Resolution`). A source's update is undone by putting the stage's starting
-parameters back (plain SGD in the model's dtype: its own tensors, never written; another optimizer: copied back
-from host memory), and the model is left bitwise as it was. Host memory: theta_0 and with two stages the
-parameters at the start of stage 2 (another optimizer than plain SGD in the model's dtype); device memory: the
-float64 copy (none with precision "model").
+parameters back (plain SGD in the model's dtype on parameters in host memory: their own tensors, never written;
+otherwise copied back from host memory), and the model is left bitwise as it was. Host memory: theta_0 and with
+two stages the parameters at the start of stage 2 (unless never written); device memory: the float64 copy (none
+with precision "model").
 """
 
 from __future__ import annotations
