@@ -67,7 +67,7 @@ from tokendyn.effects.compare_optim import NormalizedSGD, _set_lr, optimizer_cop
 from tokendyn.effects.distributions import measure
 from tokendyn.effects.influence import SourceSum
 from tokendyn.effects.paired_records import paired_frame
-from tokendyn.effects.shares import dot64, token_shares_many
+from tokendyn.effects.shares import dot64, same_forward, token_shares_many
 from tokendyn.probe.forward import completion_proxy_logp
 from tokendyn.probe.parallel import local
 from tokendyn.probe.rules import SURROGATES
@@ -255,19 +255,12 @@ def reuses(full: FullUpdate, rule: Rule, batch: ProbeBatch, lr: float) -> bool:
 
 
 def _same_batch(a: ProbeBatch, b: ProbeBatch) -> bool:
-    """The same completions, masks, advantages and sampling terms, temperature and normalizer (pi_old apart)."""
-    if (a.temperature, a.normalizer) != (b.temperature, b.normalizer):
+    """The same forward (`same_forward`), advantages, sampling terms and normalizer (pi_old apart)."""
+    if a.normalizer != b.normalizer or not same_forward(a, b):
         return False
-    tensors = (
-        "input_ids",
-        "attention_mask",
-        "completion_mask",
-        "advantages",
-        "ref_logp",
-        "sampling_logp",
-        "is_ratio",
+    return all(
+        _same(getattr(a, n), getattr(b, n)) for n in ("advantages", "ref_logp", "sampling_logp", "is_ratio")
     )
-    return all(_same(getattr(a, n), getattr(b, n)) for n in tensors)
 
 
 def given_first_stage(

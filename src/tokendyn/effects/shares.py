@@ -447,7 +447,7 @@ def token_shares_many(
     and under FSDP2, one `token_shares` each, as where vmap refuses an op (unless ``strict``: raised). ``tangents``:
     name -> (len(items), *shape) tensor holding the directions stacked (no second copy of them is made), else
     stacked here."""
-    same = all(_same_forward(items[0][0], b) for b, _, _ in items[1:])
+    same = all(same_forward(items[0][0], b) for b, _, _ in items[1:])
     if len(items) < 2 or not same or fsdp_modules(model):
         return [token_shares(model, b, d, objective=o) for b, d, o in items]
     params = trainable_parameters(model)
@@ -489,7 +489,7 @@ def token_shares_many(
     return [dterms[i, i].detach().to(torch.float64) / norms[i] for i in range(len(items))]
 
 
-def _same_forward(a: ProbeBatch, b: ProbeBatch) -> bool:
+def same_forward(a: ProbeBatch, b: ProbeBatch) -> bool:
     """Whether the two batches' model forward is the same (tokens, masks, temperature)."""
     same = a.temperature == b.temperature
     for name in ("input_ids", "attention_mask", "completion_mask"):
