@@ -3,9 +3,11 @@
 
   * float32 weights, one process (what the check of a float32 run compares);
   * bf16 weights, one process (a bf16 run: float64 steps from the bf16 weights against bf16 steps);
-  * FSDP2 on 2 CPU ranks (``--fsdp``; torchrun, gloo): the float32 model sharded with `fully_shard` (every decoder
-    layer, then the root), its shards stepping in float32 (no float64 copy of a sharded model), against one process
-    with float64 steps, and against one process in float32 (what sharding itself changes).
+  * FSDP2 on 2 CPU ranks (``--fsdp``; torchrun, gloo): the model sharded with `fully_shard` (every decoder layer,
+    then the root), its shards stepping in their own dtype, and with float64 steps whose float64 point is sharded
+    too (`float64_step`: 8 bytes a parameter / world size; the gradient in the shards' dtype), against one process
+    with float64 steps, and against one process in float32 (what sharding itself changes); float32 weights, and
+    bf16 weights (a pure-bf16 sharded run: its float64 steps against one process's all-float64 path).
 
 The batch is bench/limit_vs_step.py's (``--prompts`` x 2 samples at T = 1, advantages +1 / -1; K&K for the embedded
 default, sums for SmolLM2), pi_old fixed in float64; the analyses: the counterfactual update and the influence
@@ -82,30 +84,41 @@ def _batch(args):
 
 
 def fsdp_worker(args) -> None:
-    """One rank: the same model and batch, sharded, analysed in its own dtype; rank 0 writes the frames."""
+    """One rank: the same model and batch, sharded, analysed in its own dtype and with sharded float64 steps, in
+    float32 and (unless --no-bf16) bf16 weights; rank 0 writes the frames, the wall times and the float64 shards'
+    bytes on a rank."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from tokendyn.policy import load_policy
+    from tokendyn.probe.parallel import local
     from tokendyn.probe.tokenloss import ProbeBatch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out = Path(args.fsdp_worker)
-    model, _ = load_policy(args.model, dtype=torch.float32)
-    model.eval()
     saved = torch.load(out / "batch.pt", weights_only=True)
     batch = ProbeBatch(saved["ids"], saved["attn"], saved["cmask"], saved["adv"], temperature=saved["T"])
     batch = batch.with_old_logp(saved["old_logp"])
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    frames, seconds = _analyse(model, batch, args.lr, "model")
+    seconds, shard_bytes = {}, {}
+    for dtype in (torch.float32,) if args.no_bf16 else (torch.float32, torch.bfloat16):
+        model, _ = load_policy(args.model, dtype=torch.float32)
+        model = model.to(dtype).eval()
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        name = str(dtype).removeprefix("torch.")
+        shard_bytes[name] = 8 * sum(local(p).numel() for p in model.parameters())
+        for precision in ("model", "float64_step"):
+            frames, seconds[f"{name}-{precision}"] = _analyse(model, batch, args.lr, precision)
+            if dist.get_rank() == 0:
+                for kind, frame in frames.items():
+                    frame.write_parquet(out / f"{name}-{precision}-{kind}.parquet")
+        del model
     if dist.get_rank() == 0:
-        for kind, frame in frames.items():
-            frame.write_parquet(out / f"{kind}.parquet")
+        (out / "shard_bytes.json").write_text(json.dumps(shard_bytes))
         (out / "seconds.json").write_text(json.dumps(seconds))
     dist.barrier()
     dist.destroy_process_group()
@@ -138,6 +151,7 @@ def main() -> None:
     ref, t64 = _analyse(model, batch, args.lr, "float64")
     low, t32 = _analyse(model, batch, args.lr, "model")
     print(_row("float32, one process", ref, low, "float32", (t64, t32)), flush=True)
+    ref16 = None
     if not args.no_bf16:
         half = copy.deepcopy(model).to(torch.bfloat16)
         ref16, t64b = _analyse(half, batch, args.lr, "float64")  # float64 steps from the same bf16 weights
@@ -156,6 +170,8 @@ def main() -> None:
                    "--fsdp-worker", str(out), "--lr", str(args.lr)]  # fmt: skip
             if args.model:
                 cmd += ["--model", args.model]
+            if args.no_bf16:
+                cmd += ["--no-bf16"]
             env = {
                 **os.environ,
                 "OMP_NUM_THREADS": "1",
@@ -164,10 +180,38 @@ def main() -> None:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if not (out / "seconds.json").is_file():
                 sys.exit(f"FSDP2 workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            fsdp = {p.stem: pl.read_parquet(p) for p in out.glob("*.parquet")}
+            fsdp: dict[str, dict[str, pl.DataFrame]] = {}
+            for path in out.glob("*.parquet"):
+                way, kind = path.stem.rsplit("-", 1)
+                fsdp.setdefault(way, {})[kind] = pl.read_parquet(path)
             tf = json.loads((out / "seconds.json").read_text())
-        print(_row("float32, FSDP2 2 ranks vs one process float64", ref, fsdp, "float32", (t64, tf)))
-        print(_row("float32, FSDP2 2 ranks vs one process float32", low, fsdp, "float32", (t32, tf)))
+            shard = json.loads((out / "shard_bytes.json").read_text())
+        full = 8 * sum(p.numel() for p in model.parameters())
+        print(f"\nFSDP2, 2 ranks: the float64 point's shards {shard['float32'] / 1e6:.1f} MB on a rank "
+              f"(a whole float64 copy: {full / 1e6:.1f} MB)\n")  # fmt: skip
+        print("| weights, steps | updates | worst rel_diff | ratio tokens | signs equal | at 0.5 % | times |")
+        print("|---|---|---|---|---|---|---|")
+        f32, f64 = fsdp["float32-model"], fsdp["float32-float64_step"]
+        rows = [  # (label, reference, candidate, weights, (reference's seconds, candidate's))
+            ("float32, FSDP2 2 ranks, own dtype vs one process float64", ref, f32, "float32", (t64, tf["float32-model"])),
+            ("float32, FSDP2 2 ranks, own dtype vs one process float32", low, f32, "float32", (t32, tf["float32-model"])),
+            ("float32, FSDP2 2 ranks, sharded float64 steps vs one process float64", ref, f64, "float32",
+             (t64, tf["float32-float64_step"])),
+            ("float32, FSDP2: own dtype vs its sharded float64 steps (its own check)", f64, f32, "float32",
+             (tf["float32-float64_step"], tf["float32-model"])),
+        ]  # fmt: skip
+        if ref16 is not None:
+            b16, b64 = fsdp["bfloat16-model"], fsdp["bfloat16-float64_step"]
+            rows += [
+                ("bf16, FSDP2 2 ranks, own dtype vs one process all-float64", ref16, b16, "bfloat16",
+                 (t64b, tf["bfloat16-model"])),
+                ("bf16, FSDP2 2 ranks, sharded float64 steps vs one process all-float64", ref16, b64, "bfloat16",
+                 (t64b, tf["bfloat16-float64_step"])),
+                ("bf16, FSDP2: own dtype vs its sharded float64 steps (its own check)", b64, b16, "bfloat16",
+                 (tf["bfloat16-float64_step"], tf["bfloat16-model"])),
+            ]  # fmt: skip
+        for label, a, b, dtype, seconds in rows:
+            print(_row(label, a, b, dtype, seconds))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import polars as pl
@@ -229,6 +230,59 @@ def fsdp_analyses_worker(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+FLOAT64_STEPS = ("float64_step", "measured")  # sharded float64 steps: asked for, and chosen by the check
+
+
+def float64_frames(model, pb, masks, precision: str) -> dict[str, pl.DataFrame]:
+    """The counterfactual update, the lr sweep and the influence matrix of `pb` with Lopti's stages, their steps in
+    float64 (``precision``); per-token and per-bin shares off (they do not step)."""
+    from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch
+
+    opts = RebalanceOptions(
+        shares=False, token_shares=0, lr=0.05, lr_sweep=(0.05, 1.0), step_precision=precision
+    )
+    return analyze_batch(model, pb, step=0, options=opts, stage_masks=masks)
+
+
+def fsdp_float64_worker(out_dir: str) -> None:
+    """Every rank analyses the same sample of an FSDP2-sharded model with float64 steps (`float64_step`, and the
+    measured check, which makes them): the float64 point sharded, pi from a float64 forward that gathers one
+    module's float64 parameters at a time. Also that forward alone, under FSDP2 mixed precision (bf16) too, and
+    that it refuses a forward with grad. The model is bitwise unchanged by all of it, FSDP2's hooks working after."""
+    import torch.distributed as dist
+
+    from tokendyn.effects.change import completion_probs
+    from tokendyn.probe.float64 import as_float64
+    from tokendyn.probe.parallel import local
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    reference, batch = _model_and_batch()
+    pb, masks = analysis_sample(reference, batch)
+    for wrap in ("fsdp", "fsdp_keep", "fsdp_bf16"):
+        model, _ = _wrapped(wrap)
+        before = [local(p).clone() for p in model.parameters()]
+        own = completion_probs(model, pb)
+        with as_float64(model):
+            pi64 = completion_probs(model, pb)
+            with pytest.raises(RuntimeError, match="only without grad"):
+                model(input_ids=pb.input_ids, attention_mask=pb.attention_mask)
+        torch.save(pi64, Path(out_dir) / f"{wrap}-pi64-rank{rank}.pt")
+        assert torch.equal(completion_probs(model, pb), own), f"{wrap}: FSDP2's own forward changed"
+        if wrap != "fsdp_bf16":  # (its gradients are bf16's: no one-process float64-step reference)
+            for precision in FLOAT64_STEPS:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # (the limit and the shares' JVPs skipped under FSDP2)
+                    frames = float64_frames(model, pb, masks, precision)
+                for kind, frame in frames.items():
+                    frame.write_parquet(Path(out_dir) / f"{wrap}-{precision}-{kind}-rank{rank}.parquet")
+        same = all(torch.equal(a, local(b)) for a, b in zip(before, model.parameters(), strict=True))
+        assert same, f"{wrap}: the float64 analyses changed the model"
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def sampled_rollouts(prompts: list[str], trainer) -> dict:
     """A TRL ``rollout_func``: completions sampled from the policy at the training temperature, each with a generator
     seeded by its index in the global generation batch (process r holds the prompts r * n .. (r + 1) * n - 1 of it),
@@ -414,6 +468,49 @@ def test_rebalancing_analyses_under_fsdp2_equal_one_process_on_the_same_sample(t
     assert "token_shares" in one and not list(tmp_path.glob("*token_shares*"))
 
 
+def test_sharded_float64_steps_under_fsdp2_equal_one_process(tmp_path):
+    """FSDP2 on 2 ranks with float64 steps (the float64 point sharded, 8 bytes a parameter / world size): pi from
+    the sharded float64 forward equals one process's float64 model bitwise (FSDP2 mixed precision bf16 included: its
+    casts are paused), and the counterfactual update, the lr sweep and the influence matrix with `float64_step` and
+    with the measured check (its `precision_check` records too) equal one process's on the same sample."""
+    from tokendyn.effects.change import completion_probs
+    from tokendyn.probe.float64 import as_float64
+
+    _launch(tmp_path, "fsdp_float64")
+    torch.set_num_threads(1)
+    model, batch = _model_and_batch()
+    pb, masks = analysis_sample(model, batch)
+    with as_float64(model):
+        want = completion_probs(model, pb)
+    for wrap in ("fsdp", "fsdp_keep", "fsdp_bf16"):
+        for r in (0, 1):
+            assert torch.equal(torch.load(tmp_path / f"{wrap}-pi64-rank{r}.pt"), want), (wrap, r)
+    diffs = {}
+    for precision in FLOAT64_STEPS:
+        one = float64_frames(model, pb, masks, precision)
+        assert "precision_check" in one if precision == "measured" else "precision_check" not in one
+        for wrap, kind in itertools.product(FSDP_WRAPS, one):
+            a, b = (pl.read_parquet(tmp_path / f"{wrap}-{precision}-{kind}-rank{r}.parquet") for r in (0, 1))
+            ref, a, b = (f.drop("seconds_float64", "seconds_model", strict=False) for f in (one[kind], a, b))
+            assert a.equals(b), f"{wrap} {precision} {kind}: the ranks differ (wall times apart)"
+            if kind == "prob_change":  # (the lr -> 0 limit, a forward-mode JVP, is skipped under FSDP2)
+                ref = ref.filter(~pl.col("limit").fill_null(False))
+                assert set(b["step_dtype"].drop_nulls()) == {"float64"}, b["step_dtype"].unique()
+            diffs[f"{wrap}:{precision}:{kind}"] = _frames_close(ref, b, kind)
+    print(json.dumps(diffs))
+    assert all(v < FSDP_RTOL for v in diffs.values()), diffs
+
+
+def _frames_close(ref: pl.DataFrame, got: pl.DataFrame, kind: str) -> float:
+    """Every key column and correct ratio equal, and the largest relative difference of the other float columns."""
+    floats = [c for c, t in ref.schema.items() if t == pl.Float64 and c not in ("lr", "bin_lo", "bin_hi")]
+    exact = [c for c in floats if c.startswith("correct_")]
+    keys = [c for c in ref.columns if c not in floats or c in exact]
+    ref, got = ref.sort(keys, nulls_last=True), got.sort(keys, nulls_last=True)
+    assert ref.height > 0 and ref.select(keys).equals(got.select(keys)), kind
+    return max((_max_rel(got[c], ref[c]) for c in floats if c not in exact), default=0.0)
+
+
 class _Accelerator:
     """The parts of accelerate's `Accelerator` that `TrainerProbe` uses, over torch.distributed (or one process)."""
 
@@ -451,9 +548,8 @@ def trainer_probe_analyses(model, batch, rows: slice, run_dir: Path) -> None:
         for f in fields(TokendynGRPOConfig)
         if f.name.startswith("probe_") and f.default is not MISSING
     }
-    config = ProbeConfig(
-        sample_sequences=6, lr=0.05, step_precision="model"
-    )  # every analysis; FSDP2's precision
+    # every analysis, the default step precision: a measured check (float64 steps sharded under FSDP2)
+    config = ProbeConfig(sample_sequences=6, lr=0.05)
     args = SimpleNamespace(
         **{**defaults, "probe_every": 1, "probe_sample_sequences": 6, "probe_lr": 0.05},
         probe_config=lambda: config, temperature=T, seed=0, epsilon=0.2, epsilon_high=0.28,
@@ -493,8 +589,8 @@ def fsdp_trainer_worker(out_dir: str) -> None:
 
 def test_trainer_probe_runs_the_analyses_on_every_fsdp2_rank_and_rank0_writes(tmp_path):
     """The trainer's dispatch under FSDP2: every rank analyses the gathered sample (a collective), rank 0 alone
-    writes, the records equal one process's over the same global rows, and the skipped per-token shares are noted
-    once as a `notes` record."""
+    writes, the records equal one process's over the same global rows (the measured step precision's check, made
+    with sharded float64 steps, included), and the skipped per-token shares are noted once as a `notes` record."""
     from tokendyn.records import shard_files
 
     _launch(tmp_path / "two", "fsdp_trainer")
@@ -502,16 +598,23 @@ def test_trainer_probe_runs_the_analyses_on_every_fsdp2_rank_and_rank0_writes(tm
     model, batch = _model_and_batch()
     trainer_probe_analyses(model, batch, slice(0, 8), tmp_path / "one" / "run")
     diffs = {}
-    for kind in ("shares", "prob_change", "influence"):
+    for kind in ("shares", "prob_change", "influence", "precision_check"):
         files = shard_files(tmp_path / "two" / "run", kind)
         assert files and all("-rank000-" in f.name for f in files), [f.name for f in files]
         one, two = (pl.read_parquet(shard_files(tmp_path / d / "run", kind)) for d in ("one", "two"))
-        one, two = one.drop("jvp_share", strict=False), two.drop("jvp_share", strict=False)
+        skipped = ("jvp_share", "seconds_float64", "seconds_model")  # (not under FSDP2; wall times)
+        one, two = one.drop(*skipped, strict=False), two.drop(*skipped, strict=False)
+        if kind == "prob_change":  # (the lr -> 0 limit, a forward-mode JVP, is skipped under FSDP2)
+            one = one.filter(~pl.col("limit").fill_null(False))
         floats = [c for c, t in one.schema.items() if t == pl.Float64 and not c.startswith("correct_")]
         keys = [c for c in one.columns if c not in floats]
         one, two = one.sort(keys, nulls_last=True), two.sort(keys, nulls_last=True)
         assert one.height > 0 and one.select(keys).equals(two.select(keys)), kind
-        diffs[kind] = max(_max_rel(two[c], one[c]) for c in floats)
+        if kind == "precision_check":  # (differences of the two ways, already relative to the largest |dpi|:
+            # the float64 sums' order moves them in absolute terms, their own size aside)
+            diffs[kind] = max(float((two[c] - one[c]).abs().max()) for c in floats)
+        else:
+            diffs[kind] = max(_max_rel(two[c], one[c]) for c in floats)
     print(json.dumps(diffs))
     assert all(v < FSDP_RTOL for v in diffs.values()), diffs
     assert shard_files(tmp_path / "one" / "run", "token_shares")
@@ -567,6 +670,8 @@ if __name__ == "__main__":
         fsdp_trainer_worker(sys.argv[2])
     elif sys.argv[1] == "fsdp_analyses":
         fsdp_analyses_worker(sys.argv[2])
+    elif sys.argv[1] == "fsdp_float64":
+        fsdp_float64_worker(sys.argv[2])
     elif sys.argv[1] == "trl":
         from tokendyn.records import shard_files
 

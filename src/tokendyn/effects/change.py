@@ -228,8 +228,14 @@ class InPlaceUpdate:
     model-dtype gradient does, at the memory of the model's own backward plus 8 bytes a parameter per float64 point
     held (one off theta_0 for the influence sources; two during Lopti's second stage, its start kept; the point
     rounded to the model's dtype where a gradient is taken there) and the float64 forward's transients, no float64
-    activations kept for a backward (`tokendyn.effects.precision`'s check of float32 weights). Sharded (FSDP2) parameters are stepped in
-    their own dtype, in place.
+    activations kept for a backward (`tokendyn.effects.precision`'s check of float32 weights).
+
+    FSDP2-sharded parameters: "model" steps their shards in their own dtype, in place; "float64" and "float64_step"
+    are both "float64_step" there (no float64 backward of a sharded model), with the float64 point kept as this
+    rank's float64 shards (8 bytes a parameter / world size) and pi measured by a float64 forward that gathers each
+    module's float64 parameters only while it runs (`tokendyn.probe.float64.as_float64`); the rounded point where a
+    gradient is taken is written into the shards in place, theta_0's shards kept in host memory and put back on
+    exit. Another optimizer than plain SGD is refused there with float64 steps.
 
     FSDP2: every rank makes the same steps on the same batch (each step's forward and backward are collectives);
     each rank saves and restores its own shards, the gradient is FSDP2's reduce-scattered one
@@ -262,14 +268,24 @@ class InPlaceUpdate:
         # parameters hold it rounded to their dtype (where the next gradient is taken)
         self._theta64: dict[str, torch.Tensor] | None = None
         self._rounded, self._mode = True, precision
+        self._sharded = False
 
     def __enter__(self) -> InPlaceUpdate:
         reshard(self.model)  # FSDP2: the registered parameters are the shards (`parallel.reshard`)
         self.params = trainable_parameters(self.model)
         self.start_norm2 = self._sum_over_ranks(sum(dot64(local(p), local(p)) for p in self.params.values()))
-        mode = "model" if _sharded(self.model) else self.precision
-        if mode == FLOAT64_STEP and not _plain_sgd(self.optimizer_factory(list(self.params.values()))):
+        mode, sharded = self.precision, _sharded(self.model)
+        plain = _plain_sgd(self.optimizer_factory(list(self.params.values())))
+        if sharded and mode == FLOAT64:
+            mode = FLOAT64_STEP  # (no float64 backward of a sharded model: the gradient in its own dtype)
+        if mode == FLOAT64_STEP and not plain:
+            if sharded:
+                raise ValueError(
+                    "change: float64 steps of an FSDP2-sharded model need plain SGD (step_precision 'model' for "
+                    "another optimizer)"
+                )
             mode = FLOAT64  # (another optimizer than plain SGD: its state is float64 too, every op float64)
+        self._sharded = sharded
         copy64, self._mode = mode == FLOAT64, mode
         self.step_dtype = torch.float64 if mode == FLOAT64_STEP else None
         self.step_signal, self.signal = None, False
@@ -291,7 +307,7 @@ class InPlaceUpdate:
             # theta_0: with float64 copies stepping, or plain SGD steps swapped in as new tensors (`_swap`), the
             # model's own weights are never written (no copy of them: 4 or 2 bytes a parameter of host memory
             # saved, and each restore is the weights themselves); else a host copy
-            never_written = copy64 or self._swap or mode == FLOAT64_STEP
+            never_written = copy64 or self._swap or (mode == FLOAT64_STEP and not sharded)
             self.start = HostSnapshot.borrowed(own) if never_written else HostSnapshot(own)
         except BaseException:
             self._stack.close()
@@ -300,7 +316,7 @@ class InPlaceUpdate:
 
     def __exit__(self, *exc) -> None:
         try:
-            swapped = self._swap or self._step64()
+            swapped = self._swap or (self._step64() and not self._sharded)
             if self.start is not None and swapped:  # (theta_0's own tensors back in place)
                 _swap_in(self.params, self.start.tensors)
             elif self.start is not None and not self._copied:  # (copies stepped: the model's own untouched)
@@ -374,8 +390,8 @@ class InPlaceUpdate:
                 stepped = {}
                 for (n, p), g in zip(self.params.items(), grads, strict=True):
                     theta, scale = current[n], lr.get(id(p))  # (a parameter no group holds: not stepped)
-                    if step64:
-                        theta = theta.to(torch.float64)
+                    if step64:  # (FSDP2's theta_0: its shards' host copy)
+                        theta = theta.to(local(p).device, torch.float64)
                         g = None if g is None else g.to(torch.float64)
                     stepped[n] = theta if g is None or scale is None else torch.add(theta, g, alpha=-scale)
             del grads
@@ -415,7 +431,14 @@ class InPlaceUpdate:
         """float64_step: the model's parameters hold the current point rounded to their dtype (theta_0: their own)."""
         if not self._step64() or self._rounded:
             return
-        if self._theta64 is None:
+        if self._sharded:  # (written into the shards in place; theta_0's put back on exit)
+            if self._theta64 is None:
+                self.start.restore(self.params)
+            else:
+                with torch.no_grad():
+                    for n, p in self.params.items():
+                        local(p).copy_(self._theta64[n])
+        elif self._theta64 is None:
             _swap_in(self.params, self.start.tensors)
         else:
             _swap_in(self.params, {n: self._theta64[n].to(p.dtype) for n, p in self.params.items()})
@@ -534,12 +557,12 @@ def fix_pi_old(
     """(batch with old_logp set, pi_before): an on-policy batch gets pi_old = the current pi, fixed for every later
     stage (as the trainer does: pi_old is not recomputed between Lopti stages). ``pi_before``: pi at the current
     parameters (`completion_probs`) when the caller measured it already, for a batch whose pi_old is fixed (no
-    forward then; it must have been measured in ``precision``). ``precision`` "float64": pi is the float64 model's
-    (`as_float64`), and so is an on-policy batch's pi_old (the ratio pi / pi_old of the float64 steps exactly 1 at
-    theta_0)."""
+    forward then; it must have been measured in ``precision``). ``precision`` "float64" (or "float64_step"): pi is
+    the float64 model's (`as_float64`; FSDP2-sharded too), and so is an on-policy batch's pi_old (the ratio
+    pi / pi_old of the float64 steps exactly 1 at theta_0)."""
     if batch.old_logp is not None and pi_before is not None:
         return batch, pi_before
-    with as_float64(model) if precision in (FLOAT64, FLOAT64_STEP) and not _sharded(model) else nullcontext():
+    with as_float64(model) if precision in (FLOAT64, FLOAT64_STEP) else nullcontext():
         if batch.old_logp is not None:
             return batch, completion_probs(model, batch)
         logp, logp64 = loss_and_measured_logp(model, batch)  # pi_old: the loss's own log pi, ratio 1 at start

@@ -69,7 +69,7 @@ from tokendyn.effects.influence import SourceSum
 from tokendyn.effects.paired_records import paired_frame
 from tokendyn.effects.shares import dot64, same_forward, token_shares_many
 from tokendyn.probe.forward import completion_proxy_logp
-from tokendyn.probe.parallel import local
+from tokendyn.probe.parallel import is_fully_sharded, local
 from tokendyn.probe.rules import SURROGATES
 from tokendyn.probe.tokenloss import (
     PPO_FAMILY,
@@ -342,7 +342,8 @@ def compare_rules(
     T = lr ||g||), its shares (the analyses' s_t along g, over their sum) and ||dtheta|| / ||theta_0|| = lr ||g|| /
     ||theta_0||; and pi at theta_0 is the analyses' (no forward; it must then have been measured in the same
     ``precision``). ``precision``: the steps' (`tokendyn.effects.change.InPlaceUpdate`), float64 by default
-    ("float64_step", a check step's analyses', is made "float64": the rules' entropy and KL are read off the model).
+    ("float64_step", a check step's analyses', is made "float64": the rules' entropy and KL are read off the model;
+    on an FSDP2-sharded model both are "model").
     ``inner_steps``: k updates per stage on the same batch (module docstring; ``full`` is reused only at k = 1). A
     rule reading Lp-Reg's proxy gets it from theta_0 (`completion_proxy_logp`) when the batch has none.
     ``distributions`` (default: on when a rule is a sweep point): each rule's entropy change and KL to the first
@@ -350,10 +351,11 @@ def compare_rules(
     its distribution kept in host memory)."""
     if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
         raise ValueError(f"compare: inner_steps must be an integer >= 1, got {inner_steps!r}")
-    if (
-        precision == FLOAT64_STEP
-    ):  # (the rules' distributions are read off the model itself: every op in float64)
+    # the rules' distributions are read off the model itself: every op in float64
+    if precision == FLOAT64_STEP:
         precision = FLOAT64
+    if precision == FLOAT64 and is_fully_sharded(model):  # (FSDP2: no float64 backward; the distributions are
+        precision = "model"  # read off the model in its own dtype, in which its shards step)
     k = inner_steps
     for mode in modes:
         if mode not in MODES:

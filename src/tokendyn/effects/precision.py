@@ -24,8 +24,10 @@ counterfactual update (an influence source, the counterfactual update, a sweep p
 
 (a correct ratio may differ by one token of its bin: a token whose change is within rounding of 0 may tie or flip).
 The model's dtype is kept only when every row of the check agreed. A model whose parameters are all float64 needs no
-check (its own steps are float64); nor can one be made on FSDP2-sharded parameters (no float64 copy: their steps are
-in their own dtype either way), which the records' step_dtype says.
+check (its own steps are float64). On FSDP2-sharded parameters the float64 steps of a check are `FLOAT64_STEP`'s
+whatever the dtype (no float64 backward of a sharded model), the float64 point sharded as the model is (8 bytes a
+parameter / world size, `tokendyn.effects.change.InPlaceUpdate`): for bf16 shards the check then measures the
+step's rounding, not the bf16 gradient's own.
 """
 
 from __future__ import annotations
@@ -240,12 +242,13 @@ def measured_analysis(
     `RebalanceOptions` given, returning (frames, rest)) in float64 and in the model's dtype when ``state`` says a
     check is due (the float64 frames returned, with the check's `precision_check` frame), else once in the
     precision the last check chose (its steps' unresolved-step warnings silenced when the check agreed: it measured
-    what they lose; the candidate's of a check too). A model already in float64 and FSDP2-sharded parameters (``sharded``) make one
-    analysis in the model's dtype, no check. Returns (frames, rest, the precision used)."""
+    what they lose; the candidate's of a check too). A model already in float64 makes one analysis in its dtype, no
+    check; FSDP2-sharded parameters (``sharded``) check against sharded float64 steps (`reference_precision`).
+    Returns (frames, rest, the precision used)."""
     dtype = model_dtype(model)
     due = state.due()
     state.analysed += 1
-    if sharded or dtype == "float64":
+    if dtype == "float64":
         state.last = "model"
         frames, rest = analyze(replace(options, step_precision="model"))
         return frames, rest, "model"
@@ -254,7 +257,7 @@ def measured_analysis(
         with MeasuredPrecision.quiet(state):
             frames, rest = analyze(replace(options, step_precision=state.last))
         return frames, rest, state.last
-    state.reference = reference_precision(dtype)
+    state.reference = reference_precision(dtype, sharded)
     t0 = time.perf_counter()
     frames, rest = analyze(replace(options, step_precision=state.reference))
     t1 = time.perf_counter()
@@ -271,12 +274,13 @@ def measured_analysis(
     return frames, rest, state.reference
 
 
-def reference_precision(dtype: str) -> str:
+def reference_precision(dtype: str, sharded: bool = False) -> str:
     """The float64 steps a check compares the model's dtype with: `FLOAT64_STEP` (the gradient in the model's
     dtype) for float32 weights, whose gradient's own rounding (1e-7 relative) is far below anything reported, so
     that the check measures the step's rounding alone; the all-float64 path for bf16 / fp16 weights, whose gradient
-    rounds at 4e-3 (bf16), the check's own tolerance."""
-    return FLOAT64_STEP if dtype == "float32" else FLOAT64
+    rounds at 4e-3 (bf16), the check's own tolerance; `FLOAT64_STEP` for FSDP2-sharded parameters of any dtype (the
+    float64 steps a sharded model can make)."""
+    return FLOAT64_STEP if dtype == "float32" or sharded else FLOAT64
 
 
 def check_summary(check: pl.DataFrame) -> str:

@@ -18,6 +18,12 @@ of a ``with``, and that forward mode on, for analyses whose result must not depe
 counterfactual step smaller than the rounding of theta + delta theta in float32 or bf16:
 `tokendyn.effects.change.InPlaceUpdate`). Device memory: the float64 copy, 8 bytes per parameter, beside the model,
 whose own parameters are not touched (an optimizer, DDP's hooks or a view into them see nothing).
+
+A model sharded with FSDP2 (`fully_shard`: DTensor parameters) is never copied whole: within `as_float64` its
+forwards (without grad: pi is measured, a step's gradient is taken in the model's own dtype) gather each module's
+float64 parameters from float64 shards just before that module runs and drop them after it (`_sharded_float64`),
+so the float64 point costs 8 bytes a parameter / world size, plus one module's float64 parameters whole while it
+runs; FSDP2's own hooks (its all-gather in the parameters' dtype, its mixed-precision casts) are paused meanwhile.
 """
 
 from __future__ import annotations
@@ -94,11 +100,16 @@ def as_float64(model: nn.Module, values: dict[int, torch.Tensor] | None = None):
     ``nn.Parameter`` with the same ``requires_grad``; a tensor shared by two modules, a tied embedding, by one copy);
     on exit, also on an exception, the original objects are put back. The originals are never touched: their
     values, ``.grad``, version counters and gradient accumulators (where DDP's and other hooks live; assigning a
-    float64 ``.data`` would reset them) stay as they were. Refused for sharded parameters (FSDP2's DTensor).
+    float64 ``.data`` would reset them) stay as they were. FSDP2-sharded parameters (DTensors): `_sharded_float64`.
     ``values``: id(parameter) -> a float64 tensor of its shape that stands in for it as it is (no copy: a point
-    other than the model's own, e.g. a step made in float64 from it, `tokendyn.effects.change.InPlaceUpdate`)."""
-    from tokendyn.probe.parallel import local
+    other than the model's own, e.g. a step made in float64 from it, `tokendyn.effects.change.InPlaceUpdate`;
+    FSDP2: this rank's shard of it)."""
+    from tokendyn.probe.parallel import fsdp_modules
 
+    if fsdp_modules(model):
+        with _sharded_float64(model, values):
+            yield model
+        return
     made: dict[int, torch.Tensor] = {}
     entries: list[tuple[dict, str, torch.Tensor]] = []
     for module in model.modules():
@@ -106,10 +117,6 @@ def as_float64(model: nn.Module, values: dict[int, torch.Tensor] | None = None):
             for name, t in list(table.items()):
                 if t is None or not t.is_floating_point():
                     continue
-                if local(t) is not t:
-                    raise ValueError(
-                        "as_float64: a sharded (FSDP2) model cannot be copied to float64 in place"
-                    )
                 if id(t) not in made:
                     given = values.get(id(t)) if values is not None and is_param else None
                     copy = t.detach().to(torch.float64, copy=True) if given is None else given.detach()
@@ -127,3 +134,82 @@ def as_float64(model: nn.Module, values: dict[int, torch.Tensor] | None = None):
     finally:
         for table, name, t in entries:
             table[name] = t
+
+
+def _is_fsdp_hook(hook) -> bool:
+    return getattr(hook, "__module__", "").startswith("torch.distributed.fsdp")
+
+
+def _no_hook(*args, **kwargs) -> None:
+    return None
+
+
+@contextmanager
+def _sharded_float64(model: nn.Module, values: dict[int, torch.Tensor] | None):
+    """`as_float64` for a model sharded with FSDP2: every forward within the ``with`` computes in float64, without
+    grad, at the float64 point whose shards are ``values`` (id(parameter) -> this rank's float64 shard; default the
+    parameters' own shards, upcast), every rank calling the same forwards (each gather is a collective).
+
+    Before a module that holds parameters runs, each of its sharded parameters is gathered whole in float64 from its
+    float64 shard (``DTensor.full_tensor``) and stands in for it; after the module, the sharded parameter is put
+    back and the gathered copy dropped. FSDP2's own forward hooks are paused meanwhile (they would gather in the
+    parameters' dtype and cast to its mixed-precision dtype) and put back on exit, as are the parameters, the
+    buffers (float64 copies within) and every hook, also on an exception. Memory: the float64 shards (8 bytes a
+    parameter / world size) and one module's float64 parameters whole at a time."""
+    from torch.distributed.tensor import DTensor
+
+    from tokendyn.probe.parallel import local, reshard
+
+    reshard(model)  # (the sharded parameters registered, none gathered)
+    paused: list[tuple[dict, object, object]] = []
+    handles, buffers = [], []
+
+    def gathered(p: torch.Tensor) -> torch.Tensor:
+        shard = values.get(id(p)) if values is not None else None
+        shard = local(p).detach().to(torch.float64) if shard is None else shard.detach()
+        whole = DTensor.from_local(
+            shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        ).full_tensor()
+        return nn.Parameter(whole, requires_grad=False)
+
+    def before(module, args):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "as_float64: an FSDP2-sharded model computes in float64 only without grad (pi is measured there; "
+                "a step's gradient is taken in the model's own dtype)"
+            )
+        module._tokendyn_sharded = {}
+        for name, p in list(module._parameters.items()):
+            if p is not None and local(p) is not p and p.is_floating_point():
+                module._tokendyn_sharded[name] = p
+                module._parameters[name] = gathered(p)
+
+    def after(module, args, output):
+        module._parameters.update(module.__dict__.pop("_tokendyn_sharded", {}))
+
+    try:
+        for module in model.modules():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                for key, hook in list(hooks.items()):
+                    if _is_fsdp_hook(hook):
+                        paused.append((hooks, key, hook))
+                        hooks[key] = _no_hook
+            for name, b in list(module._buffers.items()):
+                if b is not None and b.is_floating_point():
+                    buffers.append((module._buffers, name, b))
+                    module._buffers[name] = b.detach().to(torch.float64, copy=True)
+            if any(p is not None and local(p) is not p for p in module._parameters.values()):
+                handles.append(module.register_forward_pre_hook(before))
+                handles.append(module.register_forward_hook(after, prepend=True, always_call=True))
+        device = next((local(p).device.type for p in model.parameters()), "cpu")
+        with torch.autocast(device_type=device, enabled=False), exact_float64():
+            yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module in model.modules():
+            module._parameters.update(module.__dict__.pop("_tokendyn_sharded", {}))
+        for table, name, b in buffers:
+            table[name] = b
+        for hooks, key, hook in paused:
+            hooks[key] = hook
