@@ -110,3 +110,88 @@ def test_batched_share_jvps_on_every_architecture(arch, adapter):
             one = token_shares(model, bt, d, objective=o)
             assert float(one.abs().max()) > 0, (arch, adapter)
             assert float((got - one).abs().max()) <= 1e-10 * float(one.abs().max()), (arch, adapter)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lopti_first_stage_kept_on_every_architecture(arch, adapter, monkeypatch):
+    """Lopti's first stage at theta_0 as the analyses keep it (the sum of the influence sources below eta, steps in
+    the float32 model's own dtype) against that stage's gradient by float64 autograd of the clipped surrogate written
+    here (pi_old one update behind: ratios != 1, clipping active), on every architecture and adapter; and, on the
+    float64 copy, the comparison's Lopti made from the stage it kept (taken: the stage's own forward and backward
+    skipped) against Lopti's two float64 SGD stages of a copy at the comparison's lr."""
+    import tokendyn.effects.compare as compare_module
+    from tokendyn.effects.rebalance import RebalanceOptions, analyze_update
+    from tokendyn.probe.tokenloss import trainable_parameters
+
+    if adapter == "lora":
+        pytest.importorskip("peft")
+    model = with_adapter(build(arch), adapter).eval()
+    b = sample_batch(model)
+    mask = b.completion_mask.bool()
+    batch = ProbeBatch(b.input_ids, torch.ones_like(b.input_ids), mask, b.advantages, temperature=T)
+    batch = batch.with_old_logp(b.old_logp)
+    # bins at pi_old's quartiles, eta the median: between tokens
+    pi = torch.exp(b.old_logp.double())[mask].sort().values
+    q = [float(pi[i - 1] + pi[i]) / 2 for i in (len(pi) // 4, len(pi) // 2, 3 * len(pi) // 4)]
+    edges, eta = [0.0, *q, 1.0], q[1]
+    objective = Objective(eps_low=0.2, eps_high=0.24, loss_type="dapo")
+    opts = RebalanceOptions(lr=LR, token_shares=2, step_precision="model")  # (a full update needs its shares)
+    _, full = analyze_update(model, batch, step=0, edges=edges, options=opts, objective=objective,
+                             first_stage=(eta, "low_first"))  # fmt: skip
+    low = (torch.exp(b.old_logp.double()) < eta) & mask
+    assert full.first_stage is not None and torch.equal(full.first_stage.mask, low), (arch, adapter)
+
+    model64 = copy.deepcopy(model).double().eval()
+    params64 = trainable_parameters(model64)
+    old, adv = b.old_logp.double(), b.advantages.double().unsqueeze(1)
+
+    def stage_gradient(work, keep):
+        logp = token_logps(work, b.input_ids)
+        r = torch.exp((logp - old) * mask)
+        pg = -torch.minimum(r * adv, torch.clamp(r, 0.8, 1.24) * adv)
+        loss = (pg * keep.double()).sum() / mask.sum()
+        params = trainable_parameters(work)
+        return dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
+
+    with exact_float64():
+        want = stage_gradient(model64, low)
+    assert want.keys() == full.first_stage.gradient.keys() == params64.keys()
+    scale = max(float(w.abs().max()) for w in want.values())
+    assert scale > 0, (arch, adapter)
+    # float32 gradients of float32 weights: within 1e-5 of the largest entry
+    for name, got in full.first_stage.gradient.items():
+        err = float((got.double() - want[name]).abs().max())
+        assert err <= 1e-5 * scale, (arch, adapter, name, err, scale)
+
+    taken = []
+
+    def observed(*args, **kwargs):
+        out = given(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    # the comparison on the float64 copy, float64 at every op (its own dtype's steps: float64)
+    given = compare_module.given_first_stage
+    monkeypatch.setattr(compare_module, "given_first_stage", observed)
+    rules = [make_rule(n, objective, alpha=ALPHA, eta=eta) for n in ("base", "lopti")]
+    with exact_float64():
+        _, full = analyze_update(model64, batch, step=0, edges=edges, options=opts, objective=objective,
+                                 first_stage=(eta, "low_first"))  # fmt: skip
+        got = compare_rules(model64, batch, rules, lr=LR, shares=False, precision="model", full=full)
+    got = got[("lopti", "equal_norm")]
+    assert True in taken, (arch, adapter, taken)
+    work = copy.deepcopy(model64)
+    with exact_float64():
+        for keep in (low, mask & ~low):
+            grads = stage_gradient(work, keep)
+            with torch.no_grad():
+                for name, p in trainable_parameters(work).items():
+                    p.sub_(got.lr * grads[name])
+        with torch.no_grad():
+            after, before = (torch.exp(token_logps(m, b.input_ids)) for m in (work, model64))
+            dpi = (after - before) * mask
+    scale = float(dpi.abs().max())
+    assert scale > 1e-8, (arch, adapter)
+    err = float((got.delta - dpi).abs().max())
+    assert err <= 1e-8 * scale, (arch, adapter, err, scale)
