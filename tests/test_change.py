@@ -13,12 +13,15 @@ import torch
 from _rebalance import TEMPERATURE, tiny_batch, tiny_model
 
 from tokendyn.effects.change import (
+    InPlaceUpdate,
     change_frame,
     completion_probs,
     correct_ratios,
     counterfactual_change,
     delta_summary,
+    fix_pi_old,
     real_change,
+    sgd,
 )
 from tokendyn.effects.influence import influence, lopti_stage_masks
 from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch, real_change_frame
@@ -428,3 +431,24 @@ def test_rebalance_options_name_a_bad_field():
     with pytest.raises(ValueError, match="lr_sweep"):
         RebalanceOptions(lr_sweep=(1e-3, 0.0))
     assert RebalanceOptions(lr_sweep=(1.0, 1e-3, 1.0)).lr_sweep == (1e-3, 1.0)
+
+
+def test_float64_step_takes_the_model_dtype_gradient_of_an_on_policy_batch(model, batch):
+    """On an on-policy batch, float64_step fixes pi_old as the loss's own log pi in the model's dtype, where it takes
+    its gradients: its first gradient is bitwise the model-dtype step's (ratio exactly 1 at theta_0 in both), so a
+    check compares the two steps' rounding and nothing else. With bf16 weights a float64 pi_old is off by percents
+    there (measured: up to 5 % of the ratio), which moved the gradient."""
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    on_policy = ProbeBatch(batch.input_ids, batch.attention_mask, batch.completion_mask, batch.advantages,
+                           temperature=batch.temperature)  # fmt: skip
+    grads = {}
+    for precision in ("model", "float64_step"):
+        fixed, _ = fix_pi_old(half, on_policy, precision=precision)
+        with InPlaceUpdate(half, sgd(1e-3), precision=precision) as update:
+            update.step(fixed, keep_gradient=True)
+            grads[precision] = {n: t.clone() for n, t in update.last_gradient.tensors.items()}
+    assert grads["model"].keys() == grads["float64_step"].keys()
+    assert all(torch.equal(grads["model"][n], grads["float64_step"][n]) for n in grads["model"])
+    fixed64, _ = fix_pi_old(half, on_policy, precision="float64")  # (the all-float64 path's own pi_old)
+    fixed, _ = fix_pi_old(half, on_policy, precision="float64_step")
+    assert float((fixed64.old_logp - fixed.old_logp).abs().max()) > 1e-3

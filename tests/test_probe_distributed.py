@@ -244,11 +244,58 @@ def float64_frames(model, pb, masks, precision: str) -> dict[str, pl.DataFrame]:
     return analyze_batch(model, pb, step=0, options=opts, stage_masks=masks)
 
 
+# the FSDP2 layouts of the float64 tests: (pi from the sharded float64 forward, records with float64 steps)
+FLOAT64_LAYOUTS = {
+    "fsdp": (True, True),  # every decoder layer, then the root
+    "fsdp_keep": (True, True),  # the same, weights kept gathered between forward and backward
+    "fsdp_bf16": (
+        True,
+        False,
+    ),  # FSDP2 mixed precision, bf16 compute (no one-process reference of its gradients)
+    "bf16": (True, True),  # pure bf16 weights, sharded
+    "partial": (
+        True,
+        False,
+    ),  # the layers sharded, not the root: embeddings and head plain (analyses refused)
+    "lora_embed": (True, False),  # a PEFT LoRA on the embeddings, whose parameters their parent module reads
+}
+
+
+def float64_layout(kind: str, shard: bool):
+    """The policy of one `FLOAT64_LAYOUTS` layout, sharded with `fully_shard` on this process group (``shard``), or
+    the same weights unsharded (the one-process reference)."""
+    from _models import tiny_qwen2
+
+    if kind in ("fsdp", "fsdp_keep", "fsdp_bf16"):
+        return _wrapped(kind)[0] if shard else tiny_qwen2(sharpen=30.0)
+    model = tiny_qwen2(sharpen=30.0)
+    if kind == "bf16":
+        model = model.to(torch.bfloat16)
+    if kind == "lora_embed":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        cfg = LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"], init_lora_weights=False)
+        model = get_peft_model(model, cfg).base_model.model  # (the causal LM, its modules adapted)
+    if shard:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        if kind != "partial":
+            fully_shard(model, mesh=mesh)
+    return model
+
+
 def fsdp_float64_worker(out_dir: str) -> None:
     """Every rank analyses the same sample of an FSDP2-sharded model with float64 steps (`float64_step`, and the
-    measured check, which makes them): the float64 point sharded, pi from a float64 forward that gathers one
-    module's float64 parameters at a time. Also that forward alone, under FSDP2 mixed precision (bf16) too, and
-    that it refuses a forward with grad. The model is bitwise unchanged by all of it, FSDP2's hooks working after."""
+    measured check, which makes them): the float64 point sharded, pi from a float64 forward that gathers each unit's
+    float64 parameters while it runs. Also that forward alone on every `FLOAT64_LAYOUTS` layout, and that it
+    refuses a forward with grad. The model is bitwise unchanged by all of it, FSDP2's own forward after it too."""
+    import importlib.util
+
     import torch.distributed as dist
 
     from tokendyn.effects.change import completion_probs
@@ -260,25 +307,29 @@ def fsdp_float64_worker(out_dir: str) -> None:
     rank = dist.get_rank()
     reference, batch = _model_and_batch()
     pb, masks = analysis_sample(reference, batch)
-    for wrap in ("fsdp", "fsdp_keep", "fsdp_bf16"):
-        model, _ = _wrapped(wrap)
+    for kind, (_, records) in FLOAT64_LAYOUTS.items():
+        if kind == "lora_embed" and importlib.util.find_spec("peft") is None:
+            continue
+        model = float64_layout(kind, shard=True)
         before = [local(p).clone() for p in model.parameters()]
         own = completion_probs(model, pb)
         with as_float64(model):
             pi64 = completion_probs(model, pb)
             with pytest.raises(RuntimeError, match="only without grad"):
                 model(input_ids=pb.input_ids, attention_mask=pb.attention_mask)
-        torch.save(pi64, Path(out_dir) / f"{wrap}-pi64-rank{rank}.pt")
-        assert torch.equal(completion_probs(model, pb), own), f"{wrap}: FSDP2's own forward changed"
-        if wrap != "fsdp_bf16":  # (its gradients are bf16's: no one-process float64-step reference)
-            for precision in FLOAT64_STEPS:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # (the limit and the shares' JVPs skipped under FSDP2)
-                    frames = float64_frames(model, pb, masks, precision)
-                for kind, frame in frames.items():
-                    frame.write_parquet(Path(out_dir) / f"{wrap}-{precision}-{kind}-rank{rank}.parquet")
+        torch.save(pi64, Path(out_dir) / f"{kind}-pi64-rank{rank}.pt")
+        assert torch.equal(completion_probs(model, pb), own), f"{kind}: FSDP2's own forward changed"
+        if kind == "partial":  # (norms summed over the ranks would count a plain parameter once per rank)
+            with pytest.raises(ValueError, match="apply fully_shard to the root module too"):
+                float64_frames(model, pb, masks, "float64_step")
+        for precision in FLOAT64_STEPS if records else ():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the limit and the shares' JVPs skipped under FSDP2)
+                frames = float64_frames(model, pb, masks, precision)
+            for name, frame in frames.items():
+                frame.write_parquet(Path(out_dir) / f"{kind}-{precision}-{name}-rank{rank}.parquet")
         same = all(torch.equal(a, local(b)) for a, b in zip(before, model.parameters(), strict=True))
-        assert same, f"{wrap}: the float64 analyses changed the model"
+        assert same, f"{kind}: the float64 analyses changed the model"
     dist.barrier()
     dist.destroy_process_group()
 
@@ -470,35 +521,48 @@ def test_rebalancing_analyses_under_fsdp2_equal_one_process_on_the_same_sample(t
 
 def test_sharded_float64_steps_under_fsdp2_equal_one_process(tmp_path):
     """FSDP2 on 2 ranks with float64 steps (the float64 point sharded, 8 bytes a parameter / world size): pi from
-    the sharded float64 forward equals one process's float64 model bitwise (FSDP2 mixed precision bf16 included: its
-    casts are paused), and the counterfactual update, the lr sweep and the influence matrix with `float64_step` and
-    with the measured check (its `precision_check` records too) equal one process's on the same sample."""
+    the sharded float64 forward equals one process's float64 model bitwise on every layout (FSDP2 mixed precision
+    bf16: its casts paused; pure bf16 weights; a root left unsharded; a LoRA on the embeddings), and the
+    counterfactual update, the lr sweep and the influence matrix with `float64_step` and with the measured check
+    (its `precision_check` records too) equal one process's on the same sample. Pure bf16 shards check against
+    their own float64 steps (`float64_step`), where one bf16 process checks against the all-float64 path: their
+    `float64_step` records are compared, not the check's."""
+    import importlib.util
+
     from tokendyn.effects.change import completion_probs
     from tokendyn.probe.float64 import as_float64
 
     _launch(tmp_path, "fsdp_float64")
     torch.set_num_threads(1)
-    model, batch = _model_and_batch()
-    pb, masks = analysis_sample(model, batch)
-    with as_float64(model):
-        want = completion_probs(model, pb)
-    for wrap in ("fsdp", "fsdp_keep", "fsdp_bf16"):
-        for r in (0, 1):
-            assert torch.equal(torch.load(tmp_path / f"{wrap}-pi64-rank{r}.pt"), want), (wrap, r)
+    pb, masks = analysis_sample(*_model_and_batch())
     diffs = {}
-    for precision in FLOAT64_STEPS:
-        one = float64_frames(model, pb, masks, precision)
-        assert "precision_check" in one if precision == "measured" else "precision_check" not in one
-        for wrap, kind in itertools.product(FSDP_WRAPS, one):
-            a, b = (pl.read_parquet(tmp_path / f"{wrap}-{precision}-{kind}-rank{r}.parquet") for r in (0, 1))
-            ref, a, b = (f.drop("seconds_float64", "seconds_model", strict=False) for f in (one[kind], a, b))
-            assert a.equals(b), f"{wrap} {precision} {kind}: the ranks differ (wall times apart)"
-            if kind == "prob_change":  # (the lr -> 0 limit, a forward-mode JVP, is skipped under FSDP2)
-                ref = ref.filter(~pl.col("limit").fill_null(False))
-                assert set(b["step_dtype"].drop_nulls()) == {"float64"}, b["step_dtype"].unique()
-            diffs[f"{wrap}:{precision}:{kind}"] = _frames_close(ref, b, kind)
+    for kind, (_, records) in FLOAT64_LAYOUTS.items():
+        if kind == "lora_embed" and importlib.util.find_spec("peft") is None:
+            continue
+        model = float64_layout(kind, shard=False)
+        with as_float64(model):
+            want = completion_probs(model, pb)
+        for r in (0, 1):
+            assert torch.equal(torch.load(tmp_path / f"{kind}-pi64-rank{r}.pt"), want), (kind, r)
+        for precision in FLOAT64_STEPS if records else ():
+            if kind == "bf16" and precision == "measured":
+                continue
+            one = float64_frames(model, pb, masks, precision)
+            assert ("precision_check" in one) == (precision == "measured"), (kind, precision)
+            for name in one:
+                a, b = (
+                    pl.read_parquet(tmp_path / f"{kind}-{precision}-{name}-rank{r}.parquet") for r in (0, 1)
+                )
+                ref, a, b = (
+                    f.drop("seconds_float64", "seconds_model", strict=False) for f in (one[name], a, b)
+                )
+                assert a.equals(b), f"{kind} {precision} {name}: the ranks differ (wall times apart)"
+                if name == "prob_change":  # (the lr -> 0 limit, a forward-mode JVP, is skipped under FSDP2)
+                    ref = ref.filter(~pl.col("limit").fill_null(False))
+                    assert set(b["step_dtype"].drop_nulls()) == {"float64"}, b["step_dtype"].unique()
+                diffs[f"{kind}:{precision}:{name}"] = _frames_close(ref, b, name)
     print(json.dumps(diffs))
-    assert all(v < FSDP_RTOL for v in diffs.values()), diffs
+    assert len(diffs) == 2 * 5 + 2 and all(v < FSDP_RTOL for v in diffs.values()), diffs
 
 
 def _frames_close(ref: pl.DataFrame, got: pl.DataFrame, kind: str) -> float:

@@ -50,7 +50,7 @@ from tokendyn.effects.resolution import (
 from tokendyn.effects.shares import dot64
 from tokendyn.probe.bins import bin_bounds
 from tokendyn.probe.float64 import as_float64
-from tokendyn.probe.parallel import gradients, local, reshard, sum_over_ranks
+from tokendyn.probe.parallel import check_wholly_sharded, gradients, local, reshard, sum_over_ranks
 from tokendyn.probe.tokenloss import (
     Objective,
     ProbeBatch,
@@ -185,6 +185,24 @@ def _swap_in(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) 
         p.data = tensors[n]
 
 
+def step_mode(model: nn.Module, optimizer: OptimizerFactory, precision: str) -> str:
+    """The precision `InPlaceUpdate` steps in for ``precision``: "float64_step" with another optimizer than plain
+    SGD is "float64" (its state in float64 too, every op float64); on an FSDP2-sharded model "float64" is
+    "float64_step" (no float64 backward of a sharded model: the gradient in the shards' dtype), which needs plain
+    SGD there."""
+    sharded = _sharded(model)
+    if sharded and precision == FLOAT64:
+        precision = FLOAT64_STEP
+    if precision == FLOAT64_STEP and not _plain_sgd(optimizer(list(trainable_parameters(model).values()))):
+        if sharded:
+            raise ValueError(
+                "change: float64 steps of an FSDP2-sharded model need plain SGD (step_precision 'model' for "
+                "another optimizer)"
+            )
+        precision = FLOAT64
+    return precision
+
+
 @dataclass
 class Saved:
     """The parameters and the analysis optimizer's state at one point of an `InPlaceUpdate` (host memory)."""
@@ -271,20 +289,11 @@ class InPlaceUpdate:
         self._sharded = False
 
     def __enter__(self) -> InPlaceUpdate:
+        check_wholly_sharded(self.model)
         reshard(self.model)  # FSDP2: the registered parameters are the shards (`parallel.reshard`)
         self.params = trainable_parameters(self.model)
         self.start_norm2 = self._sum_over_ranks(sum(dot64(local(p), local(p)) for p in self.params.values()))
-        mode, sharded = self.precision, _sharded(self.model)
-        plain = _plain_sgd(self.optimizer_factory(list(self.params.values())))
-        if sharded and mode == FLOAT64:
-            mode = FLOAT64_STEP  # (no float64 backward of a sharded model: the gradient in its own dtype)
-        if mode == FLOAT64_STEP and not plain:
-            if sharded:
-                raise ValueError(
-                    "change: float64 steps of an FSDP2-sharded model need plain SGD (step_precision 'model' for "
-                    "another optimizer)"
-                )
-            mode = FLOAT64  # (another optimizer than plain SGD: its state is float64 too, every op float64)
+        mode, sharded = step_mode(self.model, self.optimizer_factory, self.precision), _sharded(self.model)
         self._sharded = sharded
         copy64, self._mode = mode == FLOAT64, mode
         self.step_dtype = torch.float64 if mode == FLOAT64_STEP else None
@@ -557,11 +566,17 @@ def fix_pi_old(
     """(batch with old_logp set, pi_before): an on-policy batch gets pi_old = the current pi, fixed for every later
     stage (as the trainer does: pi_old is not recomputed between Lopti stages). ``pi_before``: pi at the current
     parameters (`completion_probs`) when the caller measured it already, for a batch whose pi_old is fixed (no
-    forward then; it must have been measured in ``precision``). ``precision`` "float64" (or "float64_step"): pi is
-    the float64 model's (`as_float64`; FSDP2-sharded too), and so is an on-policy batch's pi_old (the ratio
-    pi / pi_old of the float64 steps exactly 1 at theta_0)."""
+    forward then; it must have been measured in ``precision``). ``precision`` "float64": pi is the float64 model's
+    (`as_float64`; FSDP2-sharded too), and so is an on-policy batch's pi_old (the ratio pi / pi_old of the float64
+    steps exactly 1 at theta_0); "float64_step": pi is the float64 model's, pi_old the loss's own in the model's
+    dtype, where that precision takes its gradients (its ratio exactly 1 at theta_0, as the model-dtype steps' is:
+    for bf16 weights the float64 pi_old would be off by percents there; one more forward without grad)."""
     if batch.old_logp is not None and pi_before is not None:
         return batch, pi_before
+    if precision == FLOAT64 and _sharded(model):  # (the steps' own: `step_mode`)
+        precision = FLOAT64_STEP
+    if precision == FLOAT64_STEP and batch.old_logp is None:
+        batch = batch.with_old_logp(loss_and_measured_logp(model, batch)[0])
     with as_float64(model) if precision in (FLOAT64, FLOAT64_STEP) else nullcontext():
         if batch.old_logp is not None:
             return batch, completion_probs(model, batch)
@@ -601,8 +616,9 @@ def counterfactual_change(
     names = [s[0] for s in stages]
     if len(set(names)) != len(names) or LOPTI in names:
         raise ValueError(f"change: stage names must be distinct and not {LOPTI!r}, got {names}")
-    batch, pi0 = fix_pi_old(model, batch, pi_before, precision)
-    with InPlaceUpdate(model, optimizer or sgd(lr), objective, precision) as update:
+    optimizer = optimizer or sgd(lr)
+    batch, pi0 = fix_pi_old(model, batch, pi_before, step_mode(model, optimizer, precision))
+    with InPlaceUpdate(model, optimizer, objective, precision) as update:
         pi0 = update.pi_start(batch, pi0)
         result = ChangeResult(pi0)
         before, before_norm, mark = pi0, update.start_norm2**0.5, None

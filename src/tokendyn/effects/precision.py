@@ -43,6 +43,7 @@ import polars as pl
 from torch import nn
 
 from tokendyn.effects.resolution import UnresolvedStepWarning
+from tokendyn.probe.parallel import all_agree
 from tokendyn.records import to_frame
 from tokendyn.vocab import FLOAT64, FLOAT64_STEP, MEASURED
 
@@ -268,6 +269,8 @@ def measured_analysis(
     check = precision_check(frames, low, step=step, stage=stage, model_dtype=dtype, tol=state.tol,
                             seconds=(t1 - t0, t2 - t1))  # fmt: skip
     state.agreed = bool(check["agreed"].all()) if check.height else False
+    if sharded:  # (every rank must choose alike: the next analyses' collectives follow the choice)
+        state.agreed = all_agree(state.agreed, model)
     state.last = state.reference
     frames = dict(frames)
     frames["precision_check"] = check

@@ -34,7 +34,7 @@ from torch import nn
 
 from tokendyn.config import SHARE_METHODS
 from tokendyn.probe.bins import DEFAULT_EDGES, bin_bounds
-from tokendyn.probe.parallel import fsdp_modules, gradients, reshard, sum_over_ranks
+from tokendyn.probe.parallel import check_wholly_sharded, fsdp_modules, gradients, reshard, sum_over_ranks
 from tokendyn.probe.tokenloss import (
     Objective,
     ProbeBatch,
@@ -182,6 +182,7 @@ class GroupSums:
 
     def reduce(self, model: nn.Module) -> GroupSums:
         """Sums over the ranks' shards when the model is FSDP2-sharded (a collective there), else as they are."""
+        check_wholly_sharded(model)
         for t in (self.sq, self.dot, self.tot):
             sum_over_ranks(t, model)
         return self

@@ -147,69 +147,102 @@ def _no_hook(*args, **kwargs) -> None:
 @contextmanager
 def _sharded_float64(model: nn.Module, values: dict[int, torch.Tensor] | None):
     """`as_float64` for a model sharded with FSDP2: every forward within the ``with`` computes in float64, without
-    grad, at the float64 point whose shards are ``values`` (id(parameter) -> this rank's float64 shard; default the
-    parameters' own shards, upcast), every rank calling the same forwards (each gather is a collective).
+    grad, at the float64 point whose shards are ``values`` (id(parameter) -> this rank's float64 shard, or the whole
+    float64 tensor of a parameter FSDP2 does not shard; default the parameters' own, upcast), every rank calling the
+    same forwards (each gather is a collective).
 
-    Before a module that holds parameters runs, each of its sharded parameters is gathered whole in float64 from its
-    float64 shard (``DTensor.full_tensor``) and stands in for it; after the module, the sharded parameter is put
-    back and the gathered copy dropped. FSDP2's own forward hooks are paused meanwhile (they would gather in the
-    parameters' dtype and cast to its mixed-precision dtype) and put back on exit, as are the parameters, the
-    buffers (float64 copies within) and every hook, also on an exception. Memory: the float64 shards (8 bytes a
-    parameter / world size) and one module's float64 parameters whole at a time."""
+    As FSDP2 gathers a unit's parameters before the unit runs, so here: before each `fully_shard` module runs, each
+    of its sharded parameters is gathered whole in float64 from its float64 shard (``DTensor.full_tensor``) and
+    stands in for it in every module that holds it; after the unit (its outermost call), the sharded parameters are
+    put back and the gathered copies dropped. FSDP2's own forward hooks are paused meanwhile (they would gather in
+    the parameters' dtype and cast to its mixed-precision dtype); parameters FSDP2 does not shard and the buffers are
+    float64 copies (or ``values``) throughout. Everything is put back on exit, also on an exception. Memory: the
+    float64 shards (8 bytes a parameter / world size) and one unit's float64 parameters whole at a time (the root
+    unit's, e.g. the embeddings and the head, through the whole forward, as FSDP2 holds them)."""
     from torch.distributed.tensor import DTensor
 
-    from tokendyn.probe.parallel import local, reshard
+    from tokendyn.probe.parallel import fsdp_modules, local, reshard
 
     reshard(model)  # (the sharded parameters registered, none gathered)
     paused: list[tuple[dict, object, object]] = []
-    handles, buffers = [], []
+    swapped: list[tuple[dict, str, torch.Tensor]] = []  # (table, name, the original): put back on exit
+    held: dict[int, list] = {}  # id(unit) -> [calls in progress, what its gather replaced]
+    handles = []
 
-    def gathered(p: torch.Tensor) -> torch.Tensor:
-        shard = values.get(id(p)) if values is not None else None
-        shard = local(p).detach().to(torch.float64) if shard is None else shard.detach()
-        whole = DTensor.from_local(
-            shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-        ).full_tensor()
-        return nn.Parameter(whole, requires_grad=False)
+    def given(p: torch.Tensor) -> torch.Tensor:
+        v = values.get(id(p)) if values is not None else None
+        return local(p).detach().to(torch.float64) if v is None else v.detach()
 
-    def before(module, args):
+    def unit_parameters(unit):
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                info = fp._module_info
+                places = [(info.module, info.param_name)]
+                places += list(zip(info.shared_modules, info.shared_param_names, strict=True))
+                yield fp.sharded_param, places
+
+    def before(unit, args):
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "as_float64: an FSDP2-sharded model computes in float64 only without grad (pi is measured there; "
                 "a step's gradient is taken in the model's own dtype)"
             )
-        module._tokendyn_sharded = {}
-        for name, p in list(module._parameters.items()):
-            if p is not None and local(p) is not p and p.is_floating_point():
-                module._tokendyn_sharded[name] = p
-                module._parameters[name] = gathered(p)
+        entry = held.setdefault(id(unit), [0, []])
+        entry[0] += 1
+        if entry[0] > 1:  # (a unit called within its own forward: gathered already)
+            return
+        for p, places in unit_parameters(unit):
+            shard = given(p)
+            whole = DTensor.from_local(
+                shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            ).full_tensor()
+            whole = nn.Parameter(whole, requires_grad=False)
+            for module, name in places:
+                entry[1].append((module._parameters, name, module._parameters[name]))
+                module._parameters[name] = whole
 
-    def after(module, args, output):
-        module._parameters.update(module.__dict__.pop("_tokendyn_sharded", {}))
+    def put_back(replaced: list) -> None:
+        for table, name, t in reversed(replaced):
+            table[name] = t
+
+    def after(unit, args, output):
+        entry = held.get(id(unit))
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] == 0:
+                put_back(held.pop(id(unit))[1])
 
     try:
+        made: dict[int, torch.Tensor] = {}
         for module in model.modules():
             for hooks in (module._forward_pre_hooks, module._forward_hooks):
                 for key, hook in list(hooks.items()):
                     if _is_fsdp_hook(hook):
                         paused.append((hooks, key, hook))
                         hooks[key] = _no_hook
-            for name, b in list(module._buffers.items()):
-                if b is not None and b.is_floating_point():
-                    buffers.append((module._buffers, name, b))
-                    module._buffers[name] = b.detach().to(torch.float64, copy=True)
-            if any(p is not None and local(p) is not p for p in module._parameters.values()):
-                handles.append(module.register_forward_pre_hook(before))
-                handles.append(module.register_forward_hook(after, prepend=True, always_call=True))
-        device = next((local(p).device.type for p in model.parameters()), "cpu")
+            for table, is_param in ((module._parameters, True), (module._buffers, False)):
+                for name, t in list(table.items()):
+                    if t is None or not t.is_floating_point() or local(t) is not t:
+                        continue
+                    if id(t) not in made:  # (a parameter FSDP2 does not shard, a buffer: float64 throughout)
+                        copy = given(t) if is_param else t.detach().to(torch.float64, copy=True)
+                        made[id(t)] = nn.Parameter(copy, requires_grad=False) if is_param else copy
+                    swapped.append((table, name, t))
+                    table[name] = made[id(t)]
+        for unit in fsdp_modules(model):
+            handles.append(unit.register_forward_pre_hook(before))
+            handles.append(unit.register_forward_hook(after, prepend=True, always_call=True))
+        meshes = [p.device_mesh for p in model.parameters() if local(p) is not p]
+        device = (
+            meshes[0].device_type if meshes else "cpu"
+        )  # (the mesh's: shards may be offloaded to the CPU)
         with torch.autocast(device_type=device, enabled=False), exact_float64():
             yield model
     finally:
         for handle in handles:
             handle.remove()
-        for module in model.modules():
-            module._parameters.update(module.__dict__.pop("_tokendyn_sharded", {}))
-        for table, name, b in buffers:
-            table[name] = b
+        for _, replaced in held.values():
+            put_back(replaced)
+        put_back(swapped)
         for hooks, key, hook in paused:
             hooks[key] = hook

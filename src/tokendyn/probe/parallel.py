@@ -269,6 +269,29 @@ def sum_over_ranks(t: torch.Tensor, model: nn.Module) -> torch.Tensor:
     return t
 
 
+def check_wholly_sharded(model: nn.Module) -> None:
+    """Refuse an FSDP2 model some of whose trainable parameters FSDP2 does not shard (a root module left without
+    `fully_shard`): the analyses sum norms and inner products over each rank's shards and then over the ranks, which
+    would count such a parameter, held whole by every rank, once per rank."""
+    if not fsdp_modules(model):
+        return
+    plain = [n for n, p in model.named_parameters() if p.requires_grad and not _is_dtensor(p)]
+    if plain:
+        raise ValueError(
+            f"probe: the analyses need every trainable parameter of an FSDP2 model sharded; {plain[0]!r} (and "
+            f"{len(plain) - 1} more) is not: apply fully_shard to the root module too"
+        )
+
+
+def all_agree(flag: bool, model: nn.Module) -> bool:
+    """True when ``flag`` is true on every rank of an FSDP2-sharded model (a collective there), else ``flag``."""
+    params = [local(p) for p in model.parameters()]
+    device = params[0].device if params else torch.device("cpu")
+    votes = sum_over_ranks(torch.tensor([float(flag)], dtype=torch.float64, device=device), model)
+    world = _world_size() if fsdp_modules(model) else 1
+    return bool(float(votes) >= world)
+
+
 def _param_groups(model: nn.Module) -> list:
     return [g for m in fsdp_modules(model) for g in m._get_fsdp_state()._fsdp_param_groups]
 
