@@ -6,15 +6,17 @@
   * FSDP2 on 2 CPU ranks (``--fsdp``; torchrun, gloo): the model sharded with `fully_shard` (every decoder layer,
     then the root), its shards stepping in their own dtype, and with float64 steps whose float64 point is sharded
     too (`float64_step`: 8 bytes a parameter / world size; the gradient in the shards' dtype), against one process
-    with float64 steps, and against one process in float32 (what sharding itself changes); float32 weights, and
-    bf16 weights (a pure-bf16 sharded run: its float64 steps against one process's all-float64 path).
+    with float64 steps, and against one process in float32 (what sharding itself changes); float32 shards, float32
+    shards computing in bf16 (FSDP2's mixed precision, ``mixed``: against one process's float64 steps of the
+    float32 model) and bf16 shards (a pure-bf16 sharded run: against one process's all-float64 path).
 
 The batch is bench/limit_vs_step.py's (``--prompts`` x 2 samples at T = 1, advantages +1 / -1; K&K for the embedded
 default, sums for SmolLM2), pi_old fixed in float64; the analyses: the counterfactual update and the influence
 matrix's sources at ``--lr`` (plain SGD, the trainer's clipped token-mean loss). One thread per process.
 
     python bench/precision_check.py                               # the embedded default, ~1 min
-    python bench/precision_check.py --model smollm2-135m --fsdp   # the real LLM: ~15-25 min on CPU
+    python bench/precision_check.py --model smollm2-135m --fsdp   # the real LLM: ~30 min on CPU
+    python bench/precision_check.py --model smollm2-135m --fsdp --no-bf16 --fsdp-layouts mixed
 
 Prints one markdown row per comparison: the worst update's rel_diff (largest |difference| of a Δπ statistic / its
 largest |Δπ|), the largest correct-ratio difference in tokens, signs equal, the verdict at the check's 0.5 %, and
@@ -37,6 +39,8 @@ import polars as pl
 import torch
 
 HERE = Path(__file__).resolve().parent
+# FSDP2's layouts: float32 shards; float32 shards computing in bf16 (mixed precision); bf16 shards
+LAYOUTS = ("float32", "mixed", "bfloat16")
 
 
 def _options(lr: float, precision: str):
@@ -84,12 +88,12 @@ def _batch(args):
 
 
 def fsdp_worker(args) -> None:
-    """One rank: the same model and batch, sharded, analysed in its own dtype and with sharded float64 steps, in
-    float32 and (unless --no-bf16) bf16 weights; rank 0 writes the frames, the wall times and the float64 shards'
-    bytes on a rank."""
+    """One rank: the same model and batch, sharded, analysed in its own dtype and with sharded float64 steps, for
+    each of ``--fsdp-layouts`` (`LAYOUTS`); rank 0 writes the frames, the wall times and the float64 shards' bytes
+    on a rank."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from tokendyn.policy import load_policy
     from tokendyn.probe.parallel import local
@@ -103,13 +107,13 @@ def fsdp_worker(args) -> None:
     batch = batch.with_old_logp(saved["old_logp"])
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     seconds, shard_bytes = {}, {}
-    for dtype in (torch.float32,) if args.no_bf16 else (torch.float32, torch.bfloat16):
+    for name in args.fsdp_layouts.split(","):
         model, _ = load_policy(args.model, dtype=torch.float32)
-        model = model.to(dtype).eval()
+        model = model.to(torch.bfloat16 if name == "bfloat16" else torch.float32).eval()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if name == "mixed" else None)
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        name = str(dtype).removeprefix("torch.")
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         shard_bytes[name] = 8 * sum(local(p).numel() for p in model.parameters())
         for precision in ("model", "float64_step"):
             frames, seconds[f"{name}-{precision}"] = _analyse(model, batch, args.lr, precision)
@@ -135,6 +139,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fsdp", action="store_true", help="also FSDP2 on 2 CPU ranks (torchrun)")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 weights")
+    ap.add_argument("--fsdp-layouts", default=",".join(LAYOUTS),
+                    help=f"FSDP2 layouts, comma-separated, of {', '.join(LAYOUTS)}")  # fmt: skip
     ap.add_argument("--fsdp-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.fsdp_worker:
@@ -170,8 +176,8 @@ def main() -> None:
                    "--fsdp-worker", str(out), "--lr", str(args.lr)]  # fmt: skip
             if args.model:
                 cmd += ["--model", args.model]
-            if args.no_bf16:
-                cmd += ["--no-bf16"]
+            layouts = [x for x in args.fsdp_layouts.split(",") if not (args.no_bf16 and x == "bfloat16")]
+            cmd += ["--fsdp-layouts", ",".join(layouts)]
             env = {
                 **os.environ,
                 "OMP_NUM_THREADS": "1",
@@ -187,20 +193,34 @@ def main() -> None:
             tf = json.loads((out / "seconds.json").read_text())
             shard = json.loads((out / "shard_bytes.json").read_text())
         full = 8 * sum(p.numel() for p in model.parameters())
-        print(f"\nFSDP2, 2 ranks: the float64 point's shards {shard['float32'] / 1e6:.1f} MB on a rank "
+        print(f"\nFSDP2, 2 ranks: the float64 point's shards {max(shard.values()) / 1e6:.1f} MB on a rank "
               f"(a whole float64 copy: {full / 1e6:.1f} MB)\n")  # fmt: skip
         print("| weights, steps | updates | worst rel_diff | ratio tokens | signs equal | at 0.5 % | times |")
         print("|---|---|---|---|---|---|---|")
-        f32, f64 = fsdp["float32-model"], fsdp["float32-float64_step"]
-        rows = [  # (label, reference, candidate, weights, (reference's seconds, candidate's))
-            ("float32, FSDP2 2 ranks, own dtype vs one process float64", ref, f32, "float32", (t64, tf["float32-model"])),
-            ("float32, FSDP2 2 ranks, own dtype vs one process float32", low, f32, "float32", (t32, tf["float32-model"])),
-            ("float32, FSDP2 2 ranks, sharded float64 steps vs one process float64", ref, f64, "float32",
-             (t64, tf["float32-float64_step"])),
-            ("float32, FSDP2: own dtype vs its sharded float64 steps (its own check)", f64, f32, "float32",
-             (tf["float32-float64_step"], tf["float32-model"])),
-        ]  # fmt: skip
-        if ref16 is not None:
+        rows = []  # (label, reference, candidate, weights, (reference's seconds, candidate's))
+        if "float32" in layouts:
+            f32, f64 = fsdp["float32-model"], fsdp["float32-float64_step"]
+            rows += [
+                ("float32, FSDP2 2 ranks, own dtype vs one process float64", ref, f32, "float32",
+                 (t64, tf["float32-model"])),
+                ("float32, FSDP2 2 ranks, own dtype vs one process float32", low, f32, "float32",
+                 (t32, tf["float32-model"])),
+                ("float32, FSDP2 2 ranks, sharded float64 steps vs one process float64", ref, f64, "float32",
+                 (t64, tf["float32-float64_step"])),
+                ("float32, FSDP2: own dtype vs its sharded float64 steps (its own check)", f64, f32, "float32",
+                 (tf["float32-float64_step"], tf["float32-model"])),
+            ]  # fmt: skip
+        if "mixed" in layouts:
+            m32, m64 = fsdp["mixed-model"], fsdp["mixed-float64_step"]
+            rows += [
+                ("float32 shards, bf16 compute (FSDP2 mixed precision), own dtype vs one process float64", ref, m32,
+                 "float32", (t64, tf["mixed-model"])),
+                ("float32 shards, bf16 compute, sharded float64 steps vs one process float64", ref, m64, "float32",
+                 (t64, tf["mixed-float64_step"])),
+                ("float32 shards, bf16 compute: own dtype vs its sharded float64 steps (its own check)", m64, m32,
+                 "float32", (tf["mixed-float64_step"], tf["mixed-model"])),
+            ]  # fmt: skip
+        if ref16 is not None and "bfloat16" in layouts:
             b16, b64 = fsdp["bfloat16-model"], fsdp["bfloat16-float64_step"]
             rows += [
                 ("bf16, FSDP2 2 ranks, own dtype vs one process all-float64", ref16, b16, "bfloat16",
