@@ -251,7 +251,8 @@ class InPlaceUpdate:
     FSDP2-sharded parameters: "model" steps their shards in their own dtype, in place; "float64" and "float64_step"
     are both "float64_step" there (no float64 backward of a sharded model), with the float64 point kept as this
     rank's float64 shards (8 bytes a parameter / world size) and pi measured by a float64 forward that gathers each
-    module's float64 parameters only while it runs (`tokendyn.probe.float64.as_float64`); the rounded point where a
+    `fully_shard` unit's float64 parameters only while it runs (`tokendyn.probe.float64.as_float64`); the rounded
+    point where a
     gradient is taken is written into the shards in place, theta_0's shards kept in host memory and put back on
     exit. Another optimizer than plain SGD is refused there with float64 steps.
 

@@ -26,8 +26,9 @@ counterfactual update (an influence source, the counterfactual update, a sweep p
 The model's dtype is kept only when every row of the check agreed. A model whose parameters are all float64 needs no
 check (its own steps are float64). On FSDP2-sharded parameters the float64 steps of a check are `FLOAT64_STEP`'s
 whatever the dtype (no float64 backward of a sharded model), the float64 point sharded as the model is (8 bytes a
-parameter / world size, `tokendyn.effects.change.InPlaceUpdate`): for bf16 shards the check then measures the
-step's rounding, not the bf16 gradient's own.
+parameter / world size, `tokendyn.effects.change.InPlaceUpdate`): for bf16 shards, or bf16 compute (FSDP2's mixed
+precision), the check then measures the step's rounding and pi's, not the bf16-computed gradient's own. Every rank
+keeps the same verdict (`tokendyn.probe.parallel.all_agree`): the analyses after it are collectives.
 """
 
 from __future__ import annotations

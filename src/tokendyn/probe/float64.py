@@ -20,10 +20,11 @@ counterfactual step smaller than the rounding of theta + delta theta in float32 
 whose own parameters are not touched (an optimizer, DDP's hooks or a view into them see nothing).
 
 A model sharded with FSDP2 (`fully_shard`: DTensor parameters) is never copied whole: within `as_float64` its
-forwards (without grad: pi is measured, a step's gradient is taken in the model's own dtype) gather each module's
-float64 parameters from float64 shards just before that module runs and drop them after it (`_sharded_float64`),
-so the float64 point costs 8 bytes a parameter / world size, plus one module's float64 parameters whole while it
-runs; FSDP2's own hooks (its all-gather in the parameters' dtype, its mixed-precision casts) are paused meanwhile.
+forwards (without grad: pi is measured, a step's gradient is taken in the model's own dtype) gather each
+`fully_shard` unit's float64 parameters from float64 shards just before that unit runs and drop them after it
+(`_sharded_float64`), so the float64 point costs 8 bytes a parameter / world size, plus one unit's float64
+parameters whole while it runs; FSDP2's own hooks (its all-gather in the parameters' dtype, its mixed-precision
+casts) are paused meanwhile.
 """
 
 from __future__ import annotations
