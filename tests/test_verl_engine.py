@@ -475,7 +475,9 @@ def test_the_analyses_with_verls_own_loss_equal_tokendyns_objective_on_the_plain
     from tokendyn.config import ProbeConfig
     from tokendyn.hooks.options import rebalance_options
 
-    cfg = ProbeConfig(**options, step_precision="model")  # verl's FSDP2 shards step in their own dtype
+    # the default measured precision on both: verl's FSDP2 shards check against sharded float64 steps, as one
+    # process checks against its float64 steps, and this first analysed step reports those
+    cfg = ProbeConfig(**options)
     want = analyze_batch(
         ve.load_hf_model(model_dir), batch, step=0, edges=[0, 0.25, 0.5, 0.75, 1.0],
         options=rebalance_options(cfg, 0), objective=Objective(eps_low=CLIP, eps_high=CLIP, loss_type="bnpo"),
