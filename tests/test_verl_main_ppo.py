@@ -39,6 +39,7 @@ RECORD_KINDS = {
     "prob_change",
     "influence",
     "token_view",
+    "precision_check",  # (the measured step precision's check, with sharded float64 steps under verl's FSDP2)
 }
 
 # every test of the module reads one main_ppo run (a module fixture, ~100 s of both cores and ~4 GB): one xdist worker
