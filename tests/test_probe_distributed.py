@@ -244,20 +244,15 @@ def float64_frames(model, pb, masks, precision: str) -> dict[str, pl.DataFrame]:
     return analyze_batch(model, pb, step=0, options=opts, stage_masks=masks)
 
 
-# the FSDP2 layouts of the float64 tests: (pi from the sharded float64 forward, records with float64 steps)
+# the FSDP2 layouts of the float64 tests (pi from the sharded float64 forward on each): whether the records with
+# float64 steps are compared with one process's too
 FLOAT64_LAYOUTS = {
-    "fsdp": (True, True),  # every decoder layer, then the root
-    "fsdp_keep": (True, True),  # the same, weights kept gathered between forward and backward
-    "fsdp_bf16": (
-        True,
-        False,
-    ),  # FSDP2 mixed precision, bf16 compute (no one-process reference of its gradients)
-    "bf16": (True, True),  # pure bf16 weights, sharded
-    "partial": (
-        True,
-        False,
-    ),  # the layers sharded, not the root: embeddings and head plain (analyses refused)
-    "lora_embed": (True, False),  # a PEFT LoRA on the embeddings, whose parameters their parent module reads
+    "fsdp": True,  # every decoder layer, then the root
+    "fsdp_keep": True,  # the same, weights kept gathered between forward and backward
+    "fsdp_bf16": False,  # FSDP2 mixed precision, bf16 compute (no one-process reference of its gradients)
+    "bf16": True,  # pure bf16 weights, sharded
+    "partial": False,  # the layers sharded, not the root: embeddings and head plain (the analyses refuse it)
+    "lora_embed": False,  # a PEFT LoRA on the embeddings, whose parameters their parent module reads
 }
 
 
@@ -307,7 +302,7 @@ def fsdp_float64_worker(out_dir: str) -> None:
     rank = dist.get_rank()
     reference, batch = _model_and_batch()
     pb, masks = analysis_sample(reference, batch)
-    for kind, (_, records) in FLOAT64_LAYOUTS.items():
+    for kind, records in FLOAT64_LAYOUTS.items():
         if kind == "lora_embed" and importlib.util.find_spec("peft") is None:
             continue
         model = float64_layout(kind, shard=True)
@@ -536,7 +531,7 @@ def test_sharded_float64_steps_under_fsdp2_equal_one_process(tmp_path):
     torch.set_num_threads(1)
     pb, masks = analysis_sample(*_model_and_batch())
     diffs = {}
-    for kind, (_, records) in FLOAT64_LAYOUTS.items():
+    for kind, records in FLOAT64_LAYOUTS.items():
         if kind == "lora_embed" and importlib.util.find_spec("peft") is None:
             continue
         model = float64_layout(kind, shard=False)

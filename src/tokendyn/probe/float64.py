@@ -233,10 +233,9 @@ def _sharded_float64(model: nn.Module, values: dict[int, torch.Tensor] | None):
         for unit in fsdp_modules(model):
             handles.append(unit.register_forward_pre_hook(before))
             handles.append(unit.register_forward_hook(after, prepend=True, always_call=True))
+        # autocast off on the mesh's device (the shards themselves may be offloaded to the CPU)
         meshes = [p.device_mesh for p in model.parameters() if local(p) is not p]
-        device = (
-            meshes[0].device_type if meshes else "cpu"
-        )  # (the mesh's: shards may be offloaded to the CPU)
+        device = meshes[0].device_type if meshes else "cpu"
         with torch.autocast(device_type=device, enabled=False), exact_float64():
             yield model
     finally:
