@@ -157,7 +157,7 @@ def main() -> None:
     ref, t64 = _analyse(model, batch, args.lr, "float64")
     low, t32 = _analyse(model, batch, args.lr, "model")
     print(_row("float32, one process", ref, low, "float32", (t64, t32)), flush=True)
-    ref16 = None
+    ref16, t64b = None, 0.0
     if not args.no_bf16:
         half = copy.deepcopy(model).to(torch.bfloat16)
         ref16, t64b = _analyse(half, batch, args.lr, "float64")  # float64 steps from the same bf16 weights
@@ -197,41 +197,39 @@ def main() -> None:
               f"(a whole float64 copy: {full / 1e6:.1f} MB)\n")  # fmt: skip
         print("| weights, steps | updates | worst rel_diff | ratio tokens | signs equal | at 0.5 % | times |")
         print("|---|---|---|---|---|---|---|")
-        rows = []  # (label, reference, candidate, weights, (reference's seconds, candidate's))
-        if "float32" in layouts:
-            f32, f64 = fsdp["float32-model"], fsdp["float32-float64_step"]
-            rows += [
-                ("float32, FSDP2 2 ranks, own dtype vs one process float64", ref, f32, "float32",
-                 (t64, tf["float32-model"])),
-                ("float32, FSDP2 2 ranks, own dtype vs one process float32", low, f32, "float32",
-                 (t32, tf["float32-model"])),
-                ("float32, FSDP2 2 ranks, sharded float64 steps vs one process float64", ref, f64, "float32",
-                 (t64, tf["float32-float64_step"])),
-                ("float32, FSDP2: own dtype vs its sharded float64 steps (its own check)", f64, f32, "float32",
-                 (tf["float32-float64_step"], tf["float32-model"])),
-            ]  # fmt: skip
-        if "mixed" in layouts:
-            m32, m64 = fsdp["mixed-model"], fsdp["mixed-float64_step"]
-            rows += [
-                ("float32 shards, bf16 compute (FSDP2 mixed precision), own dtype vs one process float64", ref, m32,
-                 "float32", (t64, tf["mixed-model"])),
-                ("float32 shards, bf16 compute, sharded float64 steps vs one process float64", ref, m64, "float32",
-                 (t64, tf["mixed-float64_step"])),
-                ("float32 shards, bf16 compute: own dtype vs its sharded float64 steps (its own check)", m64, m32,
-                 "float32", (tf["mixed-float64_step"], tf["mixed-model"])),
-            ]  # fmt: skip
-        if ref16 is not None and "bfloat16" in layouts:
-            b16, b64 = fsdp["bfloat16-model"], fsdp["bfloat16-float64_step"]
-            rows += [
-                ("bf16, FSDP2 2 ranks, own dtype vs one process all-float64", ref16, b16, "bfloat16",
-                 (t64b, tf["bfloat16-model"])),
-                ("bf16, FSDP2 2 ranks, sharded float64 steps vs one process all-float64", ref16, b64, "bfloat16",
-                 (t64b, tf["bfloat16-float64_step"])),
-                ("bf16, FSDP2: own dtype vs its sharded float64 steps (its own check)", b64, b16, "bfloat16",
-                 (tf["bfloat16-float64_step"], tf["bfloat16-model"])),
-            ]  # fmt: skip
-        for label, a, b, dtype, seconds in rows:
-            print(_row(label, a, b, dtype, seconds))
+        # per layout: its name in the rows, the one-process reference (frames, seconds), the weights' dtype
+        references = {
+            "float32": ("float32", (ref, t64), "float32"),
+            "mixed": ("float32 shards, bf16 compute (FSDP2 mixed precision)", (ref, t64), "float32"),
+            "bfloat16": ("bf16", (ref16, t64b), "bfloat16"),
+        }
+        for layout in layouts:
+            name, (one, t_one), dtype = references[layout]
+            if one is None:
+                continue
+            own, f64 = fsdp[f"{layout}-model"], fsdp[f"{layout}-float64_step"]
+            t_own, t_f64 = tf[f"{layout}-model"], tf[f"{layout}-float64_step"]
+            rows = [
+                (f"{name}, FSDP2 2 ranks, own dtype vs one process float64", one, own, (t_one, t_own)),
+                (
+                    f"{name}, FSDP2 2 ranks, sharded float64 steps vs one process float64",
+                    one,
+                    f64,
+                    (t_one, t_f64),
+                ),
+                (
+                    f"{name}, FSDP2: own dtype vs its sharded float64 steps (its own check)",
+                    f64,
+                    own,
+                    (t_f64, t_own),
+                ),
+            ]
+            if layout == "float32":  # (what sharding itself changes)
+                rows.insert(
+                    1, (f"{name}, FSDP2 2 ranks, own dtype vs one process float32", low, own, (t32, t_own))
+                )
+            for label, a, b, seconds in rows:
+                print(_row(label, a, b, dtype, seconds))
 
 
 if __name__ == "__main__":

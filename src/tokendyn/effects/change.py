@@ -190,17 +190,20 @@ def step_mode(model: nn.Module, optimizer: OptimizerFactory, precision: str) -> 
     SGD is "float64" (its state in float64 too, every op float64); on an FSDP2-sharded model "float64" is
     "float64_step" (no float64 backward of a sharded model: the gradient in the shards' dtype), which needs plain
     SGD there."""
-    sharded = _sharded(model)
-    if sharded and precision == FLOAT64:
-        precision = FLOAT64_STEP
+    precision = _sharded_float64_mode(model, precision)
     if precision == FLOAT64_STEP and not _plain_sgd(optimizer(list(trainable_parameters(model).values()))):
-        if sharded:
+        if _sharded(model):
             raise ValueError(
                 "change: float64 steps of an FSDP2-sharded model need plain SGD (step_precision 'model' for "
                 "another optimizer)"
             )
         precision = FLOAT64
     return precision
+
+
+def _sharded_float64_mode(model: nn.Module, precision: str) -> str:
+    """Precision "float64" on an FSDP2-sharded model is "float64_step" (no float64 backward of a sharded model)."""
+    return FLOAT64_STEP if precision == FLOAT64 and _sharded(model) else precision
 
 
 @dataclass
@@ -574,8 +577,7 @@ def fix_pi_old(
     for bf16 weights the float64 pi_old would be off by percents there; one more forward without grad)."""
     if batch.old_logp is not None and pi_before is not None:
         return batch, pi_before
-    if precision == FLOAT64 and _sharded(model):  # (the steps' own: `step_mode`)
-        precision = FLOAT64_STEP
+    precision = _sharded_float64_mode(model, precision)  # (the steps' own: `step_mode`)
     if precision == FLOAT64_STEP and batch.old_logp is None:
         batch = batch.with_old_logp(loss_and_measured_logp(model, batch)[0])
     with as_float64(model) if precision in (FLOAT64, FLOAT64_STEP) else nullcontext():

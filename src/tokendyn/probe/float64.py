@@ -234,8 +234,8 @@ def _sharded_float64(model: nn.Module, values: dict[int, torch.Tensor] | None):
             handles.append(unit.register_forward_pre_hook(before))
             handles.append(unit.register_forward_hook(after, prepend=True, always_call=True))
         # autocast off on the mesh's device (the shards themselves may be offloaded to the CPU)
-        meshes = [p.device_mesh for p in model.parameters() if local(p) is not p]
-        device = meshes[0].device_type if meshes else "cpu"
+        mesh = next((p.device_mesh for p in model.parameters() if local(p) is not p), None)
+        device = mesh.device_type if mesh is not None else "cpu"
         with torch.autocast(device_type=device, enabled=False), exact_float64():
             yield model
     finally:

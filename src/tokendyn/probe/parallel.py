@@ -285,8 +285,8 @@ def check_wholly_sharded(model: nn.Module) -> None:
 
 def all_agree(flag: bool, model: nn.Module) -> bool:
     """True when ``flag`` is true on every rank of an FSDP2-sharded model (a collective there), else ``flag``."""
-    params = [local(p) for p in model.parameters()]
-    device = params[0].device if params else torch.device("cpu")
+    first = next(model.parameters(), None)
+    device = local(first).device if first is not None else torch.device("cpu")
     votes = sum_over_ranks(torch.tensor([float(flag)], dtype=torch.float64, device=device), model)
     world = _world_size() if fsdp_modules(model) else 1
     return bool(float(votes) >= world)
