@@ -29,12 +29,12 @@ ORDER = {
     "effects": 3,  # what an update does to each token: the model-based analyses, above the recorder
     "hooks": 4,
     "figures": 4,
-    "trainers": 5,
-    "integrations": 5,  # glue for other stacks (verl): remedies, probe and hooks below it, nothing above
-    "commands": 6,
-    "cli": 7,  # commands are found by name (importlib), not imported
-    "__main__": 8,
-    "__init__": 9,
+    "integrations": 5,  # glue for other stacks (verl, vLLM's CPU engine): remedies, probe and hooks below it
+    "trainers": 6,  # TRL's trainer: its colocated vLLM engine is built through integrations.vllm_cpu
+    "commands": 7,
+    "cli": 8,  # commands are found by name (importlib), not imported
+    "__main__": 9,
+    "__init__": 10,
 }
 
 

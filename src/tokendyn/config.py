@@ -194,7 +194,9 @@ class ProbeConfig:
     lr_sweep: tuple[float, ...] = _opt(
         (),
         "Step sizes of an extra counterfactual SGD sweep (with prob_change), e.g. 1e-3 1e-2 1e-1 1: the correct "
-        "ratio per bin as a curve of the step size (update 'sweep'); each > 0.",
+        "ratio per bin as a curve of the step size (update 'sweep'); each > 0. The sweep's first point is always "
+        "the lr -> 0 limit (d pi / d lr by one JVP, weights untouched; rows with lr 0 and limit true; not on an "
+        "FSDP2-sharded model), before the finite steps listed here.",
     )
     compare_rules: tuple[str, ...] = _opt(
         (),

@@ -15,6 +15,7 @@ from functools import partial
 from trl import GRPOConfig
 
 from tokendyn.config import ProbeConfig, ProbeConfigError
+from tokendyn.integrations.vllm_cpu import SAMPLER_DTYPES
 from tokendyn.probe.rules import SURROGATES
 from tokendyn.probe.rules import params as rule_params
 from tokendyn.probe.tokenloss import POLICY_LOSSES, Objective, surrogate_problem
@@ -230,6 +231,16 @@ class TokendynGRPOConfig(GRPOConfig):
         },
     )
 
+    vllm_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "With use_vllm (colocate): the dtype vLLM samples in. auto (default, TRL's): the checkpoint's, "
+            "except that vLLM samples a float32 checkpoint in bfloat16; float32, bfloat16 or float16 force it. "
+            "run.json's `sampler` says what sampled.",
+            "choices": ["auto", "float32", "bfloat16", "float16"],
+        },
+    )
+
     probe_every: int = field(
         default=0,
         metadata={
@@ -296,6 +307,15 @@ class TokendynGRPOConfig(GRPOConfig):
             raise ValueError(
                 "random_halves is Lopti's control (random stages instead of pi_old < eta): set it or Lopti, got "
                 f"random_halves=True with lopti_eta={self.lopti_eta!r}, lopti_quantile={self.lopti_quantile!r}"
+            )
+        if self.vllm_dtype not in SAMPLER_DTYPES:
+            raise ValueError(
+                f"vllm_dtype must be one of {', '.join(SAMPLER_DTYPES)}; got {self.vllm_dtype!r}"
+            )
+        if self.vllm_dtype != "auto" and not (self.use_vllm and self.vllm_mode == "colocate"):
+            raise ValueError(
+                f"vllm_dtype={self.vllm_dtype!r} sets the colocated vLLM engine's dtype: it needs use_vllm=True and "
+                f"vllm_mode='colocate' (got use_vllm={self.use_vllm!r}, vllm_mode={self.vllm_mode!r})"
             )
         if self.lopti_order not in LOPTI_ORDERS:
             raise ValueError(

@@ -58,6 +58,7 @@ from ..remedies import (
     reweight_advantages,
     w_reinforce_advantages,
 )
+from .sampler import sampler_info, sampling_engine
 
 STAGE_MASK_KEYS = {1: "lopti_stage1_mask", 2: "lopti_stage2_mask"}
 # Lopti's step-count control (``random_halves``): its two stages under keys of their own, so that nothing reads them
@@ -76,8 +77,11 @@ class TokendynGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        with sampling_engine(kwargs["args"] if "args" in kwargs else args[2] if len(args) > 2 else None):
+            super().__init__(*args, **kwargs)
         cfg = self.args
+        # what sampled the rollouts (run.json's `sampler`): vLLM's engine as built, or the trainer's own generate
+        self.sampler_info = sampler_info(self)
         self.advantage_reweight_alpha = float(getattr(cfg, "advantage_reweight_alpha", 0.0))
         self.logp_reweight_c = float(getattr(cfg, "logp_reweight_c", 0.0))
         self.w_reinforce_lambda = float(getattr(cfg, "w_reinforce_lambda", 0.1))

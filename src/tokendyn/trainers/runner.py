@@ -277,6 +277,8 @@ def versions() -> dict:
 
     from tokendyn.version import __version__
 
+    from ..integrations.vllm_cpu import vllm_version
+
     return {
         "tokendyn": __version__,
         "python": platform.python_version(),
@@ -284,6 +286,7 @@ def versions() -> dict:
         "transformers": transformers.__version__,
         "trl": trl.__version__,
         "accelerate": accelerate.__version__,
+        "vllm": vllm_version(),
     }
 
 
@@ -454,6 +457,7 @@ def train(
         "run": asdict(run),
         "config": cfg.to_dict(),
         "versions": versions(),
+        "sampler": trainer.sampler_info,  # which engine sampled, in which dtype
         "status": "running",
     }
     if resume is not None:
