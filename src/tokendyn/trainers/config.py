@@ -241,6 +241,14 @@ class TokendynGRPOConfig(GRPOConfig):
         },
     )
 
+    vllm_enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "With use_vllm (colocate): build vLLM's engine without torch.compile (vLLM's enforce_eager). On "
+            "the CPU it starts in ~2 s instead of ~65 s (SmolLM2-135M) and generates ~20 % slower."
+        },
+    )
+
     probe_every: int = field(
         default=0,
         metadata={
@@ -312,11 +320,13 @@ class TokendynGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"vllm_dtype must be one of {', '.join(SAMPLER_DTYPES)}; got {self.vllm_dtype!r}"
             )
-        if self.vllm_dtype != "auto" and not (self.use_vllm and self.vllm_mode == "colocate"):
-            raise ValueError(
-                f"vllm_dtype={self.vllm_dtype!r} sets the colocated vLLM engine's dtype: it needs use_vllm=True and "
-                f"vllm_mode='colocate' (got use_vllm={self.use_vllm!r}, vllm_mode={self.vllm_mode!r})"
-            )
+        colocated = self.use_vllm and self.vllm_mode == "colocate"
+        for name, unset in (("vllm_dtype", "auto"), ("vllm_enforce_eager", False)):
+            if getattr(self, name) != unset and not colocated:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} sets the colocated vLLM engine: it needs use_vllm=True and "
+                    f"vllm_mode='colocate' (got use_vllm={self.use_vllm!r}, vllm_mode={self.vllm_mode!r})"
+                )
         if self.lopti_order not in LOPTI_ORDERS:
             raise ValueError(
                 f"lopti_order must be one of {', '.join(LOPTI_ORDERS)}; got {self.lopti_order!r}"

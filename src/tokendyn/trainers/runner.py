@@ -375,6 +375,7 @@ def train(
     from .callbacks import ArithHeldoutEvalCallback, HeldoutEvalCallback, ParquetLogCallback, use_reward_bar
     from .grpo import TokendynGRPOTrainer
     from .resume import ResumeCallback, checkpoint_step, kept_metrics, truncate_records
+    from .sampler import release_sampler
 
     out = Path(cfg.output_dir)
     resume = prepare(run, cfg)
@@ -466,6 +467,7 @@ def train(
     write_json(out / "run.json", meta)
     t0 = time.time()
     trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+    release_sampler(trainer)  # a colocated vLLM engine goes now, not when collected during a later run
     final = out / "final"
     trainer.save_model(str(final))  # the trained policy: `tokendyn eval --model RUN_DIR/final`
     if trainer.accelerator.is_main_process:

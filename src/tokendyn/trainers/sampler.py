@@ -12,14 +12,18 @@ from typing import Any
 
 import torch
 
-from tokendyn.integrations.vllm_cpu import colocated_engine, engine_info
+from tokendyn.integrations.vllm_cpu import colocated_engine, engine_info, release_engine
 
 
 def sampling_engine(args: Any):
     """The context TRL's trainer is built in: the colocated vLLM engine's, or nothing."""
     if args is None or not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "colocate":
         return nullcontext()
-    return colocated_engine(getattr(args, "vllm_dtype", "auto"), threads=torch.get_num_threads())
+    return colocated_engine(
+        getattr(args, "vllm_dtype", "auto"),
+        threads=torch.get_num_threads(),
+        enforce_eager=bool(getattr(args, "vllm_enforce_eager", False)),
+    )
 
 
 def sampler_info(trainer: Any) -> dict[str, Any]:
@@ -34,3 +38,10 @@ def sampler_info(trainer: Any) -> dict[str, Any]:
         return {"engine": "vllm", "mode": args.vllm_mode, "dtype": None}
     dtype = next(trainer.model.parameters()).dtype
     return {"engine": "generate", "dtype": str(dtype).removeprefix("torch.")}
+
+
+def release_sampler(trainer: Any) -> None:
+    """Shut the trainer's colocated vLLM engine down once training is done (`release_engine`); nothing otherwise."""
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    if llm is not None and getattr(trainer.args, "vllm_mode", None) == "colocate":
+        release_engine(llm)

