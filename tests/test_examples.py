@@ -4,6 +4,7 @@ through `tokendyn.load_run`."""
 
 from __future__ import annotations
 
+import json
 import runpy
 import sys
 import time
@@ -67,6 +68,18 @@ def test_trl_script_swaps_in_the_tokendyn_trainer(tmp_path, monkeypatch):
     stages = set(run["binstats"].select("stage").unique().collect()["stage"])
     assert stages == {"low", "high"}  # Lopti's two stages, each probed
     assert run["metrics"].select("lopti/stage1_fraction").collect().drop_nulls().height >= 1
+
+
+@pytest.mark.xdist_group("vllm")
+def test_trl_script_samples_with_vllm(tmp_path, monkeypatch):
+    out = tmp_path / "trl_vllm"
+    _run("trl_script.py", "--out", str(out), "--steps", "2", "--use_vllm", monkeypatch=monkeypatch)
+    run = tokendyn.load_run(out)
+    assert run.config["use_vllm"] is True and run.config["vllm_mode"] == "colocate"
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["sampler"]["engine"] == "vllm" and meta["sampler"]["dtype"] == "bfloat16"
+    assert PROBE_KINDS | ANALYSIS_KINDS | {"metrics"} <= set(run.kinds)
+    assert set(run["binstats"].select("stage").unique().collect()["stage"]) == {"low", "high"}
 
 
 def test_verl_batch_to_rollouts_file_to_probe(tmp_path, monkeypatch):

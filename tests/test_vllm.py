@@ -252,3 +252,21 @@ def test_tokendyn_train_use_vllm_on_the_real_llm(tmp_path):
     assert diff.len() > 0 and (diff > 1e-4).all()  # TRL saw the bf16 sampler's mismatch
     bound = pl.read_parquet(sorted((out / "records").glob("checks-*.parquet")))
     assert bound.height > 0 and bound["logits_violations"].sum() == 0
+
+
+def test_demo_use_vllm_says_in_each_run_which_engine_sampled(tmp_path):
+    from tokendyn.commands.demo import QUICK, demo, with_size
+    from tokendyn.commands.demo_cli import sampler_overrides
+
+    out = tmp_path / "demo"
+    size = with_size(QUICK, rollouts=1, people=(3,), eval_people=(3,), eval_n=1, eval_every=1, probe_every=1)
+    toy = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, disable_tqdm=True)
+    sampler = sampler_overrides(True, "float32")
+    report = demo(out, size=size, overrides={**toy, **sampler}, say=lambda msg: None)
+    assert report.is_file()
+    for name in ("grpo", "reweight", "lopti"):
+        meta = json.loads((out / name / "run.json").read_text())
+        assert meta["status"] == "finished" and meta["config"]["use_vllm"] is True
+        assert (meta["sampler"]["engine"], meta["sampler"]["dtype"]) == ("vllm", "float32"), name
+    with pytest.raises(ValueError, match=r"^vllm_dtype: 'float32' needs --use_vllm$"):
+        sampler_overrides(False, "float32")

@@ -1,5 +1,6 @@
-"""``tokendyn demo [--quick] [--policy NAME] [--out DIR]``: what ``make demo`` runs (the embedded default), or the
-same three runs on the real LLM (``--policy smollm2-135m``)."""
+"""``tokendyn demo [--quick] [--policy NAME] [--out DIR] [--use_vllm [--vllm_dtype D]]``: what ``make demo`` runs
+(the embedded default), or the same three runs on the real LLM (``--policy smollm2-135m``); with ``--use_vllm`` TRL's
+colocated vLLM engine samples their rollouts."""
 
 from __future__ import annotations
 
@@ -30,6 +31,18 @@ def register(sub) -> None:
         default=None,
         help="another policy directory or hub id, on K&K (default: the embedded default)",
     )
+    p.add_argument(
+        "--use_vllm",
+        action="store_true",
+        help="sample the rollouts with TRL's colocated vLLM engine (vLLM's CPU build on a CPU; eager, no "
+        "torch.compile) instead of the trainer's generate; each run.json's `sampler` says which engine, which dtype",
+    )
+    p.add_argument(
+        "--vllm_dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="with --use_vllm: the dtype vLLM samples in (auto: vLLM's choice, bfloat16 for a float32 checkpoint)",
+    )
     p.set_defaults(func=run)
 
 
@@ -41,6 +54,17 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out: {str(out)!r} exists and is not a directory")
-    report = demo(out, quick=args.quick, policy=args.policy, model=args.model)
+    sampler = sampler_overrides(args.use_vllm, args.vllm_dtype)
+    report = demo(out, quick=args.quick, policy=args.policy, model=args.model, overrides=sampler)
     print(f"report: {report}")
     return 0
+
+
+def sampler_overrides(use_vllm: bool, vllm_dtype: str = "auto") -> dict:
+    """The trainer fields of ``--use_vllm`` / ``--vllm_dtype``: TRL's colocated engine, eager (it starts in seconds
+    on a CPU), in that dtype."""
+    if vllm_dtype != "auto" and not use_vllm:
+        raise ValueError(f"vllm_dtype: {vllm_dtype!r} needs --use_vllm")
+    if not use_vllm:
+        return {}
+    return dict(use_vllm=True, vllm_mode="colocate", vllm_enforce_eager=True, vllm_dtype=vllm_dtype)
