@@ -93,7 +93,10 @@ def test_paired_difference_pairs_by_seed_and_problem_over_the_shared_seeds():
     [
         ("lopti", 0.01, 0.1, "reproduced"),
         ("lopti", -0.2, -0.05, "reversed"),
-        ("reweight", -0.01, 0.02, "not resolved at this size"),
+        ("reweight", -0.01, 0.02, "paper's effect excluded; sign not resolved"),
+        ("reweight", -0.01, 0.15, "not resolved at this size"),
+        ("lopti", -0.194, 0.018, "paper's effect excluded; sign not resolved"),
+        ("dppo_tv", -0.01, 0.02, "not resolved at this size"),
         ("dppo_tv", 0.01, 0.02, "better than GRPO"),
         ("w_reinforce", -0.3, -0.01, "worse than GRPO"),
         ("w_reinforce", float("nan"), 0.0, "no data"),

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tokendyn.analysis.study import (
+    EXCLUDED,
     NO_DATA,
     NOT_REPRODUCED,
     NOT_RESOLVED,
@@ -70,12 +71,16 @@ def test_units_bootstrap_covers_a_known_ratio():
 
 
 @pytest.mark.parametrize(
-    "lo, hi, expected",
-    [(0.01, 0.2, REPRODUCED), (-0.3, -0.01, NOT_REPRODUCED), (-0.1, 0.1, NOT_RESOLVED), (0.0, 0.1, NOT_RESOLVED),
-     (None, 0.1, NO_DATA), (float("nan"), 1.0, NO_DATA)],
+    "lo, hi, paper, expected",
+    [(0.01, 0.2, 0.1, REPRODUCED), (0.01, 0.02, 0.1, REPRODUCED), (-0.3, -0.01, 0.1, NOT_REPRODUCED),
+     (-0.1, 0.1, 0.05, NOT_RESOLVED), (-0.1, 0.1, 0.1, NOT_RESOLVED), (-0.1, 0.09, 0.1, EXCLUDED),
+     (0.0, 0.1, None, NOT_RESOLVED), (-0.1, 0.01, float("nan"), NOT_RESOLVED), (None, 0.1, 0.1, NO_DATA),
+     (float("nan"), 1.0, 0.1, NO_DATA)],
 )  # fmt: skip
-def test_verdict_rule(lo, hi, expected):
-    assert verdict(lo, hi) == expected
+def test_verdict_rule(lo, hi, paper, expected):
+    """'not resolved' only when the interval holds both 0 and the paper's value; one wholly below the paper's value
+    that holds 0 excludes the paper's effect without resolving the sign."""
+    assert verdict(lo, hi, paper) == expected
 
 
 @pytest.mark.parametrize(
@@ -119,7 +124,7 @@ def test_quick_study_end_to_end_and_resume(tmp_path, capsys):
     assert set(acc["method"]) == {"start", "grpo", "reweight", "lopti"}
     assert ((acc["lo"] <= acc["accuracy"]) & (acc["accuracy"] <= acc["hi"])).all()
     assert set(pl.read_parquet(out / "tables" / "reproduces.parquet")["verdict"]) <= {
-        REPRODUCED, NOT_REPRODUCED, NOT_RESOLVED, NO_DATA}  # fmt: skip
+        REPRODUCED, NOT_REPRODUCED, EXCLUDED, NOT_RESOLVED, NO_DATA}  # fmt: skip
     bins = pl.read_parquet(out / "tables" / "bins.parquet")
     for method in ("grpo", "reweight", "lopti"):
         shares = bins.filter(pl.col("method") == method)["token_share"]

@@ -337,3 +337,44 @@ def test_the_rules_under_verls_sequence_aggregations(agg):
         torch.testing.assert_close(a_loss, loss, rtol=1e-7, atol=0)  # verl's +1e-8 in n_i
         torch.testing.assert_close(a_w, w, rtol=1e-7, atol=1e-15)
     torch.testing.assert_close(w, ref_w, rtol=1e-7, atol=1e-15)
+
+
+@pytest.mark.parametrize("shape", ["token", "sequence"])
+def test_the_analyses_objective_carries_verls_rollout_correction_weights(shape):
+    """verl's rollout correction multiplies `rollout_is_weights` into the actor's loss (`ppo_loss` hands them to
+    the registered function): `VerlObjective` on a ProbeBatch carrying them (`is_ratio`, as `probe_batch` reads
+    them from the batch) has verl's own loss and w = dL/dlog pi with those weights, the tokendyn objective with
+    TRL's importance-sampling correction (`is_correction`, checked against TRL's training step in test_one_loss)
+    has the same, and without the weights both differ."""
+    from tokendyn.probe.tokenloss import Objective
+
+    config = _config(loss_mode="vanilla", clip_c=1e6)  # no dual clip: TRL's PPO term has none
+    old, logp, adv, mask, _ = _batch(3)
+    b, c = mask.shape
+    g = torch.Generator().manual_seed(1)
+    weights = torch.rand(b, c if shape == "token" else 1, generator=g, dtype=torch.float64) * 2
+    weights[0] = 0.0  # a rejected sequence (rollout_rs / IcePop-style zeroing)
+    lp = logp.clone().requires_grad_()
+    ref, _ = core_algos.get_policy_loss_fn("vanilla")(
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask,
+        loss_agg_mode=config.loss_agg_mode, config=config, rollout_is_weights=weights.expand(b, c),
+    )  # fmt: skip
+    (ref_w,) = torch.autograd.grad(ref, lp)
+    ids = torch.zeros(b, c + 1, dtype=torch.long)
+    batch = ProbeBatch(ids, torch.ones_like(ids), mask, adv, old, is_ratio=weights)
+    unweighted = ProbeBatch(ids, torch.ones_like(ids), mask, adv, old)
+    # verl's vanilla token-mean is TRL's bnpo PPO term with its two clip ratios
+    trl_like = Objective(eps_low=0.2, eps_high=0.28, loss_type="bnpo", is_correction=True)
+    for objective, on in (
+        (VerlObjective(config), batch),
+        (trl_like, batch),
+        (VerlObjective(config), unweighted),
+    ):
+        p = logp.clone().requires_grad_()
+        terms = loss_terms(p, on, objective)
+        (w,) = torch.autograd.grad(terms.sum(), p)
+        if on is batch:
+            assert _rel(terms.sum().detach(), ref.detach()) < 1e-12 and _rel(w, ref_w) < 1e-12
+            assert torch.count_nonzero(w[0]) == 0  # the zeroed sequence sends no gradient
+        else:
+            assert _rel(w, ref_w) > 1e-2

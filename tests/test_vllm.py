@@ -22,12 +22,21 @@ from tokendyn import TokendynGRPOConfig, TokendynGRPOTrainer
 from tokendyn.cli import main
 from tokendyn.hooks.offline import probe_rollouts
 from tokendyn.hooks.rollouts import dump_rollouts
-from tokendyn.integrations.vllm_cpu import colocated_engine, engine_model
+from tokendyn.integrations.vllm_cpu import colocated_engine, engine_model, release_engines
 from tokendyn.policy import default_policy_dir
 from tokendyn.probe.tokenloss import Objective
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.xdist_group("vllm")  # one worker builds the engines, one after another
+
+
+@pytest.fixture(autouse=True)
+def _engines_released():
+    """Each test's engines go with it, as `tokendyn train` releases its own: before the shared teardown destroys
+    torch's process group (`conftest`), which a live engine's own shutdown would then fail on."""
+    yield
+    release_engines()
+
 
 PROMPTS = ["2 + 2 =", "The knight says", "Alice is a", "Bob says that"] * 4
 TEMPERATURE = 1.0
@@ -270,3 +279,72 @@ def test_demo_use_vllm_says_in_each_run_which_engine_sampled(tmp_path):
         assert (meta["sampler"]["engine"], meta["sampler"]["dtype"]) == ("vllm", "float32"), name
     with pytest.raises(ValueError, match=r"^vllm_dtype: 'float32' needs --use_vllm$"):
         sampler_overrides(False, "float32")
+
+
+def test_sampler_records_are_the_engines_logprobs_and_trls_weights(runs):
+    """The `sampler` records of the first micro-batch: log mu is what vLLM returned (TRL's sampling log-probs),
+    log pi_old the trainer's, the weight TRL's sequence_mask ratio; `tokendyn analyze` tabulates them per bin."""
+    _, probed, tmp = runs
+    inputs = probed.first_inputs
+    records = pl.read_parquet(sorted((tmp / "probed" / "records").glob("sampler-*.parquet")))
+    first = records.filter((pl.col("step") == 0) & (pl.col("micro") == 0)).sort("row", "pos")
+    mask = inputs["completion_mask"].bool()
+    assert first.height == int(mask.sum())
+    rows, pos = mask.nonzero(as_tuple=True)
+    assert first["row"].to_list() == rows.tolist() and first["pos"].to_list() == pos.tolist()
+    assert first["logp_sampler"].to_list() == inputs["sampling_per_token_logps"][mask].double().tolist()
+    assert first["logp_old"].to_list() == inputs["old_per_token_logps"][mask].double().tolist()
+    weight = inputs["importance_sampling_ratio"].expand_as(mask)[mask].double()
+    assert first["is_weight"].to_list() == weight.tolist()
+    # sequence_mask, clip 3: one weight per sequence, exp(sum of its log rho) where within [0, 3]
+    seq = first.group_by("row").agg(pl.col("log_rho").sum(), pl.col("is_weight").first()).sort("row")
+    for total, w in seq.select("log_rho", "is_weight").rows():
+        assert w == 0.0 if math.exp(total) > 3.0 else math.isclose(w, math.exp(total), rel_tol=1e-5)
+    steps = records["step"].unique().sort().to_list()
+    assert steps == [0, 1, 2]
+    from tokendyn.analysis import analyze_run
+
+    table = analyze_run(tmp / "probed", write=False)["mismatch"]
+    total = table.filter((pl.col("side") == "pi_old") & (pl.col("bin") == -1)).row(0, named=True)
+    assert total["count"] == records.height and total["abs_p99"] > 0
+    # the report's section: the figure and its reading from the same records
+    from tokendyn.figures.report import build_report
+
+    report = build_report([tmp / "probed"], tmp / "report")
+    assert "m_sampler" in report.figures
+    html = report.path.read_text()
+    assert "<h2 id='m_sampler'>" in html and "mean |log ρ| largest in" in html
+
+
+MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_recorded_weight_is_trls_every_mode(mode, tmp_path):
+    """TRL's importance weight in each of its four modes, recorded per token, against TRL's documented formula
+    computed here from the recorded log-probs: rho_t = exp(log rho_t) (token) or exp(sum_t log rho_t) (sequence),
+    clamped to [min, max] (truncate) or zeroed outside it (mask). A narrow range makes each mode bind."""
+    lo, hi = 0.97, 1.03
+    args = _config(
+        tmp_path, max_steps=1, probe_every=1, probe_analyses="none", vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=lo, vllm_importance_sampling_clip_max=hi,
+    )  # fmt: skip
+    trainer = _build(TokendynGRPOTrainer, args)
+    trainer.train()
+    records = pl.read_parquet(sorted((tmp_path / "records").glob("sampler-*.parquet")))
+    assert records.height > 0
+    if mode.startswith("sequence"):
+        ratio = records.group_by("step", "micro", "row").agg(pl.col("log_rho").sum().exp().alias("rho"))
+        records = records.join(ratio, on=["step", "micro", "row"])
+    else:
+        records = records.with_columns(pl.col("log_rho").exp().alias("rho"))
+    rho = records["rho"].to_numpy()
+    want = rho.clip(lo, hi) if mode.endswith("truncate") else rho * ((rho >= lo) & (rho <= hi))
+    got = records["is_weight"].to_numpy()
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5 * max(1.0, want.max())
+    outside = (rho < lo) | (rho > hi)
+    assert outside.any() and not outside.all()  # the range binds on some tokens, not all
+    if mode.endswith("mask"):
+        assert (got[outside] == 0).all()
+    seq = records.group_by("micro", "row").agg(pl.col("seq_masked").all(), (pl.col("is_weight") == 0).all())
+    assert seq["seq_masked"].to_list() == seq["is_weight"].to_list()

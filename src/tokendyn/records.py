@@ -156,6 +156,18 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "identity_rel_err": pl.Float64,
         "logits_ratio": pl.Float64,
     },
+    # the sampler against the trainer: one row per completion token of a probed micro-batch whose rollout carries
+    # the engine's log-probs (TRL + vLLM: `tokendyn.hooks.sampler`); log_rho = logp_old - logp_sampler
+    "sampler": {
+        **_KEY,
+        "row": pl.Int32,
+        "pos": pl.Int32,
+        "logp_old": pl.Float64,
+        "logp_sampler": pl.Float64,
+        "log_rho": pl.Float64,
+        "is_weight": pl.Float64,
+        "seq_masked": pl.Boolean,
+    },
     # conditions that switched a check off (GradientProbe.note): one row per condition and rank; step null when
     # the condition holds for the whole run (found when the probe was built)
     "notes": {"step": pl.Int64, "rank": pl.Int32, "code": pl.Utf8, "message": pl.Utf8},

@@ -40,7 +40,8 @@ def analyze_run(
     their unscaled errors, "correct": the correct ratios with tie counts when the run has `prob_change`
     records, "paired": the paired comparison of update rules with bootstrap intervals when it has `paired`
     records (`tokendyn.analysis.paired`), and with the comparison's sweeps "sweep" (per value and bin) and
-    "guidance" (`tokendyn.analysis.sweep.GUIDANCE_RULE`)}, from the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError`
+    "guidance" (`tokendyn.analysis.sweep.GUIDANCE_RULE`), "mismatch": the sampler's log rho per bin of pi_old and of
+    mu when it has `sampler` records (`tokendyn.analysis.mismatch`)}, from the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError`
     naming what the run holds. With write=True each non-empty table is also written (atomically) to OUT_DIR/{name}.parquet, OUT_DIR defaulting
     to RUN_DIR/analysis (an empty table is not written: an earlier file of that name is left as it was)."""
     path = check_run_dir(run_dir)
@@ -66,6 +67,10 @@ def analyze_run(
             s.height for s, _ in sweeps) else pl.DataFrame()  # fmt: skip
         tables["guidance"] = pl.concat([g for _, g in sweeps if g.height], how="diagonal_relaxed") if any(
             g.height for _, g in sweeps) else pl.DataFrame()  # fmt: skip
+    if "sampler" in run.kinds:
+        from tokendyn.analysis.mismatch import mismatch_table
+
+        tables["mismatch"] = mismatch_table(select_steps(run["sampler"], steps, stage))
     if "notes" in run.kinds:
         tables["notes"] = notes_table(run["notes"])
     if write:
@@ -200,10 +205,28 @@ def print_report(
     paired = tables.get("paired")
     if paired is not None and paired.height:
         print_paired(console, paired)
-    for name, fn in (("sweep", print_sweep), ("guidance", print_guidance)):
+    for name, fn in (("sweep", print_sweep), ("guidance", print_guidance), ("mismatch", print_mismatch)):
         frame = tables.get(name)
         if frame is not None and frame.height:
             fn(console, frame)
+
+
+def print_mismatch(console: Console, mismatch: pl.DataFrame) -> None:
+    """The sampler's mismatch per bin, by pi_old and by mu (`tokendyn.analysis.mismatch`)."""
+    columns = {
+        "bin": "bin", "count": "tokens", "mean_log_rho": "mean log rho", "abs_p50": "|log rho| p50",
+        "abs_p95": "p95", "abs_p99": "p99", "envelope": "max |log rho|/(1-pi_old)", "mean_weight": "mean weight",
+        "frac_masked": "masked", "frac_seq_masked": "seq masked",
+    }  # fmt: skip
+    for side in ("pi_old", "mu"):
+        rows = mismatch.filter(pl.col("side") == side).with_columns(
+            pl.when(pl.col("bin") < 0)
+            .then(pl.lit("all"))
+            .otherwise(pl.format("[{}, {})", pl.col("bin_lo"), pl.col("bin_hi")))
+            .alias("bin")
+        )
+        title = f"The sampler against the trainer (log rho = log pi_old - log mu), binned by {side}"
+        console.print(rich_table(rows.select(list(columns)), title, columns))
 
 
 def _print_by_stage(console: Console, frame: pl.DataFrame, title: str) -> None:

@@ -392,28 +392,33 @@ def load_units(run_dirs_by_seed: dict[int, str]) -> dict[str, Unit | None]:
 
 # ---------------------------------------------------------------- what reproduces
 
-REPRODUCED, NOT_REPRODUCED, NOT_RESOLVED, NO_DATA = (
+REPRODUCED, NOT_REPRODUCED, EXCLUDED, NOT_RESOLVED, NO_DATA = (
     "reproduced",
     "not reproduced",
+    "paper's effect excluded; sign not resolved",
     "not resolved at this size",
     "no data",
 )
 VERDICT_RULE = (
     "Each claim is a statistic that is > 0 when the paper's claim holds. With its 95 % bootstrap interval [lo, hi]: "
-    "reproduced if lo > 0; not reproduced if hi < 0 (the interval excludes the claim, on the other side); not "
-    "resolved at this size if the interval contains 0; no data if the records lack it or hold fewer than two probed "
-    "steps with data (one step resamples to a point, not an interval)."
+    "reproduced if lo > 0 (it excludes 0 in the paper's direction); not reproduced if hi < 0 (the interval excludes "
+    "the claim, on the other side); paper's effect excluded, sign not resolved if it holds 0 but lies wholly below "
+    "the paper's value; not resolved at this size only if it holds both 0 and the paper's value (or the paper gives "
+    "none); no data if the records lack it or hold fewer than two probed steps with data (one step resamples to a "
+    "point, not an interval)."
 )
 
 
-def verdict(lo: float | None, hi: float | None) -> str:
-    """The rule of VERDICT_RULE."""
+def verdict(lo: float | None, hi: float | None, paper: float | None = None) -> str:
+    """The rule of VERDICT_RULE (``paper``: the paper's value of the statistic, > 0; None when it gives none)."""
     if lo is None or hi is None or not np.isfinite(lo) or not np.isfinite(hi):
         return NO_DATA
     if lo > 0:
         return REPRODUCED
     if hi < 0:
         return NOT_REPRODUCED
+    if paper is not None and np.isfinite(paper) and hi < paper:
+        return EXCLUDED
     return NOT_RESOLVED
 
 
@@ -637,7 +642,7 @@ def reproduces_table(
                 "ours": None if not np.isfinite(est) else est,
                 "lo": None if not np.isfinite(lo) else lo,
                 "hi": None if not np.isfinite(hi) else hi,
-                "verdict": verdict(lo, hi),
+                "verdict": verdict(lo, hi, claim.paper),
             }
         )
     return pl.DataFrame(rows)

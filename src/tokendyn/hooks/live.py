@@ -10,6 +10,8 @@ the record writer (``binstats``, ``checks``), and the rebalancing analyses' file
   (a Lopti run's stage decompositions as ``probe/update_share/{low|high}/bin{b}``);
 - ``probe/correct_pos/bin{b}``, ``probe/correct_neg/bin{b}``: correct ratios after the counterfactual all-token
   update, and the tie counts ``tie_pos``, ``tie_neg`` as ``probe/{column}/bin{b}``;
+- ``probe/sampler/{mean_log_rho|abs_p99|envelope|mean_weight|frac_seq_masked}/{bin{b}|all}``: the sampler's
+  mismatch per π_old bin (`tokendyn.analysis.mismatch`) from each ``sampler`` records file as it lands (vLLM runs);
 - ``probe/bound_violations``: logits-bound + head-bound violations (must be 0); ``probe/identity_max_rel_err``: the
   LM-head identity's largest relative error.
 
@@ -26,10 +28,12 @@ from pathlib import Path
 import polars as pl
 from transformers import TrainerCallback
 
+from tokendyn.analysis.mismatch import mismatch_table
 from tokendyn.records import shard_files
 from tokendyn.vocab import FULL_UPDATES
 
-ANALYSIS_KINDS = ("shares", "prob_change")
+ANALYSIS_KINDS = ("shares", "prob_change", "sampler")
+SAMPLER_METRICS = ("mean_log_rho", "abs_p99", "envelope", "mean_weight", "frac_seq_masked")
 # the columns `step_metrics` reads, per kind of the probe's step records
 STEP_COLUMNS = {
     "binstats": ("quantity", "point", "bin", "count"),
@@ -106,7 +110,8 @@ def step_metrics(records: dict) -> dict[str, float]:
 
 def analysis_metrics(kind: str, df: pl.DataFrame) -> dict[str, float]:
     """The live metrics of one analyses file: update shares and relative norms (``shares``), correct ratios and tie
-    counts after the counterfactual all-token update (``prob_change``)."""
+    counts after the counterfactual all-token update (``prob_change``), the sampler's mismatch per bin
+    (``sampler``)."""
     out: dict[str, float] = {}
     if kind == "shares":
         rows = df.filter((pl.col("group") == "all") & (pl.col("bin") >= 0))
@@ -130,6 +135,14 @@ def analysis_metrics(kind: str, df: pl.DataFrame) -> dict[str, float]:
             for col in ("correct_pos", "correct_neg", *ties):
                 if _finite(row[col]):
                     out[f"probe/{col}/bin{row['bin']}"] = float(row[col])
+    elif kind == "sampler":
+        table = mismatch_table(df)
+        rows = table.filter(pl.col("side") == "pi_old") if table.height else table
+        for row in rows.iter_rows(named=True):
+            tag = "all" if row["bin"] < 0 else f"bin{row['bin']}"
+            for col in SAMPLER_METRICS:
+                if _finite(row[col]):
+                    out[f"probe/sampler/{col}/{tag}"] = float(row[col])
     return out
 
 

@@ -39,6 +39,7 @@ from tokendyn.effects.shares import FSDP_NO_TOKEN_SHARES
 from tokendyn.effects.token_view import token_rules_frame, with_real_change
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.rollouts import dump_rollouts
+from tokendyn.hooks.sampler import sampler_frame
 from tokendyn.probe.batch import signal_first, signal_rows
 from tokendyn.probe.parallel import is_fully_sharded
 from tokendyn.probe.probe import GradientProbe
@@ -112,6 +113,7 @@ class TrainerProbe(TrainerCallback):
             data_parallel_size=trainer.accelerator.num_processes,
         ).attach()
         self._open = False
+        self._micro: dict[tuple[int, str], int] = {}  # micro-batches begun per (step, stage)
         self.run_dir = Path(run_dir)
         self.analyses = cfg.active_analyses
         self.sample = cfg.sample_sequences
@@ -373,9 +375,14 @@ class TrainerProbe(TrainerCallback):
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
+        step, stage_label = self.trainer.state.global_step, stage_name(stage, self.order)
+        micro = self._micro[(step, stage_label)] = self._micro.get((step, stage_label), -1) + 1
+        sampler = sampler_frame(inputs, step, stage_label, micro, self.trainer.accelerator.process_index)
+        if sampler is not None:  # vLLM sampled: its log-probs beside the trainer's, and the weight applied
+            self.writer.add({"sampler": sampler})
         self.probe.begin_step(
-            self.trainer.state.global_step,
-            stage_name(stage, self.order),
+            step,
+            stage_label,
             completion_mask=mask,
             advantages=inputs["advantages"],
             old_logp=inputs.get("old_per_token_logps"),

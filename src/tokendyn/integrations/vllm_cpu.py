@@ -128,7 +128,9 @@ def release_engine(llm: Any) -> None:
     _LIVE.discard(llm)
 
 
-def _release_earlier_engines() -> None:
+def release_engines() -> None:
+    """Release every CPU engine built here that is still alive (`release_engine`), after collecting those no
+    longer referenced."""
     gc.collect()  # engines no longer referenced: their finalizers run now, not in the middle of the next engine
     for llm in list(_LIVE):
         release_engine(llm)
@@ -177,7 +179,7 @@ def colocated_engine(
         return
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
-    _release_earlier_engines()
+    release_engines()  # one engine at a time
     n_threads = threads or torch.get_num_threads()
     set_num_threads = torch.set_num_threads
     try:

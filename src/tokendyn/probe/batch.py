@@ -32,7 +32,8 @@ class ProbeBatch:
     temperature: T > 0, the logits are divided by T.
     normalizer: N of the token mean; None: the number of completion tokens in this batch.
     sampling_logp: (B, C) log pi of the sampling engine (vLLM's), for the off-policy mask; None: pi_old's.
-    is_ratio: (B, C) or (B, 1) the importance-sampling correction TRL computes from them (``is_correction``).
+    is_ratio: (B, C) or (B, 1) the importance-sampling correction TRL computes from them (``is_correction``), or
+        verl's rollout-correction weights (``rollout_is_weights``, which `VerlObjective` hands to verl's loss).
     proxy_logp: (B, C) log pi_proxy(o_t), Lp-Reg's min-p proxy of pi_old's distribution (`forward.completion_proxy_logp`);
         needed only by the rule lp_reg.
     rewards: (B,) the sequences' rewards, needed only to build W-REINFORCE's advantages in the paired comparison.

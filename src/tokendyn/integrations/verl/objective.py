@@ -3,13 +3,15 @@ clip_cov, kl_cov, ..., tokendyn's own) is analysed exactly as it is trained.
 
 The loss is what verl's `ppo_loss` computes from the per-token log-probs of a batch, with verl's own functions:
 
-    L = policy_loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)   (registered mode)
+    L = policy_loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                       rollout_is_weights)                                                         (registered mode)
         - entropy_coeff * agg_loss(H, response_mask)                         (when the actor has an entropy bonus)
         + kl_loss_coef * agg_loss(kl_penalty(log_prob, ref_log_prob, kl_loss_type), response_mask)   (use_kl_loss)
 
 (in a Lopti stage the KL and entropy matrices are restricted to the stage's group, as `loss.lopti_ppo_loss` trains)
 
-on the analysed sample taken as the whole batch (one rank: dp_size 1, the sample's token count as the global
+(``rollout_is_weights``: verl's rollout-correction weights of the analysed rows, `ProbeBatch.is_ratio`, when the
+batch carries them: the loss the actor trains) on the analysed sample taken as the whole batch (one rank: dp_size 1, the sample's token count as the global
 token count). Its per-token terms, which the analyses split into bins and token sets, are first-order:
 
     l_t = w_t (log pi_t - sg[log pi_t]) + u_t (H_t - sg[H_t]) + L m_t / N,   w_t = dL/dlog pi_t,  u_t = dL/dH_t
@@ -69,6 +71,8 @@ class VerlObjective:
             "loss_scale_factor": cfg.loss_scale_factor,
         }
         old = logp.detach() if batch.old_logp is None else batch.old_logp.to(logp.device, dtype)
+        # verl's rollout correction (`algorithm.rollout_correction`): the weights its actor multiplies into the loss
+        is_weights = None if batch.is_ratio is None else batch.is_ratio.to(logp.device, dtype)
         adv = batch.advantages.to(logp.device, dtype)
         keep = mask  # the KL and entropy terms' tokens: a Lopti stage's group (`loss.lopti_ppo_loss`)
         opts = cfg.policy_loss
@@ -89,7 +93,7 @@ class VerlObjective:
                 torch.manual_seed(self.seed)
                 loss, _ = get_policy_loss_fn(cfg.policy_loss.get("loss_mode", "vanilla"))(
                     old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask,
-                    loss_agg_mode=cfg.loss_agg_mode, config=cfg, rollout_is_weights=None,
+                    loss_agg_mode=cfg.loss_agg_mode, config=cfg, rollout_is_weights=is_weights,
                 )  # fmt: skip
             if entropy is not None and cfg.entropy_coeff:
                 ent = agg_loss(

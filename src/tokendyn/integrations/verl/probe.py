@@ -342,7 +342,8 @@ def probe_batch(data, rows: int, temperature: float):
     a non-zero advantage, `tokendyn.probe.batch.signal_rows`: the rule of the TRL trainer's probe), fewer when it has
     fewer, as a `ProbeBatch`; None when no sequence has one. Prompts left-padded and responses right-padded to the
     sample's longest, the completion in the last columns (TRL's layout, which the analyses take); completion mask,
-    advantages, pi_old (and pi_ref when the batch has ``ref_log_prob``) per response token."""
+    advantages, pi_old (and pi_ref when the batch has ``ref_log_prob``, verl's rollout-correction weights when it has
+    ``rollout_is_weights``) per response token."""
     from tokendyn.probe.batch import signal_rows
     from tokendyn.probe.tokenloss import ProbeBatch
 
@@ -368,6 +369,7 @@ def probe_batch(data, rows: int, temperature: float):
         return _response_tensor(data, key).cpu()[chosen, :width_r]
 
     has_ref = "ref_log_prob" in data.keys()
+    has_is = "rollout_is_weights" in data.keys()  # verl's rollout correction: the loss multiplies them in
     return ProbeBatch(
         input_ids=ids,
         attention_mask=attn,
@@ -375,6 +377,7 @@ def probe_batch(data, rows: int, temperature: float):
         advantages=per_token("advantages").double(),
         old_logp=per_token("old_log_probs").double(),
         ref_logp=per_token("ref_log_prob").double() if has_ref else None,
+        is_ratio=per_token("rollout_is_weights").double() if has_is else None,
         temperature=temperature,
     )
 

@@ -1,0 +1,79 @@
+"""The sampler's mismatch per probability bin, from the `sampler` records (one row per token of a probed micro-batch:
+log pi_old, log mu, the weight the loss applied).
+
+Per bin, binned once by pi_old and once by mu (binning on one side alone regresses to the mean: a token whose mu was
+under-estimated lands in a low mu bin and shows a positive log rho for that reason alone):
+
+    log rho_t            = log pi_old(o_t) - log mu(o_t)
+    mean_log_rho         = mean_t log rho_t                      (signed: a bias of the sampler, not only noise)
+    abs_p50, p95, p99    = quantiles of |log rho_t|              (linear interpolation)
+    envelope             = max_t |log rho_t| / (1 - pi_old(o_t)) (the (1 - pi) law of the mismatch, DVP
+                                                                  arXiv 2512.23087: |d log p_a| <= 2 ||delta||_inf
+                                                                  (1 - p_a); null where pi_old = 1)
+    mean_weight          = mean applied weight (how much the correction rescales the bin's gradient)
+    frac_masked          = share of tokens whose applied weight is 0
+    frac_seq_masked      = share of tokens whose whole sequence the correction zeroed
+
+Bin ``-1`` is every token. The edges are the paper's fixed intervals unless given; the last bin is closed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import polars as pl
+
+EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
+SIDES = {"pi_old": "logp_old", "mu": "logp_sampler"}
+
+
+def _bin_expr(prob: pl.Expr, edges: Sequence[float]) -> pl.Expr:
+    """Index b of [edges[b], edges[b + 1]) holding ``prob``; the last interval closed."""
+    expr = pl.lit(len(edges) - 2, dtype=pl.Int32)
+    for b in range(len(edges) - 2, 0, -1):
+        expr = pl.when(prob < edges[b]).then(pl.lit(b - 1, dtype=pl.Int32)).otherwise(expr)
+    return expr
+
+
+def _stats(group: pl.DataFrame) -> dict:
+    a = group["abs_log_rho"]
+    env = group["env"].drop_nulls()
+    w = group["is_weight"]
+    n = group.height
+    return {
+        "count": n,
+        "mean_log_rho": group["log_rho"].mean(),
+        "abs_mean": a.mean(),
+        "abs_p50": a.quantile(0.5, "linear"),
+        "abs_p95": a.quantile(0.95, "linear"),
+        "abs_p99": a.quantile(0.99, "linear"),
+        "abs_max": a.max(),
+        "envelope": env.max() if env.len() else None,
+        "mean_weight": w.mean(),
+        "frac_masked": float((w == 0.0).sum()) / n,
+        "frac_seq_masked": float(group["seq_masked"].sum()) / n,
+    }
+
+
+def mismatch_table(sampler: pl.LazyFrame | pl.DataFrame, edges: Sequence[float] = EDGES) -> pl.DataFrame:
+    """One row per (side, bin) with the statistics of the module docstring; empty when there are no records."""
+    df = sampler.collect() if isinstance(sampler, pl.LazyFrame) else sampler
+    if df.height == 0:
+        return pl.DataFrame()
+    one_minus = 1.0 - pl.col("logp_old").exp()
+    df = df.with_columns(
+        pl.col("log_rho").abs().alias("abs_log_rho"),
+        pl.when(one_minus > 0).then(pl.col("log_rho").abs() / one_minus).otherwise(None).alias("env"),
+    )
+    rows = []
+    for side, column in SIDES.items():
+        binned = df.with_columns(_bin_expr(pl.col(column).exp(), edges).alias("bin"))
+        for b in range(-1, len(edges) - 1):
+            group = binned if b < 0 else binned.filter(pl.col("bin") == b)
+            if group.height == 0:
+                continue
+            lo, hi = (edges[0], edges[-1]) if b < 0 else (edges[b], edges[b + 1])
+            rows.append({"side": side, "bin": b, "bin_lo": float(lo), "bin_hi": float(hi), **_stats(group)})
+    table = pl.DataFrame(rows)
+    total = df.height
+    return table.with_columns((pl.col("count") / total).alias("token_share"))

@@ -1,0 +1,51 @@
+"""The sampler's side of a probed micro-batch: per token, the engine's log-prob log mu, the trainer's log pi_old,
+log rho = log pi_old - log mu, and the importance weight the loss applied (the `sampler` record kind).
+
+Read, not re-derived: TRL keeps vLLM's processed log-probs as ``sampling_per_token_logps`` and the weight its loss
+multiplies in as ``importance_sampling_ratio`` ((B, 1) in the sequence modes, (B, C) in the token modes; truncated
+or masked as ``vllm_importance_sampling_mode`` says). A token's ``seq_masked`` is true when the weight on its
+sequence is 0 at every valid token (a sequence mode's mask, or a token mode that masked them all); in a token mode
+a single masked token has ``is_weight`` 0 and ``seq_masked`` false.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+import torch
+
+SAMPLER_KEY = "sampling_per_token_logps"
+WEIGHT_KEY = "importance_sampling_ratio"
+
+
+def sampler_frame(inputs: dict, step: int, stage: str, micro: int, rank: int) -> pl.DataFrame | None:
+    """The `sampler` rows of one micro-batch (every valid completion token), None when the batch carries no
+    sampler log-probs (TRL's own ``generate``, or the correction off and no vLLM)."""
+    logp_mu = inputs.get(SAMPLER_KEY)
+    logp_old = inputs.get("old_per_token_logps")
+    if logp_mu is None or logp_old is None:
+        return None
+    mask = inputs["completion_mask"].bool()
+    if "tool_mask" in inputs:
+        mask = mask & inputs["tool_mask"].bool()
+    weight = inputs.get(WEIGHT_KEY)
+    weight = torch.ones_like(logp_old) if weight is None else weight.expand_as(logp_old)
+    weight = weight.double()
+    seq_masked = ((weight == 0) | ~mask).all(dim=1, keepdim=True).expand_as(mask)
+    rows, pos = mask.nonzero(as_tuple=True)
+    old, mu = logp_old.double()[mask], logp_mu.double()[mask]
+    n = int(rows.numel())
+    return pl.DataFrame(
+        {
+            "step": [int(step)] * n,
+            "stage": [stage] * n,
+            "rank": [int(rank)] * n,
+            "micro": [int(micro)] * n,
+            "row": rows.int().tolist(),
+            "pos": pos.int().tolist(),
+            "logp_old": old.tolist(),
+            "logp_sampler": mu.tolist(),
+            "log_rho": (old - mu).tolist(),
+            "is_weight": weight[mask].tolist(),
+            "seq_masked": seq_masked[mask].tolist(),
+        }
+    )
