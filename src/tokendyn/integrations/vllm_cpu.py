@@ -166,8 +166,8 @@ def colocated_engine(
 ) -> Iterator[None]:
     """Build TRL's colocated vLLM engine inside this block (around ``GRPOTrainer.__init__``): on vLLM's CPU
     backend with the three settlements of the module docstring; on a GPU only ``sampler_dtype`` and
-    ``enforce_eager`` apply (eager: no torch.compile of the engine's model; on the CPU it starts in ~2 s instead of
-    ~65 s for SmolLM2-135M and generates ~20 % slower, `bench/vllm_generation.py`)."""
+    ``enforce_eager`` apply (eager: no torch.compile of the engine's model; on the CPU it starts in 2-9 s instead of
+    45-65 s for SmolLM2-135M and generates 5-50 % slower, `bench/vllm_generation.py`)."""
     if sampler_dtype not in SAMPLER_DTYPES:
         raise ValueError(f"vllm_dtype: must be one of {', '.join(SAMPLER_DTYPES)}, got {sampler_dtype!r}")
     extra: dict[str, Any] = {"dtype": sampler_dtype} if sampler_dtype != "auto" else {}

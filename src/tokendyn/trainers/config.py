@@ -245,7 +245,7 @@ class TokendynGRPOConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "With use_vllm (colocate): build vLLM's engine without torch.compile (vLLM's enforce_eager). On "
-            "the CPU it starts in ~2 s instead of ~65 s (SmolLM2-135M) and generates ~20 % slower."
+            "the CPU it starts in 2-9 s instead of 45-65 s (SmolLM2-135M) and generates 5-50 % slower (bench/vllm_generation.py)."
         },
     )
 
