@@ -1,3 +1,4 @@
-"""Glue for other RL stacks, one module per stack: `verl` (a registered policy loss with Reweight and Lopti's stage
-masks, loaded through verl's plugin entry point by `verl_plugin`). Nothing here is imported by the rest of
-tokendyn, so a plain install needs none of these stacks."""
+"""Glue for other RL stacks and engines, one module per stack: `verl` (a registered policy loss with Reweight and
+Lopti's stage masks, loaded through verl's plugin entry point by `verl_plugin`) and `vllm_cpu` (vLLM's CPU build as
+TRL's colocated sampler, which the TRL trainer builds through). Neither imports its stack at module level, so a plain
+install needs none of them."""

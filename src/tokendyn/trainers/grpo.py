@@ -3,6 +3,9 @@
 This is the one module that touches TRL internals (pinned to trl 1.16). The math is in `functional.py`; here is
 only where it plugs into TRL's loop:
 
+* ``__init__``: TRL's colocated vLLM engine (``use_vllm``, ``vllm_mode="colocate"``) is built inside
+  `tokendyn.trainers.sampler.sampling_engine` (on vLLM's CPU build: weights the sync reaches; ``vllm_dtype``,
+  ``vllm_enforce_eager``); ``sampler_info`` says what samples the rollouts (run.json's ``sampler``).
 * ``_generate_and_score_completions`` (once per rollout batch, train mode only): makes sure ``old_per_token_logps``
   (pi_old at the sampling temperature) is present whenever Reweight or Lopti is on, swaps in REINFORCE++
   advantages, applies Reweight (advantages become (B, T)), and stores both Lopti stage masks in the batch. These are
