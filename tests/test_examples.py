@@ -74,7 +74,12 @@ def test_trl_script_swaps_in_the_tokendyn_trainer(tmp_path, monkeypatch):
 @pytest.mark.xdist_group("vllm")
 def test_trl_script_samples_with_vllm(tmp_path, monkeypatch):
     out = tmp_path / "trl_vllm"
-    _run("trl_script.py", "--out", str(out), "--steps", "2", "--use_vllm", monkeypatch=monkeypatch)
+    from tokendyn.integrations.vllm_cpu import release_engines
+
+    try:
+        _run("trl_script.py", "--out", str(out), "--steps", "2", "--use_vllm", monkeypatch=monkeypatch)
+    finally:
+        release_engines()  # the script's engine goes with the test, as with its process in a real run
     run = tokendyn.load_run(out)
     assert run.config["use_vllm"] is True and run.config["vllm_mode"] == "colocate"
     meta = json.loads((out / "run.json").read_text())

@@ -18,6 +18,7 @@ GPU that is TRL's own path and nothing here runs. On vLLM's CPU backend (the ``v
    no-op for the rest of the process: both are undone when the engine is built, so ``--threads`` holds for training
    and sampling. The KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (set to `KV_CACHE_GIB` when unset; without it vLLM
    reserves ``vllm_gpu_memory_utilization`` of the machine's memory, 0.9 in TRL's defaults, and refuses to start).
+   The launch variables TRL sets for vLLM's rendezvous (``RANK``, ``MASTER_PORT``, ...) are put back afterwards.
 
 One engine at a time: vLLM's in-process distributed state is the process's, and an engine takes it down when it
 shuts down; an earlier engine is released (`release_engine`) before the next one is built, and a run releases its
@@ -44,6 +45,9 @@ WRITTEN_FOR = "0.31.0"  # vllm-cpu, the version the patched function was read in
 PATCHED = "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"
 KV_CACHE_GIB = 1
 SAMPLER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# what TRL's colocate mode writes into os.environ for vLLM's rendezvous: left set, a later trainer in the process
+# would read a distributed launch from them
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class VllmCpuError(RuntimeError):
@@ -182,12 +186,18 @@ def colocated_engine(
     release_engines()  # one engine at a time
     n_threads = threads or torch.get_num_threads()
     set_num_threads = torch.set_num_threads
+    launch = {key: os.environ.get(key) for key in LAUNCH_ENV}
     try:
         with keep_plain_weights(), _trl_engine_kwargs(track=True, **extra):
             yield
     finally:
         torch.set_num_threads = set_num_threads  # the CPU worker's no-op replaced it for the whole process
         torch.set_num_threads(n_threads)
+        for key, value in launch.items():  # TRL set a one-process launch for vLLM's env:// rendezvous
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _cpu_requested() -> bool:
