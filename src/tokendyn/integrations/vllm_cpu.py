@@ -18,7 +18,8 @@ GPU that is TRL's own path and nothing here runs. On vLLM's CPU backend (the ``v
    no-op for the rest of the process: both are undone when the engine is built, so ``--threads`` holds for training
    and sampling. The KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (set to `KV_CACHE_GIB` when unset; without it vLLM
    reserves ``vllm_gpu_memory_utilization`` of the machine's memory, 0.9 in TRL's defaults, and refuses to start).
-   The launch variables TRL sets for vLLM's rendezvous (``RANK``, ``MASTER_PORT``, ...) are put back afterwards.
+   The engine's one-process rendezvous takes a free port, and the launch variables TRL sets for it (``RANK``,
+   ``MASTER_PORT``, ...) are put back afterwards.
 
 One engine at a time: vLLM's in-process distributed state is the process's, and an engine takes it down when it
 shuts down; an earlier engine is released (`release_engine`) before the next one is built, and a run releases its
@@ -187,6 +188,10 @@ def colocated_engine(
     n_threads = threads or torch.get_num_threads()
     set_num_threads = torch.set_num_threads
     launch = {key: os.environ.get(key) for key in LAUNCH_ENV}
+    if not torch.distributed.is_initialized():
+        # a one-process rendezvous of the engine's own: TRL resolves "0" to a free port (a MASTER_PORT inherited
+        # from elsewhere, 29500 say, may be another process's)
+        os.environ["MASTER_PORT"] = "0"
     try:
         with keep_plain_weights(), _trl_engine_kwargs(track=True, **extra):
             yield
