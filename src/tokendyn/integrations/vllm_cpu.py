@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -189,9 +190,9 @@ def colocated_engine(
     set_num_threads = torch.set_num_threads
     launch = {key: os.environ.get(key) for key in LAUNCH_ENV}
     if not torch.distributed.is_initialized():
-        # a one-process rendezvous of the engine's own: TRL resolves "0" to a free port (a MASTER_PORT inherited
-        # from elsewhere, 29500 say, may be another process's)
-        os.environ["MASTER_PORT"] = "0"
+        # a one-process rendezvous of the engine's own, on a port the OS hands out: an inherited MASTER_PORT, and
+        # the ports TRL tries first (29500, 23456: torchrun's defaults), may be another process's
+        os.environ["MASTER_PORT"] = str(_free_port())
     try:
         with keep_plain_weights(), _trl_engine_kwargs(track=True, **extra):
             yield
@@ -203,6 +204,12 @@ def colocated_engine(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _cpu_requested() -> bool:
