@@ -374,3 +374,50 @@ def test_the_dispatch_is_vllms_own_again_after_the_engine_is_built():
     with keep_plain_weights():
         assert getattr(utils.dispatch_cpu_unquantized_gemm, "tokendyn_keeps_weights", False)
     assert utils.dispatch_cpu_unquantized_gemm is original
+
+
+def test_without_the_correction_pi_old_is_the_forward_the_loss_used(tmp_path):
+    """TRL keeps no log pi_old with the correction off (one step per generation: its loss takes the current
+    log-probs as pi_old). The records then carry the probe's own log-probs of that forward: against a plain forward
+    of the starting model on the first micro-batch (no update yet) and vLLM's returned log-probs; weight 1."""
+    args = _config(tmp_path, max_steps=1, probe_every=1, probe_analyses="none",
+                   vllm_importance_sampling_correction=False)  # fmt: skip
+    trainer = _build(_Rollouts, args)
+    trainer.train()
+    inputs = trainer.first_inputs
+    assert "old_per_token_logps" not in inputs and "importance_sampling_ratio" not in inputs
+    records = pl.read_parquet(sorted((tmp_path / "records").glob("sampler-*.parquet")))
+    first = records.filter((pl.col("step") == 0) & (pl.col("micro") == 0)).sort("row", "pos")
+    mask = inputs["completion_mask"].bool()
+    assert first.height == int(mask.sum())
+    assert first["logp_sampler"].to_list() == inputs["sampling_per_token_logps"][mask].double().tolist()
+    start = AutoModelForCausalLM.from_pretrained(str(default_policy_dir()), dtype=torch.float32)
+    plain = _completion_logps(start, inputs)[mask].double()
+    assert (torch.tensor(first["logp_old"].to_list()) - plain).abs().max() < 1e-5
+    assert first["is_weight"].to_list() == [1.0] * first.height and not first["seq_masked"].any()
+
+
+def test_the_studys_sampler_mode_trains_each_method_with_its_sampler(tmp_path):
+    """`tokendyn study --policy smollm2-135m --sampler vllm`'s runs at a smoke size on the embedded default: each
+    method's run says which engine and dtype sampled it and whether TRL corrected, and keeps the sampler records."""
+    from tokendyn.commands import llm_study as L
+
+    size = L.with_size(L.SAMPLER_QUICK, methods=("grpo_vllm_bf16", "grpo_vllm_bf16_raw", "grpo_vllm_fp32"))
+    L.llm_study(tmp_path / "out", size, model=None, work_dir=tmp_path / "work", say=lambda _: None)
+    for method, dtype, corrected in (("grpo_vllm_bf16", "bfloat16", True), ("grpo_vllm_bf16_raw", "bfloat16", False),
+                                     ("grpo_vllm_fp32", "float32", True)):  # fmt: skip
+        run = tmp_path / "out" / "runs" / f"{method}-s0"
+        meta = json.loads((run / "run.json").read_text())
+        assert meta["sampler"]["engine"] == "vllm" and meta["sampler"]["dtype"] == dtype
+        assert meta["config"]["vllm_importance_sampling_correction"] is corrected
+        records = pl.read_parquet(sorted((run / "records").glob("sampler-*.parquet")))
+        assert records.height > 0
+        tiny = 1e-4 if dtype == "float32" else None
+        if tiny is not None:
+            assert records["log_rho"].abs().max() < tiny
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
+
+
+def test_the_sampler_mode_is_refused_on_the_k_and_k_study(capsys):
+    assert main(["study", "--sampler", "vllm", "--quick"]) == 2
+    assert "--sampler" in capsys.readouterr().err

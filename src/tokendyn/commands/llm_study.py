@@ -63,6 +63,18 @@ METHODS: dict[str, dict] = {
     # same training as grpo's (the comparisons are undone bitwise), so its accuracy is a check of that
     "grpo_camps": {},
 }
+# the sampler mode (`--sampler vllm`): the same budget, rollouts sampled by TRL's colocated vLLM engine (eager, one
+# engine per run) in bf16 or float32 against the float32 trainer; TRL's default correction (sequence_mask, clip 3)
+# unless the method switches it off
+VLLM = {"use_vllm": True, "vllm_mode": "colocate", "vllm_enforce_eager": True}
+SAMPLER_METHODS: dict[str, dict] = {
+    "grpo_vllm_bf16": {**VLLM, "vllm_dtype": "bfloat16"},
+    "grpo_vllm_bf16_raw": {**VLLM, "vllm_dtype": "bfloat16", "vllm_importance_sampling_correction": False},
+    "grpo_vllm_fp32": {**VLLM, "vllm_dtype": "float32"},
+    "reweight_vllm_bf16": {**VLLM, "vllm_dtype": "bfloat16", "advantage_reweight_alpha": 0.3},
+    "lopti_vllm_bf16": {**VLLM, "vllm_dtype": "bfloat16", "lopti_eta": 0.5},
+}
+METHODS.update(SAMPLER_METHODS)
 CAMP = {
     "grpo": "baseline",
     "reweight": "tames (the paper)",
@@ -73,6 +85,11 @@ CAMP = {
     "w_reinforce": "other (W-REINFORCE)",
     "dppo_tv": "protects",
     "grpo_camps": "baseline again: both camps swept from its states",
+    "grpo_vllm_bf16": "baseline under the sampler: vLLM bf16, TRL's sequence_mask",
+    "grpo_vllm_bf16_raw": "vLLM bf16, no correction",
+    "grpo_vllm_fp32": "control: vLLM float32 (no mismatch to speak of)",
+    "reweight_vllm_bf16": "tames (the paper), vLLM bf16, sequence_mask",
+    "lopti_vllm_bf16": "tames (the paper), vLLM bf16, sequence_mask",
 }
 # the paper's remedies: their sign is the paper's claim (reproduced / reversed); the others are better / worse
 PAPER_METHODS = ("reweight", "lopti")
@@ -119,6 +136,9 @@ ORDER = (
     "w_reinforce",
     "dppo_tv",
 )
+# the sampler mode's runs, seed by seed; its baseline is the first
+SAMPLER_ORDER = tuple(SAMPLER_METHODS)
+SAMPLER_BASELINE = "grpo_vllm_bf16"
 # GRPO's own runs and the runs that retrain it for the sweep: the same training, so not a method to compare
 SAME_AS_GRPO = ("grpo_camps",)
 # budget (measured here, one thread, two runs at a time): a GRPO rollout ~57 s, a two-step rollout (Lopti, its
@@ -129,6 +149,9 @@ FULL = LLMStudySize(methods=ORDER, seeds=(0, 1, 2, 3), rollouts=8, eval_every=4,
 # a smoke-test size on the embedded default (the test suite), the same code path
 QUICK = LLMStudySize(methods=("grpo", "lopti", "random_halves"), seeds=(0, 1), rollouts=1, eval_every=1, eval_n=4,
                      probe_every=1, probe_sample_sequences=4, both_camps=False, n_boot=200)  # fmt: skip
+# the sampler mode at those sizes: every sampler method
+SAMPLER_FULL = replace(FULL, methods=SAMPLER_ORDER)
+SAMPLER_QUICK = replace(QUICK, methods=("grpo_vllm_bf16", "lopti_vllm_bf16"), seeds=(0,))
 
 
 def check_size(size: LLMStudySize) -> LLMStudySize:
@@ -197,7 +220,7 @@ def run_config(work: Path, method: str, seed: int, size: LLMStudySize, model: st
         disable_tqdm=True,
     )
     fields.update(METHODS[method])
-    if method in ("grpo", *SAME_AS_GRPO) and size.probe_every:
+    if method in ("grpo", SAMPLER_BASELINE, *SAME_AS_GRPO) and size.probe_every:
         fields.update(probe_compare_rules=list(PAIRED_RULES), probe_compare_modes=[PAIRED_MODE])
         if size.both_camps or method == "grpo_camps":
             fields.update(BOTH_CAMPS, probe_compare_lr=CAMPS_LR)
@@ -279,8 +302,8 @@ def llm_study(
     console = Console()
     say = say or (lambda msg: console.print(msg, highlight=False))
     identity = _identity(size, model)
-    order = [m for m in ORDER if m in size.methods]
-    main = [m for m in order if m in ORDER[:5]]
+    order = [m for m in (*ORDER, *SAMPLER_ORDER) if m in size.methods]
+    main = [m for m in order if m in ORDER[:5] or m in SAMPLER_ORDER]
     plan = [(m, s) for s in size.seeds for m in main] + [
         (m, s) for m in order if m not in main for s in size.seeds
     ]

@@ -44,6 +44,14 @@ def register(sub) -> None:
         "docs/study/llm)",
     )
     p.add_argument(
+        "--sampler",
+        choices=["generate", "vllm"],
+        default="generate",
+        help="--policy smollm2-135m: what samples the rollouts. generate: the trainer's own float32 model; vllm: "
+        "TRL's colocated vLLM engine (GRPO in bf16 with TRL's correction, without it, in float32; Reweight and "
+        "Lopti in bf16; default --out runs/study-llm-vllm)",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
         help="train nothing: write the tables, figures and study.md from the runs finished in --out",
@@ -83,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.policy != "default":
         return _run_llm(args)
+    if args.sampler != "generate":
+        from tokendyn.common import UsageError
+
+        raise UsageError(f"--sampler: {args.sampler} is a mode of --policy smollm2-135m only; allowed here: generate")
 
     from .study import FULL, QUICK, study, with_size
 
@@ -108,7 +120,7 @@ def _run_llm(args: argparse.Namespace) -> int:
 
     from tokendyn.common import UsageError
 
-    from .llm_study import FULL, QUICK, llm_study, with_size
+    from .llm_study import FULL, QUICK, SAMPLER_FULL, SAMPLER_QUICK, llm_study, with_size
     from .llm_study_report import write_llm_study
 
     for flag, value in (
@@ -118,12 +130,16 @@ def _run_llm(args: argparse.Namespace) -> int:
     ):
         if value is not None:
             raise UsageError(f"{flag}: not an option of --policy {args.policy} (sums on the packaged model)")
-    size = QUICK if args.quick else FULL
+    if args.sampler == "vllm":
+        size = SAMPLER_QUICK if args.quick else SAMPLER_FULL
+    else:
+        size = QUICK if args.quick else FULL
     changes = {"methods": args.methods, "seeds": args.seeds, "rollouts": args.rollouts, "eval_n": args.eval_n}
     size = with_size(size, **{k: v for k, v in changes.items() if v is not None})
     if args.both_camps:
         size = with_size(size, both_camps=True)
-    out = Path(args.out if args.out != "runs/study" else "runs/study-llm")
+    default_out = "runs/study-llm-vllm" if args.sampler == "vllm" else "runs/study-llm"
+    out = Path(args.out if args.out != "runs/study" else default_out)
     if args.report_only:
         print(f"study: {write_llm_study(out, size)}")
         return 0

@@ -6,6 +6,10 @@ multiplies in as ``importance_sampling_ratio`` ((B, 1) in the sequence modes, (B
 or masked as ``vllm_importance_sampling_mode`` says). A token's ``seq_masked`` is true when the weight on its
 sequence is 0 at every valid token (a sequence mode's mask, or a token mode that masked them all); in a token mode
 a single masked token has ``is_weight`` 0 and ``seq_masked`` false.
+
+With the correction off and the rollout's steps aligned (one optimizer step per generation, no iterations) TRL keeps
+no ``old_per_token_logps``: its loss takes the current log-probs, detached, as log pi_old. The probe then passes its
+own per-token log-probs of the micro-batch (`needs_logp_old`, ``logp_old=``): the same forward the loss used.
 """
 
 from __future__ import annotations
@@ -17,11 +21,19 @@ SAMPLER_KEY = "sampling_per_token_logps"
 WEIGHT_KEY = "importance_sampling_ratio"
 
 
-def sampler_frame(inputs: dict, step: int, stage: str, micro: int, rank: int) -> pl.DataFrame | None:
+def needs_logp_old(inputs: dict) -> bool:
+    """The batch has the sampler's log-probs but TRL kept no log pi_old (correction off, steps aligned)."""
+    return inputs.get(SAMPLER_KEY) is not None and inputs.get("old_per_token_logps") is None
+
+
+def sampler_frame(
+    inputs: dict, step: int, stage: str, micro: int, rank: int, logp_old: torch.Tensor | None = None
+) -> pl.DataFrame | None:
     """The `sampler` rows of one micro-batch (every valid completion token), None when the batch carries no
-    sampler log-probs (TRL's own ``generate``, or the correction off and no vLLM)."""
+    sampler log-probs (TRL's own ``generate``) or no log pi_old (TRL's, else ``logp_old`` [B, C])."""
     logp_mu = inputs.get(SAMPLER_KEY)
-    logp_old = inputs.get("old_per_token_logps")
+    if logp_old is None:
+        logp_old = inputs.get("old_per_token_logps")
     if logp_mu is None or logp_old is None:
         return None
     mask = inputs["completion_mask"].bool()

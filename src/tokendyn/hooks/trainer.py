@@ -39,7 +39,7 @@ from tokendyn.effects.shares import FSDP_NO_TOKEN_SHARES
 from tokendyn.effects.token_view import token_rules_frame, with_real_change
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.rollouts import dump_rollouts
-from tokendyn.hooks.sampler import sampler_frame
+from tokendyn.hooks.sampler import needs_logp_old, sampler_frame
 from tokendyn.probe.batch import signal_first, signal_rows
 from tokendyn.probe.parallel import is_fully_sharded
 from tokendyn.probe.probe import GradientProbe
@@ -113,6 +113,7 @@ class TrainerProbe(TrainerCallback):
             data_parallel_size=trainer.accelerator.num_processes,
         ).attach()
         self._open = False
+        self._sampler_pending = None  # (inputs, key): a sampler frame waiting for the forward's log-probs
         self._micro: dict[tuple[int, str], int] = {}  # micro-batches begun per (step, stage)
         self.run_dir = Path(run_dir)
         self.analyses = cfg.active_analyses
@@ -377,9 +378,12 @@ class TrainerProbe(TrainerCallback):
             mask = mask * inputs["tool_mask"]
         step, stage_label = self.trainer.state.global_step, stage_name(stage, self.order)
         micro = self._micro[(step, stage_label)] = self._micro.get((step, stage_label), -1) + 1
-        sampler = sampler_frame(inputs, step, stage_label, micro, self.trainer.accelerator.process_index)
+        rank = self.trainer.accelerator.process_index
+        sampler = sampler_frame(inputs, step, stage_label, micro, rank)
         if sampler is not None:  # vLLM sampled: its log-probs beside the trainer's, and the weight applied
             self.writer.add({"sampler": sampler})
+        elif needs_logp_old(inputs):  # TRL's loss takes this forward's log-probs as pi_old: read them at the end
+            self._sampler_pending = (inputs, step, stage_label, micro, rank)
         self.probe.begin_step(
             step,
             stage_label,
@@ -394,7 +398,12 @@ class TrainerProbe(TrainerCallback):
     def end(self) -> None:
         if self._open:
             self._open = False
-            self.probe.end_step()
+            result = self.probe.end_step()
+            pending, self._sampler_pending = self._sampler_pending, None
+            if pending is not None and result is not None:
+                inputs, *key = pending
+                frame = sampler_frame(inputs, *key, logp_old=torch.log(result.pi))
+                self.writer.add({"sampler": frame})
 
     def close(self) -> None:
         """End the last probed micro-batch (its backward has run), then detach and write every record. A probed
