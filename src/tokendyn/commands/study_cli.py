@@ -94,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
     if args.sampler != "generate":
         from tokendyn.common import UsageError
 
-        raise UsageError(f"--sampler: {args.sampler} is a mode of --policy smollm2-135m only; allowed here: generate")
+        raise UsageError(
+            f"--sampler: {args.sampler} is a mode of --policy smollm2-135m only; allowed here: generate"
+        )
 
     from .study import FULL, QUICK, study, with_size
 

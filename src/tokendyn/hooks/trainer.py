@@ -382,7 +382,9 @@ class TrainerProbe(TrainerCallback):
         sampler = sampler_frame(inputs, step, stage_label, micro, rank)
         if sampler is not None:  # vLLM sampled: its log-probs beside the trainer's, and the weight applied
             self.writer.add({"sampler": sampler})
-        elif needs_logp_old(inputs):  # TRL's loss takes this forward's log-probs as pi_old: read them at the end
+        elif needs_logp_old(
+            inputs
+        ):  # TRL's loss takes this forward's log-probs as pi_old: read them at the end
             self._sampler_pending = (inputs, step, stage_label, micro, rank)
         self.probe.begin_step(
             step,
