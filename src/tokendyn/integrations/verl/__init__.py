@@ -22,6 +22,7 @@ internal that leans on is named in `internals`.
 
 from tokendyn.integrations.verl.advantages import register_estimator
 from tokendyn.integrations.verl.backend import register_backend
+from tokendyn.integrations.verl.correction import install as install_bypass_check
 from tokendyn.integrations.verl.loss import (
     LOPTI_STAGES,
     LOSS_NAME,
@@ -46,11 +47,13 @@ def register() -> None:
     """Register the tokendyn loss with verl (`loss.register_loss`), wrap the actor worker's update
     (`worker.install`), register the advantage estimator ``w_reinforce`` (`advantages.register_estimator`) and
     the CPU backend's platform "cpu" and rollout "hf" (`backend.register_backend`, active only with
-    ``VERL_PLATFORM=cpu``); idempotent."""
+    ``VERL_PLATFORM=cpu``), and refuse verl's rollout-correction ``bypass_mode`` under the tokendyn loss
+    (`correction.install`); idempotent."""
     register_loss()
     register_estimator()
     install_worker()
     register_backend()
+    install_bypass_check()
 
 
 __all__ = [
@@ -64,6 +67,7 @@ __all__ = [
     "check_version",
     "disable_trl_value_head_patch",
     "entropy_ppo_loss",
+    "install_bypass_check",
     "install_worker",
     "lopti_ppo_loss",
     "register",
