@@ -55,7 +55,7 @@ def test_custom_loop_on_a_local_gpt2_gets_every_figure(tmp_path, monkeypatch, ca
     figures = {p.stem for p in (out / "figures").glob("*.png")}
     # every figure but those of the paired comparison (an option of the trainer and of tokendyn probe, not of this
     # loop): the paired differences, both camps and the c / eta axis
-    # and the sampler's (a vLLM-sampled run's records)
+    # and the sampler's (a TRL trainer's floor and vLLM sampler records)
     assert figures == {spec.name for spec in FIGURES if not {"paired", "sampler"} & set(spec.kinds)}
     assert {"h_paired", "h_both_camps", "h_axis"} <= {spec.name for spec in FIGURES}
 

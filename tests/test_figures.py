@@ -81,12 +81,12 @@ def test_runs_hold_every_record_kind(records):
     assert records.labels == ["GRPO", "GRPO + Reweight(a=0.3)", "GRPO + Lopti(eta=0.5)"]
     assert set(records.kinds()) == {
         "binstats", "hist", "bound", "checks", "tokens", "shares", "token_shares", "prob_change", "influence",
-        "paired", "precision_check", "token_view", "token_view_rules", "metrics",
+        "paired", "precision_check", "token_view", "token_view_rules", "floor", "metrics",
     }  # fmt: skip
 
 
-# the sampler's figure reads a vLLM-sampled run's `sampler` records: drawn from real vLLM runs in tests/test_vllm.py
-DRAWN_HERE = [s for s in FIGURES if "sampler" not in s.kinds]
+# every figure (the sampler's from these runs' `floor` records; with a vLLM sampler's too in tests/test_vllm.py)
+DRAWN_HERE = list(FIGURES)
 
 
 @pytest.mark.parametrize("spec", DRAWN_HERE, ids=[s.name for s in DRAWN_HERE])
@@ -211,8 +211,8 @@ def test_pooled_correct_ratio_skips_steps_without_signed_tokens(records):
 def test_report_has_every_figure_and_table(records, tmp_path):
     result = build_report(records, tmp_path / "out", strict=True)
     html = result.path.read_text()
-    # every section these runs have records for; the sampler's (vLLM runs only) is one collapsed line
-    assert set(result.notes) == {"m_sampler"} and "<details class='absent' id='m_sampler'>" in html
+    # every section: none absent (the sampler's shows these runs' floor)
+    assert not result.notes and "<details class='absent'" not in html
     for spec in DRAWN_HERE:
         section = html.split(f"<h2 id='{spec.name}'>", 1)[1].split("<h2", 1)[0]
         assert "data:image/png;base64," in section, spec.name

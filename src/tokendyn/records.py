@@ -168,6 +168,19 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "is_weight": pl.Float64,
         "seq_masked": pl.Boolean,
     },
+    # the trainer against itself, the noise floor of any mismatch: the same tokens' log-probs recomputed in two
+    # halves of the micro-batch at the same parameters (`tokendyn.hooks.sampler.split_logps`); the sampler's columns,
+    # logp_old = the loss's forward, logp_sampler = the recomputation, is_weight 1, seq_masked false
+    "floor": {
+        **_KEY,
+        "row": pl.Int32,
+        "pos": pl.Int32,
+        "logp_old": pl.Float64,
+        "logp_sampler": pl.Float64,
+        "log_rho": pl.Float64,
+        "is_weight": pl.Float64,
+        "seq_masked": pl.Boolean,
+    },
     # conditions that switched a check off (GradientProbe.note): one row per condition and rank; step null when
     # the condition holds for the whole run (found when the probe was built)
     "notes": {"step": pl.Int64, "rank": pl.Int32, "code": pl.Utf8, "message": pl.Utf8},

@@ -71,6 +71,12 @@ def analyze_run(
         from tokendyn.analysis.mismatch import mismatch_table
 
         tables["mismatch"] = mismatch_table(select_steps(run["sampler"], steps, stage))
+    if "floor" in run.kinds:  # the trainer against itself: the noise floor of any sampler's mismatch
+        from tokendyn.analysis.mismatch import mismatch_table
+
+        tables["floor"] = mismatch_table(select_steps(run["floor"], steps, stage)).filter(
+            pl.col("side") == "pi_old"
+        )
     if "notes" in run.kinds:
         tables["notes"] = notes_table(run["notes"])
     if write:
@@ -205,7 +211,8 @@ def print_report(
     paired = tables.get("paired")
     if paired is not None and paired.height:
         print_paired(console, paired)
-    for name, fn in (("sweep", print_sweep), ("guidance", print_guidance), ("mismatch", print_mismatch)):
+    for name, fn in (("sweep", print_sweep), ("guidance", print_guidance), ("mismatch", print_mismatch),
+                     ("floor", print_floor)):  # fmt: skip
         frame = tables.get(name)
         if frame is not None and frame.height:
             fn(console, frame)
@@ -227,6 +234,18 @@ def print_mismatch(console: Console, mismatch: pl.DataFrame) -> None:
         )
         title = f"The sampler against the trainer (log rho = log pi_old - log mu), binned by {side}"
         console.print(rich_table(rows.select(list(columns)), title, columns))
+
+
+def print_floor(console: Console, floor: pl.DataFrame) -> None:
+    """The noise floor per bin: the trainer's log-probs against themselves in another micro-batch split."""
+    columns = {"bin": "bin", "count": "tokens", "abs_mean": "mean |log rho|", "mean_log_rho": "mean log rho",
+               "abs_p99": "p99", "abs_max": "max"}  # fmt: skip
+    rows = floor.with_columns(
+        pl.when(pl.col("bin") < 0).then(pl.lit("all")).otherwise(pl.format("[{}, {})", pl.col("bin_lo"), pl.col("bin_hi")))
+        .alias("bin")
+    )  # fmt: skip
+    title = "The floor: the trainer against itself (the same tokens in another micro-batch split), binned by pi_old"
+    console.print(rich_table(rows.select(list(columns)), title, columns))
 
 
 def _print_by_stage(console: Console, frame: pl.DataFrame, title: str) -> None:

@@ -26,7 +26,7 @@ VIEW_KINDS = (
     "token_view_rules",
 )  # every token of the view's sequences (--probe_view_sequences)
 CHECK_KINDS = ("precision_check",)  # the measured step precision (--probe_step_precision measured)
-SAMPLER_KINDS = ("sampler",)  # the sampling engine's log-probs beside the trainer's (--use_vllm)
+SAMPLER_KINDS = ("sampler", "floor")  # the sampling engine's log-probs beside the trainer's (--use_vllm)
 METRICS = "metrics"  # the training log, RUN_DIR/metrics.parquet
 KINDS = (*PROBE_KINDS, *ANALYSIS_KINDS, *COMPARISON_KINDS, *CHECK_KINDS, *VIEW_KINDS, *SAMPLER_KINDS, METRICS)
 LOPTI_STAGES = ("low", "high")

@@ -93,11 +93,12 @@ FIGURES: tuple[FigureSpec, ...] = (
                "interval: correct ratios, Δπ, update share, entropy change and KL to the base update, 95 % bands; the "
                "guidance's value and interval marked.",
                lambda r: axis.sweep_curves(_g(r, "paired")), axis.reading),
-    FigureSpec("m_sampler", "The sampler against the trainer", "new", ("sampler",),
+    FigureSpec("m_sampler", "The sampler against the trainer", "new", ("sampler", "floor"),
                "vLLM's log-probabilities against the trainer's π_old per interval: mean |log ρ| (by π_old and by μ, "
                "p99 ticked), its signed mean, and the share of each interval's tokens in a sequence the importance-"
-               "sampling correction dropped.",
-               lambda r: sampler.mismatch_by_bin(_g(r, "sampler")), sampler.reading),
+               "sampling correction dropped; ▼ the floor, the trainer against itself in another micro-batch split "
+               "(every probed run).",
+               lambda r: sampler.mismatch_by_bin(_g(r, "sampler"), _g(r, "floor")), sampler.reading),
     FigureSpec("i_training", "Training curves", "Fig. 3", ("metrics",),
                "Training reward and held-out accuracy per puzzle size, per run.",
                lambda r: training.training_curves(_g(r, "metrics")), readings.training),
@@ -113,7 +114,7 @@ def hint(kinds: Iterable[str]) -> str:
         return "train with --probe_every N and --probe_view_sequences N (default 4; tokendyn probe --view_sequences)"
     if "paired" in kinds:
         return "train with --probe_compare_rules reweight,lopti (or tokendyn probe --compare_rules)"
-    if "sampler" in kinds:
+    if "sampler" in kinds or "floor" in kinds:
         return sampler.HINT
     if any(k in ANALYSIS_KINDS for k in kinds):
         return "train with --probe_every N and the rebalancing analyses on (--probe_analyses, --probe_sample_sequences)"

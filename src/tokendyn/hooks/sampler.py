@@ -7,6 +7,9 @@ or masked as ``vllm_importance_sampling_mode`` says). A token's ``seq_masked`` i
 sequence is 0 at every valid token (a sequence mode's mask, or a token mode that masked them all); in a token mode
 a single masked token has ``is_weight`` 0 and ``seq_masked`` false.
 
+The noise floor (the `floor` kind, `split_logps`): the trainer's log-probs of the same tokens recomputed in two halves
+of the micro-batch at the same parameters, against the forward the loss used, in the same columns.
+
 With the correction off and the rollout's steps aligned (one optimizer step per generation, no iterations) TRL keeps
 no ``old_per_token_logps``: its loss takes the current log-probs, detached, as log pi_old. The probe then passes its
 own per-token log-probs of the micro-batch (`needs_logp_old`, ``logp_old=``): the same forward the loss used.
@@ -61,3 +64,36 @@ def sampler_frame(
             "seq_masked": seq_masked[mask].tolist(),
         }
     )
+
+
+def split_logps(trainer, inputs: dict) -> torch.Tensor | None:
+    """log pi [B, C] of the micro-batch's completion tokens recomputed in two halves of its rows, each cut after its
+    own longest completion (fewer rows, a shorter sequence: other kernel shapes; the positions and every token's
+    context unchanged), through TRL's own ``_get_per_token_logps_and_entropies``, no grad; 0 past each half's cut.
+    None for a single row."""
+    from trl import GRPOTrainer
+
+    prompt, completion = inputs["prompt_ids"], inputs["completion_ids"]
+    mask = inputs["completion_mask"]
+    rows = prompt.size(0)
+    if rows < 2:
+        return None
+    out = torch.zeros(completion.shape, dtype=torch.float32, device=completion.device)
+    h = (rows + 1) // 2
+    with torch.no_grad():
+        for part in (slice(0, h), slice(h, rows)):
+            cut = max(1, int(mask[part].sum(1).max()))
+            ids = torch.cat([prompt[part], completion[part, :cut]], dim=1)
+            attn = torch.cat([inputs["prompt_mask"][part], mask[part, :cut]], dim=1)
+            # TRL's method, not tokendyn's override (which consumes a pending KL stage)
+            logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+                trainer, trainer.model, ids, attn, cut
+            )
+            out[part, :cut] = logps.detach().float()
+    return out
+
+
+def floor_frame(inputs: dict, logp_loss: torch.Tensor, logp_split: torch.Tensor, *key) -> pl.DataFrame | None:
+    """The `floor` rows: ``logp_loss`` (the loss's forward) as log pi_old, ``logp_split`` in the sampler's column."""
+    mask = {k: inputs[k] for k in ("completion_mask", "tool_mask") if k in inputs}
+    return sampler_frame({**mask, SAMPLER_KEY: logp_split}, *key, logp_old=logp_loss)

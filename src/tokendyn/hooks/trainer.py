@@ -39,7 +39,7 @@ from tokendyn.effects.shares import FSDP_NO_TOKEN_SHARES
 from tokendyn.effects.token_view import token_rules_frame, with_real_change
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.rollouts import dump_rollouts
-from tokendyn.hooks.sampler import needs_logp_old, sampler_frame
+from tokendyn.hooks.sampler import floor_frame, needs_logp_old, sampler_frame, split_logps
 from tokendyn.probe.batch import signal_first, signal_rows
 from tokendyn.probe.parallel import is_fully_sharded
 from tokendyn.probe.probe import GradientProbe
@@ -114,6 +114,8 @@ class TrainerProbe(TrainerCallback):
         ).attach()
         self._open = False
         self._sampler_pending = None  # (inputs, key): a sampler frame waiting for the forward's log-probs
+        self._floor_pending = None  # (inputs, log-probs in halves, key): the floor, waiting for the same
+        self.floor = bool(getattr(trainer.args, "probe_floor", False))
         self._micro: dict[tuple[int, str], int] = {}  # micro-batches begun per (step, stage)
         self.run_dir = Path(run_dir)
         self.analyses = cfg.active_analyses
@@ -382,10 +384,16 @@ class TrainerProbe(TrainerCallback):
         sampler = sampler_frame(inputs, step, stage_label, micro, rank)
         if sampler is not None:  # vLLM sampled: its log-probs beside the trainer's, and the weight applied
             self.writer.add({"sampler": sampler})
-        elif needs_logp_old(
-            inputs
-        ):  # TRL's loss takes this forward's log-probs as pi_old: read them at the end
+        elif needs_logp_old(inputs):  # TRL's loss takes this forward's log-probs as pi_old: read at the end
             self._sampler_pending = (inputs, step, stage_label, micro, rank)
+        if self.floor:  # the trainer against itself: the same tokens in two halves, before the loss's forward
+            self.probe.enabled = False
+            try:
+                split = split_logps(self.trainer, inputs)
+            finally:
+                self.probe.enabled = True
+            if split is not None:
+                self._floor_pending = (inputs, split, step, stage_label, micro, rank)
         self.probe.begin_step(
             step,
             stage_label,
@@ -402,10 +410,16 @@ class TrainerProbe(TrainerCallback):
             self._open = False
             result = self.probe.end_step()
             pending, self._sampler_pending = self._sampler_pending, None
-            if pending is not None and result is not None:
+            floor, self._floor_pending = self._floor_pending, None
+            if result is None:
+                return
+            logp = torch.log(result.pi)  # the loss's forward (float64 of the model's log-probs)
+            if pending is not None:
                 inputs, *key = pending
-                frame = sampler_frame(inputs, *key, logp_old=torch.log(result.pi))
-                self.writer.add({"sampler": frame})
+                self.writer.add({"sampler": sampler_frame(inputs, *key, logp_old=logp)})
+            if floor is not None:
+                inputs, split, *key = floor
+                self.writer.add({"floor": floor_frame(inputs, logp, split.to(logp.device), *key)})
 
     def close(self) -> None:
         """End the last probed micro-batch (its backward has run), then detach and write every record. A probed

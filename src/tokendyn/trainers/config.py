@@ -265,6 +265,15 @@ class TokendynGRPOConfig(GRPOConfig):
         },
     )
 
+    probe_floor: bool = field(
+        default=True,
+        metadata={
+            "help": "At each probed micro-batch also recompute the trainer's log-probs of its tokens in two halves "
+            "of the micro-batch (same parameters, another kernel shape; one no-grad forward): the `floor` records, "
+            "the mismatch the trainer has with itself, beside the sampler's."
+        },
+    )
+
     @classmethod
     def from_preset(cls, name: str, **overrides) -> TokendynGRPOConfig:
         """A config with `PRESETS` [name]'s values, ``overrides`` winning (learning rate, sizes, output_dir: the
