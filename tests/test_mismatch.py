@@ -130,3 +130,6 @@ def test_live_scalars_are_the_tables_pi_old_rows():
         row = table.filter(pl.col("bin") == b).row(0, named=True)
         assert live[f"probe/sampler/abs_p99/bin{b}"] == row["abs_p99"]
         assert live[f"probe/sampler/frac_seq_masked/bin{b}"] == row["frac_seq_masked"]
+    floor = analysis_metrics("floor", frame)  # the trainer against itself: the same table, its own names
+    assert floor["probe/floor/abs_mean/all"] == table.filter(pl.col("bin") == -1)["abs_mean"][0]
+    assert not any(k.startswith("probe/sampler/") for k in floor)

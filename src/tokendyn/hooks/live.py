@@ -12,6 +12,7 @@ the record writer (``binstats``, ``checks``), and the rebalancing analyses' file
   update, and the tie counts ``tie_pos``, ``tie_neg`` as ``probe/{column}/bin{b}``;
 - ``probe/sampler/{mean_log_rho|abs_p99|envelope|mean_weight|frac_seq_masked}/{bin{b}|all}``: the sampler's
   mismatch per π_old bin (`tokendyn.analysis.mismatch`) from each ``sampler`` records file as it lands (vLLM runs);
+  ``probe/floor/{abs_mean|abs_p99}/{bin{b}|all}``: the same for the trainer against itself (``floor`` records);
 - ``probe/bound_violations``: logits-bound + head-bound violations (must be 0); ``probe/identity_max_rel_err``: the
   LM-head identity's largest relative error.
 
@@ -32,8 +33,9 @@ from tokendyn.analysis.mismatch import mismatch_table
 from tokendyn.records import shard_files
 from tokendyn.vocab import FULL_UPDATES
 
-ANALYSIS_KINDS = ("shares", "prob_change", "sampler")
+ANALYSIS_KINDS = ("shares", "prob_change", "sampler", "floor")
 SAMPLER_METRICS = ("mean_log_rho", "abs_p99", "envelope", "mean_weight", "frac_seq_masked")
+FLOOR_METRICS = ("abs_mean", "abs_p99")  # the trainer against itself: what a sampler's mismatch must exceed
 # the columns `step_metrics` reads, per kind of the probe's step records
 STEP_COLUMNS = {
     "binstats": ("quantity", "point", "bin", "count"),
@@ -135,14 +137,14 @@ def analysis_metrics(kind: str, df: pl.DataFrame) -> dict[str, float]:
             for col in ("correct_pos", "correct_neg", *ties):
                 if _finite(row[col]):
                     out[f"probe/{col}/bin{row['bin']}"] = float(row[col])
-    elif kind == "sampler":
+    elif kind in ("sampler", "floor"):
         table = mismatch_table(df)
         rows = table.filter(pl.col("side") == "pi_old") if table.height else table
         for row in rows.iter_rows(named=True):
             tag = "all" if row["bin"] < 0 else f"bin{row['bin']}"
-            for col in SAMPLER_METRICS:
+            for col in SAMPLER_METRICS if kind == "sampler" else FLOOR_METRICS:
                 if _finite(row[col]):
-                    out[f"probe/sampler/{col}/{tag}"] = float(row[col])
+                    out[f"probe/{kind}/{col}/{tag}"] = float(row[col])
     return out
 
 
