@@ -421,3 +421,51 @@ def test_the_studys_sampler_mode_trains_each_method_with_its_sampler(tmp_path):
 def test_the_sampler_mode_is_refused_on_the_k_and_k_study(capsys):
     assert main(["study", "--sampler", "vllm", "--quick"]) == 2
     assert "--sampler" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ("token_mask", "sequence_truncate"))
+def test_the_analyses_objective_is_the_update_the_corrected_loss_made(mode, tmp_path):
+    """One SGD step of a vLLM-sampled run with TRL's correction binding (a narrow range): the gradient of the
+    analyses' objective (`token_loss` with the `Objective` the probe builds from the config, on the micro-batch, TRL's weights in as
+    ``is_ratio``) at the starting model equals the trainer's actual parameter change / -lr; without the weights it
+    does not."""
+    from tokendyn.probe.tokenloss import ProbeBatch, token_loss
+
+    lr = 1e-2
+    args = _config(
+        tmp_path, max_steps=1, probe_every=1, probe_analyses="none", max_grad_norm=0.0,
+        vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.97,
+        vllm_importance_sampling_clip_max=1.03,
+    )  # fmt: skip
+    path = str(default_policy_dir())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    trainer = _Rollouts(
+        model=model, processing_class=AutoTokenizer.from_pretrained(path), reward_funcs=letter_reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        optimizers=(torch.optim.SGD(model.parameters(), lr=lr), None),
+    )  # fmt: skip
+    trainer.train()
+    inputs = trainer.first_inputs
+    weights = inputs["importance_sampling_ratio"]
+    assert ((weights - 1).abs() > 1e-3).any()  # the correction rescales (or masks) some tokens
+    start = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    names = [n for n, p in start.named_parameters() if p.requires_grad]
+    moved = dict(trainer.model.named_parameters())
+    change = torch.cat([((start.get_parameter(n) - moved[n].detach()) / lr).flatten() for n in names])
+
+    def gradient(is_ratio):
+        batch = ProbeBatch(
+            input_ids=torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+            completion_mask=inputs["completion_mask"], advantages=inputs["advantages"],
+            old_logp=inputs["old_per_token_logps"], temperature=TEMPERATURE, is_ratio=is_ratio,
+        )  # fmt: skip
+        start.zero_grad()
+        token_loss(start, batch, objective).loss.backward()
+        return torch.cat([start.get_parameter(n).grad.flatten() for n in names])
+
+    objective = Objective.from_config(args)  # what the probe's analyses build from the config
+    assert objective.is_correction
+    rel = lambda g: float((g - change).norm() / change.norm())  # noqa: E731
+    assert rel(gradient(weights)) < 1e-4
+    assert rel(gradient(torch.ones_like(weights))) > 1e-3
