@@ -469,3 +469,24 @@ def test_the_analyses_objective_is_the_update_the_corrected_loss_made(mode, tmp_
     rel = lambda g: float((g - change).norm() / change.norm())  # noqa: E731
     assert rel(gradient(weights)) < 1e-4
     assert rel(gradient(torch.ones_like(weights))) > 1e-3
+
+
+def test_the_token_view_shows_each_tokens_log_rho_and_weight(runs, tmp_path):
+    """The token view's sampler fields: every view token's log rho and weight are the sampler records' of the same
+    token (the view's rows are the analysis sample's, the records' the micro-batches': matched by value, 1e-9), and
+    the page's hover names them."""
+    _, probed, tmp = runs
+    view = pl.read_parquet(sorted((tmp / "probed" / "records").glob("token_view-*.parquet")))
+    records = pl.read_parquet(sorted((tmp / "probed" / "records").glob("sampler-*.parquet")))
+    assert view.height and view["log_rho"].null_count() == 0 and view["is_weight"].null_count() == 0
+    for step, part in view.group_by("step"):
+        theirs = records.filter(pl.col("step") == step[0])
+        rho, weight = theirs["log_rho"].to_numpy(), theirs["is_weight"].to_numpy()
+        for r, w in part.select("log_rho", "is_weight").rows():  # a token of the records with both values
+            assert ((abs(rho - r) < 1e-9) & (abs(weight - w) < 1e-6)).any(), (r, w)
+    from tokendyn.figures.data import load_runs
+    from tokendyn.figures.view import view_data, view_page
+
+    records = load_runs([tmp / "probed"])
+    assert "log_rho" in {q["key"] for q in view_data(records)["runs"][0]["quantities"]}
+    assert "log ρ (sampler)" in view_page(records)

@@ -323,6 +323,10 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "dpi_cf": pl.Float64,
         "dpi_real": pl.Float64,
         "head_ratio": pl.Float64,
+        # the sampler at the token (null where the rollout has no sampler log-probs): log pi_old - log mu, and the
+        # importance weight the loss applied
+        "log_rho": pl.Float64,
+        "is_weight": pl.Float64,
     },
     # the paired comparison's rules at the view's tokens: one row per (token, rule, mode)
     "token_view_rules": {

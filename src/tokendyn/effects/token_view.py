@@ -12,6 +12,8 @@ left out) with every number the analyses already have for it:
     dpi_real      the same after the run's real update (filled in after the optimizer step; null offline)
     head_ratio    ||d log pi_t / d h_t|| / (1 - pi_t) at the LM-head input: its own gradient over |w| (1 - pi), which
                   the bound keeps <= sqrt(2) sigma_max(W) / T (`tokendyn.probe.head`)
+    log_rho       log pi_old - log mu, the sampler's mismatch at the token (vLLM-sampled rollouts; null otherwise)
+    is_weight     the importance weight the loss applied to it (TRL's correction; null without one)
 
 and, with the paired comparison on, `token_view_rules`: one row per (token, rule, mode) with the rule's Δπ and update
 share (`tokendyn.effects.compare`). Both are bounded by ``view_sequences`` (at most that many sequences of at most the
@@ -162,6 +164,8 @@ def token_view_frame(
         dpi_cf=take(dpi_cf),
         dpi_real=[None] * n_rows,
         head_ratio=take(head_ratio),
+        log_rho=take(None if batch.sampling_logp is None else torch.log(pi_old) - batch.sampling_logp),
+        is_weight=take(None if batch.is_ratio is None else batch.is_ratio.expand_as(batch.completion_mask)),
     )
     return to_frame("token_view", cols)
 

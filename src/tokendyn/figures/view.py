@@ -39,6 +39,8 @@ COLUMNS = (
     "dpi_cf",
     "dpi_real",
     "head_ratio",
+    "log_rho",
+    "is_weight",
 )
 BASE_QUANTITIES = (  # key, label, kind; a key is shown where the run has a value for it
     ("pi_old", "π_old (its bin)", "bins"),
@@ -50,6 +52,8 @@ BASE_QUANTITIES = (  # key, label, kind; a key is shown where the run has a valu
     ("dir_real", "direction of the real Δπ", "direction"),
     ("group", "Lopti group", "group"),
     ("head_ratio", "own gradient ||∂log π/∂h|| / (1 − π)", "sequential"),
+    ("log_rho", "sampler mismatch log ρ = log π_old − log μ", "signed"),
+    ("is_weight", "importance weight the loss applied", "sequential"),
 )
 
 
@@ -119,6 +123,10 @@ def view_data(records: Records, max_tokens: int | None = None) -> dict:
     tokens = records.get("token_view")
     if tokens is None:
         raise MissingRecords("token view", ["token_view"], "train with --probe_view_sequences N (default 4)")
+    # a frame from before a column was added (the sampler's) reads it as nulls, as `scan_records` does
+    tokens = tokens.with_columns(
+        [pl.lit(None, dtype=pl.Float64).alias(c) for c in COLUMNS if c not in tokens.columns]
+    )
     all_rules = records.get("token_view_rules")
     runs, trimmed = [], {}
     for label in records.labels:
@@ -280,7 +288,8 @@ SCRIPT = r"""
   const FIELDS = [
     ["token", "token"], ["token_id", "id"], ["pi_old", "π_old"], ["bin", "bin"], ["advantage", "A"],
     ["group", "Lopti group"], ["share", "update share"], ["dpi_cf", "Δπ counterfactual"],
-    ["dpi_real", "Δπ real"], ["head_ratio", "own gradient / (1 − π)"],
+    ["dpi_real", "Δπ real"], ["head_ratio", "own gradient / (1 − π)"], ["log_rho", "log ρ (sampler)"],
+    ["is_weight", "IS weight"],
   ];
   const state = { run: 0, step: 0, quantity: null, sign: "all", bins: new Set(data.runs[0].bins.map((_, i) => i)) };
 

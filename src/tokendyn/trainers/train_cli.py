@@ -205,6 +205,8 @@ def own_fields() -> set[str]:
 STUDY_CONTROLS = ("random_halves",)
 # the colocated vLLM engine's settings TRL has no field for: beside TRL's vllm_* fields, under --help-all
 ENGINE_SETTINGS = ("vllm_dtype", "vllm_enforce_eager")
+# the probe's switches that stay on in nearly every run: under --help-all
+PROBE_SWITCHES = ("probe_floor",)
 
 
 def short_help(parser) -> None:
@@ -216,13 +218,18 @@ def short_help(parser) -> None:
 
     # each per-token rule's parameters (dppo_tv_delta, aspo_*, ...): the rule is chosen by --policy_loss in the short
     # help, its published defaults rarely change, so its parameters are listed by --help-all
-    rule_params = {p.name for p in params()} | set(STUDY_CONTROLS) | set(ENGINE_SETTINGS)
+    rule_params = (
+        {p.name for p in params()} | set(STUDY_CONTROLS) | set(ENGINE_SETTINGS) | set(PROBE_SWITCHES)
+    )
     keep = (own_fields() - rule_params) | set(COMMON_TRL_FIELDS) | {"help", "config"}
     hidden = tuned = 0
     for action in parser._actions:
         if action.dest not in keep and action.help != ap.SUPPRESS:
             action.help = ap.SUPPRESS
-            tuned += action.dest in rule_params and action.dest not in STUDY_CONTROLS + ENGINE_SETTINGS
+            tuned += (
+                action.dest in rule_params
+                and action.dest not in STUDY_CONTROLS + ENGINE_SETTINGS + PROBE_SWITCHES
+            )
             hidden += action.dest not in rule_params
 
     def rank(action) -> int:  # tokendyn's own first, then the common TRL fields (each in its declared order)
@@ -237,7 +244,8 @@ def short_help(parser) -> None:
     )
     parser.epilog = (
         f"{tuned} parameters of the per-token rules of --policy_loss (published defaults), the study's controls "
-        "(--random_halves), the vLLM engine's --vllm_dtype and --vllm_enforce_eager (with --use_vllm), and "
+        "(--random_halves), the vLLM engine's --vllm_dtype and --vllm_enforce_eager (with --use_vllm), the probe's "
+        "--probe_floor (on), and "
         f"{hidden} more TRL "
         "GRPOConfig / transformers TrainingArguments flags are accepted: `tokendyn train --help-all` lists them."
     )
