@@ -302,3 +302,31 @@ def test_tokendyn_probe_runs_on_a_dataproto_file(saved, tmp_path, tiny_model_dir
     assert norms["count"].sum() == scored * 3  # 2 layers + the final norm, each scored token once
     meta = json.loads((out / "run.json").read_text())
     assert meta["rollouts"] == str(saved) and meta["options"]["temperature"] == T
+
+
+def test_verls_rollout_log_probs_are_the_sampler_column_and_tokendyn_probe_records_them(
+    tmp_path, tiny_model_dir, capsys
+):
+    """A batch with verl's ``rollout_log_probs`` (the rollout engine's own log mu): read as ``sampler_logp`` on the
+    kept tokens, and `tokendyn probe` writes `sampler` records whose log mu is that column and whose log pi_old is
+    the file's old_logp, per scored token."""
+    tensors = verl_tensors()
+    c = tensors["responses"].shape[1]
+    mu = [[-0.15 * (k + 1) - 0.02 * t for t in range(len(r["completion_ids"]))] for k, r in enumerate(ROWS)]
+    tensors["rollout_log_probs"] = torch.tensor([_right(m, c, JUNK) for m in mu], dtype=torch.float32)
+    got = read_rollouts(dataproto(tensors))
+    assert [x.tolist() for x in got.sampler_logp] == [_f32(m) for m in mu]
+    path = tmp_path / "batch.dp"
+    dataproto(tensors).save_to_disk(path)
+    out = tmp_path / "run"
+    argv = ["probe", "--model", str(tiny_model_dir), "--rollouts", str(path), "--out", str(out), "--allow_pickle",
+            "--batch_size", "4", "--analyses", "none", "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    records = pl.read_parquet(sorted((out / "records").glob("sampler-*.parquet")))
+    scored = [(k, t) for k, r in enumerate(ROWS) for t, on in enumerate(r["loss_mask"]) if on]
+    assert records.height == len(scored)
+    want_mu = sorted(_f32(mu[k])[t] for k, t in scored)
+    want_old = sorted(_f32(ROWS[k]["old_logp"])[t] for k, t in scored)
+    assert sorted(records["logp_sampler"].to_list()) == want_mu
+    assert sorted(records["logp_old"].to_list()) == want_old
+    assert json.loads((out / "run.json").read_text())["sampler"] == "sampler_logp column"

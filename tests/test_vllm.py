@@ -200,6 +200,15 @@ def test_records_equal_the_offline_probe_of_the_same_completions(runs, tmp_path)
             assert math.isclose(row[stat], row[f"{stat}_off"], rel_tol=tol), (row["point"], row["bin"], stat)
             checked += 1
     assert checked >= 2 * 5 * 4 * 3  # two quantities, 5 points, 4 bins, 3 statistics
+    # the dumped file carries vLLM's log-probs (column sampler_logp): the offline probe records the same sampler rows
+    assert "sampler_logp" in pl.read_parquet(path).columns
+    live = pl.read_parquet(sorted((tmp / "probed" / "records").glob("sampler-*.parquet")))
+    live = live.filter((pl.col("step") == 0) & (pl.col("micro") == 0)).sort("row", "pos")
+    offline = pl.read_parquet(sorted((tmp_path / "off" / "records").glob("sampler-*.parquet"))).sort(
+        "row", "pos"
+    )
+    for column in ("row", "pos", "logp_old", "logp_sampler", "log_rho"):
+        assert offline[column].to_list() == live[column].to_list(), column
 
 
 def test_vllm_samples_from_the_trainers_current_weights(tmp_path):

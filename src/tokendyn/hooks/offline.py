@@ -48,6 +48,7 @@ from tokendyn.effects.shares import jvp_attention
 from tokendyn.hooks.model_fit import POSITIONS, check_fits, model_limits, positions_from_masks
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.rollouts import Rollouts, read_rollouts
+from tokendyn.hooks.sampler import sampler_frame
 from tokendyn.probe.batch import signal_rows
 from tokendyn.probe.probe import GradientProbe
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, eval_mode, token_loss
@@ -129,6 +130,7 @@ def _probe_batch(b: dict, temperature: float, normalizer: float | None) -> Probe
         advantages=b["advantages"],
         old_logp=b.get("old_per_token_logps"),
         ref_logp=b.get("ref_per_token_logps"),
+        sampling_logp=b.get("sampling_per_token_logps"),
         temperature=temperature,
         normalizer=normalizer,
     )
@@ -233,7 +235,7 @@ def probe_rollouts(
                 positions_from_masks(model, positions),
                 probe,
             ):
-                for rows in chunks:
+                for micro, rows in enumerate(chunks):
                     b = rollouts.batch(rows, pad_id, device)
                     batch = _probe_batch(b, temperature, normalizer=float(max(n_tokens, 1)))
                     probe.begin_step(
@@ -249,6 +251,13 @@ def probe_rollouts(
                     probe.watch_logps(loss.logp)
                     loss.loss.backward()
                     probe.end_step()
+                    if (
+                        rollouts.sampler_logp is not None
+                    ):  # the file's sampler beside pi_old (the column, or pi)
+                        sampled = {**b, "completion_mask": batch.completion_mask}
+                        frame = sampler_frame(sampled, 0, TRAIN, micro, 0, logp_old=None if rollouts.old_logp
+                                              is not None else loss.logp.detach())  # fmt: skip
+                        writer.add({"sampler": frame})
                     if bar is not None:
                         bar.advance(task)
             writer.flush()
@@ -281,6 +290,7 @@ def probe_rollouts(
             "analysed_row_indices": rows_analysed,
             "advantages": rollouts.advantage_source,
             "pi_old": "old_logp column" if rollouts.old_logp is not None else "on-policy (the model's pi)",
+            "sampler": "sampler_logp column" if rollouts.sampler_logp is not None else None,
             "input": "token ids" if rollouts.prompts is None else "text (tokenized here)",
             "ignored_columns": list(rollouts.ignored),
             "probe": cfg.to_dict(),

@@ -12,6 +12,9 @@ A parquet or jsonl file (other columns are ignored):
     optional    old_logp                      list, log pi_old per completion token at the sampling temperature
                                               (absent: on-policy, pi_old = the model's own pi)
                 ref_logp                      list, log pi_ref per completion token (needed only for beta > 0)
+                sampler_logp                  list, log mu per completion token: the sampling engine's own log-probs
+                                              (vLLM's, verl's rollout_log_probs) at the sampling temperature; the
+                                              probe then records the `sampler` kind beside the trainer's pi_old
                 prompt_mask, completion_mask  lists of 0/1, as long as prompt_ids / completion_ids: the attention mask
                                               of a padded row (prompt left-padded, completion right-padded)
                 loss_mask                     list of 0/1 per completion token: the scored tokens (default: the
@@ -72,6 +75,7 @@ class Rollouts:
     advantage_source: str  # "advantage" | "grpo(reward, group)"
     old_logp: list[np.ndarray] | None = None
     ref_logp: list[np.ndarray] | None = None
+    sampler_logp: list[np.ndarray] | None = None
     prompt_mask: list[np.ndarray] | None = None
     completion_mask: list[np.ndarray] | None = None
     loss_mask: list[np.ndarray] | None = None
@@ -184,6 +188,8 @@ class Rollouts:
             out["old_per_token_logps"] = per_token(self.old_logp)
         if self.ref_logp is not None:
             out["ref_per_token_logps"] = per_token(self.ref_logp)
+        if self.sampler_logp is not None:
+            out["sampling_per_token_logps"] = per_token(self.sampler_logp)
         return out
 
 
@@ -253,7 +259,8 @@ def dump_rollouts(inputs: dict, path: str | os.PathLike, temperature: float) -> 
     }
     if inputs.get("tool_mask") is not None:
         cols["loss_mask"] = _rows((inputs["completion_mask"] * inputs["tool_mask"]).long())
-    for key, name in (("old_per_token_logps", "old_logp"), ("ref_per_token_logps", "ref_logp")):
+    for key, name in (("old_per_token_logps", "old_logp"), ("ref_per_token_logps", "ref_logp"),
+                      ("sampling_per_token_logps", "sampler_logp")):  # fmt: skip
         if inputs.get(key) is not None:
             cols[name] = _rows(inputs[key].detach().to(torch.float64))
     cols["temperature"] = [float(temperature)] * b

@@ -165,7 +165,7 @@ def _check_values(t: Table, cols: dict, mode: str) -> None:
     def on_scored(i, v):
         return v if scored[i] is None else v[scored[i]]
 
-    for name in ("old_logp", "ref_logp"):
+    for name in ("old_logp", "ref_logp", "sampler_logp"):
         for i, v in enumerate(cols.get(name, ())):
             x = on_scored(i, v)
             bad = np.flatnonzero(~np.isfinite(x) | (x > LOGP_TOL))
@@ -217,7 +217,15 @@ def validate_table(t: Table) -> dict:
     use += ["advantage"] if adv_kind == "advantage" else ["reward", "group"]
     use += [
         c
-        for c in ("old_logp", "ref_logp", "loss_mask", "prompt_mask", "completion_mask", "temperature")
+        for c in (
+            "old_logp",
+            "ref_logp",
+            "sampler_logp",
+            "loss_mask",
+            "prompt_mask",
+            "completion_mask",
+            "temperature",
+        )
         if c in t.columns
     ]
     if mode == "text":
@@ -248,6 +256,7 @@ def validate_table(t: Table) -> dict:
         advantage_source=source,
         old_logp=cols.get("old_logp"),
         ref_logp=cols.get("ref_logp"),
+        sampler_logp=cols.get("sampler_logp"),
         prompt_mask=cols.get("prompt_mask"),
         completion_mask=cols.get("completion_mask"),
         loss_mask=cols.get("loss_mask"),

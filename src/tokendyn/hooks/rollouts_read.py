@@ -28,6 +28,7 @@ COLUMNS = {
     "group": "group",
     "old_logp": "numbers",
     "ref_logp": "numbers",
+    "sampler_logp": "numbers",
     "prompt_mask": "mask",
     "completion_mask": "mask",
     "loss_mask": "mask",
@@ -43,7 +44,12 @@ ACCEPTS = {
     "text": "a string",
     "prompt": "a string or a list of chat messages {role, content}",
 }
-PER_TOKEN = ("loss_mask", "old_logp", "ref_logp")  # as long as the completion (advantage too, when a list)
+PER_TOKEN = (
+    "loss_mask",
+    "old_logp",
+    "ref_logp",
+    "sampler_logp",
+)  # as long as the completion (advantage too, when a list)
 LOGP_TOL = 1e-6
 
 

@@ -51,10 +51,12 @@ TENSOR_FIELDS = {
     "advantages": ("[B, R]", "the advantage of each response token"),
     "old_log_probs": ("[B, R]", "log pi_old per response token at the rollout temperature (optional)"),
     "ref_log_prob": ("[B, R]", "log pi_ref per response token (optional)"),
+    "rollout_log_probs": ("[B, R]", "log mu per response token, the rollout engine's own (optional)"),
     "token_level_rewards": ("[B, R]", "rewards per response token (optional)"),
     "token_level_scores": ("[B, R]", "scores per response token (optional)"),
 }
-PER_TOKEN = {"advantages": "advantage", "old_log_probs": "old_logp", "ref_log_prob": "ref_logp"}
+PER_TOKEN = {"advantages": "advantage", "old_log_probs": "old_logp", "ref_log_prob": "ref_logp",
+             "rollout_log_probs": "sampler_logp"}  # fmt: skip
 NEEDS = (
     "a verl PPO rollout batch needs prompts [B, P], responses [B, R], attention_mask [B, P + R] and advantages "
     "[B, R] (or token_level_rewards / token_level_scores [B, R] with the non-tensor uid, for GRPO advantages)"
@@ -149,6 +151,7 @@ def dataproto_table(tensors: Mapping, non_tensors: Mapping, meta_info: Mapping, 
         advantage[b]      = [advantages[b, t]          for t in K_b]                 (float64, per token)
         old_logp[b]       = [old_log_probs[b, t]       for t in K_b]                 (when given)
         ref_logp[b]       = [ref_log_prob[b, t]        for t in K_b]                 (when given)
+        sampler_logp[b]   = [rollout_log_probs[b, t]   for t in K_b]                 (when given)
         loss_mask[b]      = [response_mask[b, t]       for t in K_b]                 (when given)
         reward[b]         = sum_t token_level_rewards[b, t] (else token_level_scores) (when given; verl's GRPO score,
                                                                                       compute_grpo_outcome_advantage)

@@ -4,7 +4,8 @@ so an update recorded inside verl can be replayed offline on the same tokens, ad
 One parquet file per update and data-parallel rank, ``RUN_DIR/batches/update-KKKK-rankR.parquet`` (K: the
 worker's update count from 0), one row per sequence: ``prompt_ids``, ``completion_ids``, ``advantage`` and
 ``old_logp`` (one value per completion token, as verl's advantages and old log-probs; before tokendyn's Reweight and
-Lopti, which rewrite them inside the loss), ``loss_mask`` (verl's response mask) and ``temperature``
+Lopti, which rewrite them inside the loss), ``sampler_logp`` (verl's ``rollout_log_probs``, when the rollout returns
+them), ``loss_mask`` (verl's response mask) and ``temperature``
 (``docs/records.md``, "Rollouts file"). The batch is read in either of verl's layouts: nested (no padding, the
 ``input_ids`` of each sequence its prompt then its response) or left / right padded with an ``attention_mask``.
 A response's length is its response mask's last 1 (single-turn rollouts score every response token).
@@ -36,6 +37,10 @@ def batch_rows(data) -> list[dict]:
     mask = _padded(data["response_mask"])
     advantages = _padded(data["advantages"]).to(torch.float64)
     old = _padded(data["old_log_probs"]).to(torch.float64)
+    # the rollout engine's own log-probs (verl's rollout correction; `calculate_log_probs`): the sampler's side
+    sampler = (
+        _padded(data["rollout_log_probs"]).to(torch.float64) if "rollout_log_probs" in data.keys() else None
+    )
     temperature = float(tu.get(data, "temperature", 1.0) or 1.0)
     rows = []
     for b, seq in enumerate(seqs):
@@ -51,6 +56,7 @@ def batch_rows(data) -> list[dict]:
                 "old_logp": old[b, :n].tolist(),
                 "loss_mask": mask[b, :n].to(torch.int64).tolist(),
                 "temperature": temperature,
+                **({"sampler_logp": sampler[b, :n].tolist()} if sampler is not None else {}),
             }
         )
     return rows
