@@ -499,3 +499,35 @@ def test_the_token_view_shows_each_tokens_log_rho_and_weight(runs, tmp_path):
     records = load_runs([tmp / "probed"])
     assert "log_rho" in {q["key"] for q in view_data(records)["runs"][0]["quantities"]}
     assert "log ρ (sampler)" in view_page(records)
+
+
+def test_the_paired_comparison_shows_what_the_correction_does_per_bin(tmp_path):
+    """Rule no_correction from the run's own states: GRPO without TRL's weights beside GRPO with them (the paired
+    comparison's base). With sequence_mask binding, the sequences whose every token has a zero update share under
+    the base are the masked ones (the sample holds only sequences with a signal): the same sequences carry update
+    without the correction. Refused in one line where the run has no correction to remove."""
+    args = _config(
+        tmp_path, max_steps=1, probe_every=1, probe_analyses="shares", probe_sample_sequences=16,
+        probe_compare_rules=["no_correction", "reweight"], vllm_importance_sampling_mode="sequence_mask",
+        vllm_importance_sampling_clip_min=0.98, vllm_importance_sampling_clip_max=1.02,
+    )  # fmt: skip
+    trainer = _build(_Rollouts, args)
+    trainer.train()
+    weights = trainer.first_inputs["importance_sampling_ratio"]
+    assert (weights == 0).any() and (weights > 0).any()  # the mask binds on some sequences, not all
+    paired = pl.read_parquet(sorted((tmp_path / "records").glob("paired-*.parquet")))
+    mode = paired["mode"][0]
+    per_seq = (
+        paired.filter(pl.col("mode") == mode)
+        .group_by("rule", "seq")
+        .agg(pl.col("sum_share").abs().sum().alias("share"))
+    )
+    base = per_seq.filter(pl.col("rule") == "base")
+    masked = base.filter(pl.col("share") == 0)["seq"].to_list()
+    assert masked and len(masked) < base.height
+    without = per_seq.filter((pl.col("rule") == "no_correction") & pl.col("seq").is_in(masked))
+    assert without.height == len(masked) and (without["share"] > 0).all()
+    assert {"base", "no_correction", "reweight"} <= set(paired["rule"].unique())
+    with pytest.raises(ValueError, match="probe_compare_rules: no_correction"):
+        _config(tmp_path / "x", probe_every=1, probe_compare_rules=["no_correction"],
+                vllm_importance_sampling_correction=False)  # fmt: skip

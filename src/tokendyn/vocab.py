@@ -72,6 +72,8 @@ COMPARE_RULES = (
     "ce_gppo",
     "lp_reg",
     "w_reinforce",
+    # the run's loss without the sampler's importance-sampling correction (TRL + vLLM): what the correction does
+    "no_correction",
 )
 # the camp of each compared rule relative to GRPO on the same batch (REMEDIES_BOTH_CAMPS.md): "tames" down-weights
 # low-pi tokens (the paper's remedies), "protects" up-weights or restores them, "other" is neither by construction

@@ -124,9 +124,18 @@ def make_rule(
     `Objective.policy_loss` with its registered defaults: clip_cov / kl_cov verl's, dppo_tv, dppo_kl, aspo, ce_gppo,
     lp_reg their authors'), 80_20 (top 20 % entropy tokens), gspo (sequence ratio, clip 3e-4 / 4e-4). Clip-Cov
     draws on a generator seeded with ``seed`` (never torch's global one: the comparison must not move the run's
-    random stream). A rule the base loss cannot take raises ValueError naming it."""
+    random stream). no_correction: the base loss without the sampler's importance weights (TRL's correction; the
+    base must have it), so the comparison shows what the correction does to each bin. A rule the base loss cannot
+    take raises ValueError naming it."""
     if name not in RULES:
         raise ValueError(f"compare: rule must be one of {', '.join(RULES)}, got {name!r}")
+    if name == "no_correction":
+        if not base.is_correction:
+            raise ValueError(
+                "compare: rule no_correction needs the sampler's importance-sampling correction in the run's loss "
+                "(use_vllm with vllm_importance_sampling_correction), got a loss without it"
+            )
+        return Rule(name, replace(base, is_correction=False))
     if name in SURROGATE_RULES:
         needs_clip = SURROGATES[name].needs_clip
         if (

@@ -336,6 +336,13 @@ class TokendynGRPOConfig(GRPOConfig):
                     f"{name}={getattr(self, name)!r} sets the colocated vLLM engine: it needs use_vllm=True and "
                     f"vllm_mode='colocate' (got use_vllm={self.use_vllm!r}, vllm_mode={self.vllm_mode!r})"
                 )
+        corrected = self.use_vllm and self.vllm_importance_sampling_correction
+        if "no_correction" in (self.probe_compare_rules or ()) and not corrected:
+            raise ValueError(
+                "probe_compare_rules: no_correction compares the loss without the sampler's importance weights: it "
+                f"needs use_vllm=True with vllm_importance_sampling_correction=True (got use_vllm={self.use_vllm!r}, "
+                f"vllm_importance_sampling_correction={self.vllm_importance_sampling_correction!r})"
+            )
         if self.lopti_order not in LOPTI_ORDERS:
             raise ValueError(
                 f"lopti_order must be one of {', '.join(LOPTI_ORDERS)}; got {self.lopti_order!r}"
