@@ -4,28 +4,41 @@
 # stop loses at most the runs in flight. Resumable: finished runs are skipped, a claimed but unfinished run is
 # started over by the next call. Usage, from the repository root:
 #   bench/llm_study_workers.sh [WORKERS=2] [OUT=docs/study/llm]
+#   SAMPLER=vllm bench/llm_study_workers.sh 2     # the sampler mode (OUT docs/study/llm-vllm, reference docs/study/llm)
 # ONLY="dppo_tv w_reinforce" restricts the plan to those methods (default: every method); CLAIMS=DIR shares one claims
 # folder between invocations started at different times (each then skips the runs another has claimed);
 # PLAN="grpo_camps:0 dppo_tv:3" gives the runs and their order outright.
 # Logs: runs/llm-study-logs/. Stop: kill the workers; rerun the same command to continue.
 set -u
 WORKERS=${1:-2}
-OUT=${2:-docs/study/llm}
+SAMPLER=${SAMPLER:-generate}
+if [ "$SAMPLER" = vllm ]; then
+  OUT=${2:-docs/study/llm-vllm}
+  MODE=(--sampler vllm)
+  REPORT=(--sampler vllm --reference docs/study/llm)
+else
+  OUT=${2:-docs/study/llm}
+  MODE=()
+  REPORT=()
+fi
 BIN=${BIN:-.venv/bin}
 LOGS=runs/llm-study-logs
 SHARED=${CLAIMS:+1}
 CLAIMS=${CLAIMS:-runs/llm-study-claims.$$}
 LOCK=runs/llm-study.lock
 mkdir -p "$LOGS" "$CLAIMS"
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false SAMPLER
 # the plan, seed by seed: the paper's methods and Lopti's controls first, then GRPO again for the both-camps sweep and
 # the other camp (so a stop leaves every method of a block with as many seeds as the others)
 PLAN=${PLAN:-$("$BIN/python" - <<'PY'
 import os
 
-from tokendyn.commands.llm_study import FULL, ORDER
-main = [m for m in ORDER[:5]]
-plan = [(m, s) for s in FULL.seeds for m in main] + [(m, s) for s in FULL.seeds for m in ORDER[5:]]
+from tokendyn.commands.llm_study import FULL, ORDER, SAMPLER_FULL, SAMPLER_ORDER
+if os.environ.get("SAMPLER") == "vllm":  # every sampler method, seed by seed
+    plan = [(m, s) for s in SAMPLER_FULL.seeds for m in SAMPLER_ORDER]
+else:
+    main = [m for m in ORDER[:5]]
+    plan = [(m, s) for s in FULL.seeds for m in main] + [(m, s) for s in FULL.seeds for m in ORDER[5:]]
 only = set(os.environ.get("ONLY", "").split())
 print(" ".join(f"{m}:{s}" for m, s in plan if not only or m in only))
 PY
@@ -34,7 +47,7 @@ PY
 commit_run() {  # $1 method, $2 seed: the report from every finished folder, then one commit of the study's folder
   # (every finished run in it: the report counts them all; a run in flight is a hidden staging folder, ignored)
   flock "$LOCK" bash -c "
-    $BIN/tokendyn study --policy smollm2-135m --out '$OUT' --report-only >>'$LOGS/report.log' 2>&1 || exit 1
+    $BIN/tokendyn study --policy smollm2-135m ${REPORT[*]} --out '$OUT' --report-only >>'$LOGS/report.log' 2>&1 || exit 1
     git add '$OUT' &&
     git commit -q -m 'Seeded study on SmolLM2-135M: $1, seed $2 finished (its result folder, the report regenerated)' \
       -- '$OUT'
@@ -51,7 +64,7 @@ worker() {
       while [ ! -f "$OUT/start/study_done.json" ]; do sleep 10; done
     fi
     echo "$(date -u +%FT%TZ) worker $id: $m seed $s" >>"$LOGS/progress.log"
-    if "$BIN/tokendyn" study --policy smollm2-135m --out "$OUT" --methods "$m" --seeds "$s" --no-report \
+    if "$BIN/tokendyn" study --policy smollm2-135m "${MODE[@]}" --out "$OUT" --methods "$m" --seeds "$s" --no-report \
         --work "runs/llm-study-work-$$-$id" >"$LOGS/$m-s$s.log" 2>&1; then
       commit_run "$m" "$s"
       echo "$(date -u +%FT%TZ) worker $id: $m seed $s done" >>"$LOGS/progress.log"

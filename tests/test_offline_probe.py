@@ -162,7 +162,8 @@ def test_offline_probe_matches_the_in_training_probe(trained, tiny_model_dir, tm
     )  # fmt: skip
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the analyses left it too
     kinds = {p.name.split("-rank")[0] for p in off_records.glob("*.parquet")}
-    assert kinds == {p.name.split("-rank")[0] for p in train_records.glob("*.parquet")}
+    # (less the trainer's floor: its micro-batch recomputed in two splits, a training-loop record)
+    assert kinds == {p.name.split("-rank")[0] for p in train_records.glob("*.parquet")} - {"floor"}
     key = ["bin", "group"]
     shares = (
         _frame(train_records, "shares")
