@@ -96,7 +96,11 @@ def test_the_trainer_fields_are_made_from_probe_config():
     probe = {f.name: f for f in dataclasses.fields(ProbeConfig)}
     # the trainer's own switches (which steps, whether to dump rollouts, the floor: two splits of its micro-batch)
     # are the only probe_ fields not derived
-    assert set(trainer) == {f"probe_{n}" for n in probe} | {"probe_every", "probe_dump_rollouts", "probe_floor"}
+    assert set(trainer) == {f"probe_{n}" for n in probe} | {
+        "probe_every",
+        "probe_dump_rollouts",
+        "probe_floor",
+    }
     for name, f in probe.items():
         t = trainer[f"probe_{name}"]
         default = t.default_factory() if t.default is dataclasses.MISSING else t.default
