@@ -4,8 +4,15 @@ runs in process on a one-rank gloo group: Accelerate would then wrap a later TRL
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import trl  # noqa: F401  (lazy: before tokendyn, so this process keeps TRL's vLLM)
+
+# the suite's subprocesses (torchrun ranks, CLI runs, verl's workers) sample with generate: TRL need not import vLLM
+# in each of them (`tokendyn/__init__.py`); the in-process vLLM tests are unaffected (TRL was imported first)
+os.environ["TOKENDYN_NO_VLLM"] = "1"
 
 TINY_CORPUS = [
     "A very special island is inhabited only by knights and knaves.",

@@ -531,3 +531,16 @@ def test_the_paired_comparison_shows_what_the_correction_does_per_bin(tmp_path):
     with pytest.raises(ValueError, match="probe_compare_rules: no_correction"):
         _config(tmp_path / "x", probe_every=1, probe_compare_rules=["no_correction"],
                 vllm_importance_sampling_correction=False)  # fmt: skip
+
+
+def test_tokendyn_no_vllm_keeps_trl_from_importing_vllm(tmp_path):
+    """TOKENDYN_NO_VLLM=1 (the suite's subprocesses): TRL's trainer imports without vLLM; unset, with it."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import tokendyn, sys; from tokendyn import TokendynGRPOTrainer; print('vllm' in sys.modules)"
+    for flag, want in (("1", "False"), ("0", "True")):
+        env = {**os.environ, "TOKENDYN_NO_VLLM": flag}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == want, out.stderr[-2000:]
