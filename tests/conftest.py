@@ -11,7 +11,7 @@ import torch
 import trl  # noqa: F401  (lazy: before tokendyn, so this process keeps TRL's vLLM)
 
 # the suite's subprocesses (torchrun ranks, CLI runs, verl's workers) sample with generate: TRL need not import vLLM
-# in each of them (`tokendyn/__init__.py`); the in-process vLLM tests are unaffected (TRL was imported first)
+# in each of them (`tokendyn/trainers/__init__.py`); the in-process vLLM tests are unaffected (TRL imported first)
 os.environ["TOKENDYN_NO_VLLM"] = "1"
 
 TINY_CORPUS = [

@@ -542,5 +542,7 @@ def test_tokendyn_no_vllm_keeps_trl_from_importing_vllm(tmp_path):
     code = "import tokendyn, sys; from tokendyn import TokendynGRPOTrainer; print('vllm' in sys.modules)"
     for flag, want in (("1", "False"), ("0", "True")):
         env = {**os.environ, "TOKENDYN_NO_VLLM": flag}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        )
         assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == want, out.stderr[-2000:]

@@ -15,18 +15,8 @@ them; `ProbeConfig` and `vocab` need none of them). The package root imports the
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 
 from tokendyn.version import __version__
-
-# TOKENDYN_NO_VLLM=1: this process samples with the trainer's own generate, so TRL (1.16 imports vLLM wherever it is
-# installed: 3-5 s at every start here) is told vLLM is absent; only before TRL is imported, so a process that
-# imported TRL keeps its vLLM. A run with use_vllm then fails in TRL's own one line (vLLM not available).
-if os.environ.get("TOKENDYN_NO_VLLM") == "1" and "trl" not in sys.modules:
-    import trl.import_utils as _trl_imports
-
-    _trl_imports.is_vllm_available = lambda min_version=None: False
 
 # name -> the module defining it
 EXPORTS = {
