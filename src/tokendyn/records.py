@@ -61,6 +61,17 @@ _RESOLUTION = {
     "no_update": pl.Boolean,
 }
 
+# the sampler's columns, per token of a probed micro-batch (the `sampler` and `floor` kinds)
+_SAMPLER_COLUMNS = {
+    **_KEY,
+    "row": pl.Int32,
+    "pos": pl.Int32,
+    "logp_old": pl.Float64,
+    "logp_sampler": pl.Float64,
+    "log_rho": pl.Float64,
+    "is_weight": pl.Float64,
+    "seq_masked": pl.Boolean,
+}
 SCHEMAS: dict[str, dict[str, pl.DataType]] = {
     # per (step, stage, rank, micro, point, bin, quantity); quantity in norm | norm_per_w | ratio
     "binstats": {
@@ -158,29 +169,11 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
     },
     # the sampler against the trainer: one row per completion token of a probed micro-batch whose rollout carries
     # the engine's log-probs (TRL + vLLM: `tokendyn.hooks.sampler`); log_rho = logp_old - logp_sampler
-    "sampler": {
-        **_KEY,
-        "row": pl.Int32,
-        "pos": pl.Int32,
-        "logp_old": pl.Float64,
-        "logp_sampler": pl.Float64,
-        "log_rho": pl.Float64,
-        "is_weight": pl.Float64,
-        "seq_masked": pl.Boolean,
-    },
+    "sampler": _SAMPLER_COLUMNS,
     # the trainer against itself, the noise floor of any mismatch: the same tokens' log-probs recomputed in two
     # halves of the micro-batch at the same parameters (`tokendyn.hooks.sampler.split_logps`); the sampler's columns,
     # logp_old = the loss's forward, logp_sampler = the recomputation, is_weight 1, seq_masked false
-    "floor": {
-        **_KEY,
-        "row": pl.Int32,
-        "pos": pl.Int32,
-        "logp_old": pl.Float64,
-        "logp_sampler": pl.Float64,
-        "log_rho": pl.Float64,
-        "is_weight": pl.Float64,
-        "seq_masked": pl.Boolean,
-    },
+    "floor": _SAMPLER_COLUMNS,
     # conditions that switched a check off (GradientProbe.note): one row per condition and rank; step null when
     # the condition holds for the whole run (found when the probe was built)
     "notes": {"step": pl.Int64, "rank": pl.Int32, "code": pl.Utf8, "message": pl.Utf8},
