@@ -15,7 +15,9 @@ from tokendyn import TokendynGRPOTrainer
 torch.set_num_threads(1)
 
 
-class _FirstInputs(TokendynGRPOTrainer):
+class FirstInputs(TokendynGRPOTrainer):
+    """Keeps the first training micro-batch's loss inputs (``first_inputs``), as the loss received them."""
+
     def _compute_loss(self, model, inputs):
         if model.training and "first_inputs" not in self.__dict__:
             self.first_inputs = {
@@ -26,7 +28,7 @@ class _FirstInputs(TokendynGRPOTrainer):
 
 def test_floor_records_are_the_trainers_logprobs_in_two_splits(tiny_model_dir, tmp_path):
     args = _config(tmp_path, max_steps=1, probe_every=1, probe_analyses="none")
-    trainer = _trainer(tiny_model_dir, args, cls=_FirstInputs)
+    trainer = _trainer(tiny_model_dir, args, cls=FirstInputs)
     trainer.train()
     inputs = trainer.first_inputs
     records = pl.read_parquet(sorted((tmp_path / "run" / "records").glob("floor-*.parquet")))

@@ -15,6 +15,7 @@ import polars as pl
 import pytest
 import torch
 from datasets import Dataset
+from test_floor import FirstInputs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
@@ -72,7 +73,7 @@ def _config(out, cls=TokendynGRPOConfig, **overrides):
     return cls(**{**base, **overrides})
 
 
-class _Rollouts(TokendynGRPOTrainer):
+class _Rollouts(FirstInputs):
     """Keeps every rollout batch as generated, and the first training micro-batch's loss inputs."""
 
     def _generate_and_score_completions(self, inputs):
@@ -82,13 +83,6 @@ class _Rollouts(TokendynGRPOTrainer):
                 {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in output.items()}
             )
         return output
-
-    def _compute_loss(self, model, inputs):
-        if model.training and "first_inputs" not in self.__dict__:
-            self.first_inputs = {
-                k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()
-            }
-        return super()._compute_loss(model, inputs)
 
 
 def _build(cls, args):

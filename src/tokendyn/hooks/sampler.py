@@ -17,6 +17,8 @@ own per-token log-probs of the micro-batch (`needs_logp_old`, ``logp_old=``): th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import polars as pl
 import torch
 
@@ -97,3 +99,40 @@ def floor_frame(inputs: dict, logp_loss: torch.Tensor, logp_split: torch.Tensor,
     """The `floor` rows: ``logp_loss`` (the loss's forward) as log pi_old, ``logp_split`` in the sampler's column."""
     mask = {k: inputs[k] for k in ("completion_mask", "tool_mask") if k in inputs}
     return sampler_frame({**mask, SAMPLER_KEY: logp_split}, *key, logp_old=logp_loss)
+
+
+class SamplerSide:
+    """The `sampler` and `floor` records of a trainer's probed micro-batches. At ``begin`` (before the loss's
+    forward): the sampler rows where TRL kept both sides, and the floor's two halves (with ``quiet``, a context that
+    keeps the probe's hooks off); what needs the loss's own forward waits for ``end(logp)``."""
+
+    def __init__(self, trainer, write: Callable[[dict], None], quiet: Callable, floor: bool) -> None:
+        self.trainer, self.write, self.quiet, self.floor = trainer, write, quiet, floor
+        self._sampler = None  # (inputs, key): sampler rows waiting for the forward's log-probs
+        self._floor = None  # (inputs, log-probs in halves, key): the floor, waiting for the same
+
+    def begin(self, inputs: dict, *key) -> None:
+        """``key`` = (step, stage, micro, rank) of the micro-batch."""
+        sampler = sampler_frame(inputs, *key)
+        if sampler is not None:  # vLLM sampled: its log-probs beside the trainer's, and the weight applied
+            self.write({"sampler": sampler})
+        elif needs_logp_old(inputs):  # TRL's loss takes this forward's log-probs as pi_old: read at the end
+            self._sampler = (inputs, key)
+        if self.floor:  # the trainer against itself: the same tokens in two halves, before the loss's forward
+            with self.quiet():
+                split = split_logps(self.trainer, inputs)
+            if split is not None:
+                self._floor = (inputs, split, key)
+
+    def end(self, logp: torch.Tensor | None) -> None:
+        """``logp`` [B, C]: the loss's forward log-probs (None: the step recorded nothing; drop what waits)."""
+        pending, self._sampler = self._sampler, None
+        floor, self._floor = self._floor, None
+        if logp is None:
+            return
+        if pending is not None:
+            inputs, key = pending
+            self.write({"sampler": sampler_frame(inputs, *key, logp_old=logp)})
+        if floor is not None:
+            inputs, split, key = floor
+            self.write({"floor": floor_frame(inputs, logp, split.to(logp.device), *key)})

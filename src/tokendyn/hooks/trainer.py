@@ -26,6 +26,7 @@ The full-loss shares keep stage "train".
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import polars as pl
@@ -39,7 +40,7 @@ from tokendyn.effects.shares import FSDP_NO_TOKEN_SHARES
 from tokendyn.effects.token_view import token_rules_frame, with_real_change
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.rollouts import dump_rollouts
-from tokendyn.hooks.sampler import floor_frame, needs_logp_old, sampler_frame, split_logps
+from tokendyn.hooks.sampler import SamplerSide
 from tokendyn.probe.batch import signal_first, signal_rows
 from tokendyn.probe.parallel import is_fully_sharded
 from tokendyn.probe.probe import GradientProbe
@@ -113,9 +114,8 @@ class TrainerProbe(TrainerCallback):
             data_parallel_size=trainer.accelerator.num_processes,
         ).attach()
         self._open = False
-        self._sampler_pending = None  # (inputs, key): a sampler frame waiting for the forward's log-probs
-        self._floor_pending = None  # (inputs, log-probs in halves, key): the floor, waiting for the same
-        self.floor = bool(getattr(trainer.args, "probe_floor", False))
+        floor = bool(getattr(trainer.args, "probe_floor", False))
+        self.sampler = SamplerSide(trainer, self.writer.add, self._quiet, floor)
         self._micro: dict[tuple[int, str], int] = {}  # micro-batches begun per (step, stage)
         self.run_dir = Path(run_dir)
         self.analyses = cfg.active_analyses
@@ -237,8 +237,7 @@ class TrainerProbe(TrainerCallback):
         if "lopti_stage1_mask" in sample:
             stage_masks = (sample["lopti_stage1_mask"], sample["lopti_stage2_mask"])
         step = t.state.global_step
-        self.probe.enabled = False  # the analyses' own forwards are not training passes
-        try:
+        with self._quiet():  # the analyses' own forwards are not training passes
             frames, full = analyze_update(
                 model,
                 batch,
@@ -268,8 +267,6 @@ class TrainerProbe(TrainerCallback):
                     batch, _ = fix_pi_old(model, batch)
                 frames["shares"] = pl.concat([frames["shares"], self._stage_shares(batch, stage_masks[0], 1)])
                 self._pending_stage2 = (batch, stage_masks[1])
-        finally:
-            self.probe.enabled = True
         self._write(frames)
 
     def _paired(self, model, batch: ProbeBatch, sample: dict, step: int, full=None):
@@ -341,11 +338,8 @@ class TrainerProbe(TrainerCallback):
     def _stage2_shares(self) -> None:
         batch, mask = self._pending_stage2
         self._pending_stage2 = None
-        self.probe.enabled = False
-        try:
+        with self._quiet():
             frame = self._stage_shares(batch, mask, 2)
-        finally:
-            self.probe.enabled = True
         self._write({"shares": frame})
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -355,8 +349,7 @@ class TrainerProbe(TrainerCallback):
         pi_before, batch, step, view = self._pending_real
         self._pending_real = None
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        self.probe.enabled = False
-        try:
+        with self._quiet():
             delta = real_change(pi_before, model, batch)
             frames = {
                 "prob_change": real_change_frame(
@@ -365,9 +358,16 @@ class TrainerProbe(TrainerCallback):
             }
             if view is not None:
                 frames["token_view"] = with_real_change(view, delta)
+        self._write(frames)
+
+    @contextmanager
+    def _quiet(self):
+        """The probe's hooks off: a forward / backward that is not a training pass (the analyses', the floor's)."""
+        self.probe.enabled = False
+        try:
+            yield
         finally:
             self.probe.enabled = True
-        self._write(frames)
 
     def due(self) -> bool:
         return self.every > 0 and self.trainer.state.global_step % self.every == 0
@@ -381,19 +381,7 @@ class TrainerProbe(TrainerCallback):
         step, stage_label = self.trainer.state.global_step, stage_name(stage, self.order)
         micro = self._micro[(step, stage_label)] = self._micro.get((step, stage_label), -1) + 1
         rank = self.trainer.accelerator.process_index
-        sampler = sampler_frame(inputs, step, stage_label, micro, rank)
-        if sampler is not None:  # vLLM sampled: its log-probs beside the trainer's, and the weight applied
-            self.writer.add({"sampler": sampler})
-        elif needs_logp_old(inputs):  # TRL's loss takes this forward's log-probs as pi_old: read at the end
-            self._sampler_pending = (inputs, step, stage_label, micro, rank)
-        if self.floor:  # the trainer against itself: the same tokens in two halves, before the loss's forward
-            self.probe.enabled = False
-            try:
-                split = split_logps(self.trainer, inputs)
-            finally:
-                self.probe.enabled = True
-            if split is not None:
-                self._floor_pending = (inputs, split, step, stage_label, micro, rank)
+        self.sampler.begin(inputs, step, stage_label, micro, rank)
         self.probe.begin_step(
             step,
             stage_label,
@@ -409,17 +397,8 @@ class TrainerProbe(TrainerCallback):
         if self._open:
             self._open = False
             result = self.probe.end_step()
-            pending, self._sampler_pending = self._sampler_pending, None
-            floor, self._floor_pending = self._floor_pending, None
-            if result is None:
-                return
-            logp = torch.log(result.pi)  # the loss's forward (float64 of the model's log-probs)
-            if pending is not None:
-                inputs, *key = pending
-                self.writer.add({"sampler": sampler_frame(inputs, *key, logp_old=logp)})
-            if floor is not None:
-                inputs, split, *key = floor
-                self.writer.add({"floor": floor_frame(inputs, logp, split.to(logp.device), *key)})
+            # the loss's forward (float64 of the model's log-probs) for the sampler / floor rows waiting on it
+            self.sampler.end(None if result is None else torch.log(result.pi))
 
     def close(self) -> None:
         """End the last probed micro-batch (its backward has run), then detach and write every record. A probed
