@@ -1,7 +1,8 @@
-"""The noise floor (`floor` records): at each probed micro-batch the trainer's log-probs of its tokens recomputed in
-two halves of the micro-batch, each cut after its own longest completion, beside the forward the loss used. Both
-columns against a plain full-logits forward of the starting model on the first micro-batch (no update yet), log rho
-their difference, weight 1; off with ``probe_floor=False``."""
+"""The noise floor (`floor` records): at a probed step's first micro-batch the trainer's log-probs of its first
+`FLOOR_ROWS` rows' tokens recomputed in two halves, each cut after its own longest completion, beside the forward the
+loss used. Both columns against a plain full-logits forward of the starting model on the first micro-batch (no update
+yet), log rho their difference, weight 1 (with 5 of the micro-batch's 8 rows: halves of 3 and 2); off with
+``probe_floor=False``."""
 
 from __future__ import annotations
 
@@ -26,14 +27,17 @@ class FirstInputs(TokendynGRPOTrainer):
         return super()._compute_loss(model, inputs)
 
 
-def test_floor_records_are_the_trainers_logprobs_in_two_splits(tiny_model_dir, tmp_path):
+def test_floor_records_are_the_trainers_logprobs_in_two_splits(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("tokendyn.hooks.sampler.FLOOR_ROWS", 5)
     args = _config(tmp_path, max_steps=1, probe_every=1, probe_analyses="none")
     trainer = _trainer(tiny_model_dir, args, cls=FirstInputs)
     trainer.train()
     inputs = trainer.first_inputs
     records = pl.read_parquet(sorted((tmp_path / "run" / "records").glob("floor-*.parquet")))
-    assert set(records["micro"].unique()) == {0, 1}  # every probed micro-batch of the step
+    assert set(records["micro"].unique()) == {0}  # a probed step's first micro-batch (of 2)
     first = records.filter((pl.col("step") == 0) & (pl.col("micro") == 0)).sort("row", "pos")
+    assert inputs["completion_mask"].size(0) == 8
+    inputs = {k: v[:5] if torch.is_tensor(v) and v.dim() == 2 else v for k, v in inputs.items()}
     mask = inputs["completion_mask"].bool()
     assert first.height == int(mask.sum())
     rows, pos = mask.nonzero(as_tuple=True)

@@ -8,7 +8,10 @@ sequence is 0 at every valid token (a sequence mode's mask, or a token mode that
 a single masked token has ``is_weight`` 0 and ``seq_masked`` false.
 
 The noise floor (the `floor` kind, `split_logps`): the trainer's log-probs of the same tokens recomputed in two halves
-of the micro-batch at the same parameters, against the forward the loss used, in the same columns.
+at the same parameters, against the forward the loss used, in the same columns. Taken on the first micro-batch of each
+probed optimizer step, on its first `FLOOR_ROWS` rows: a reference level needs no more, and one no-grad forward of
+every probed micro-batch cost 19 % of the update phase on the embedded default, 4 rows of a step's first 3.0 %
+(`bench/floor_cost.py`).
 
 With the correction off and the rollout's steps aligned (one optimizer step per generation, no iterations) TRL keeps
 no ``old_per_token_logps``: its loss takes the current log-probs, detached, as log pi_old. The probe then passes its
@@ -24,6 +27,7 @@ import torch
 
 SAMPLER_KEY = "sampling_per_token_logps"
 WEIGHT_KEY = "importance_sampling_ratio"
+FLOOR_ROWS = 4  # the floor's rows: the micro-batch's first 4, recomputed as two halves of 2
 
 
 def needs_logp_old(inputs: dict) -> bool:
@@ -68,16 +72,16 @@ def sampler_frame(
     )
 
 
-def split_logps(trainer, inputs: dict) -> torch.Tensor | None:
-    """log pi [B, C] of the micro-batch's completion tokens recomputed in two halves of its rows, each cut after its
-    own longest completion (fewer rows, a shorter sequence: other kernel shapes; the positions and every token's
-    context unchanged), through TRL's own ``_get_per_token_logps_and_entropies``, no grad; 0 past each half's cut.
-    None for a single row."""
+def split_logps(trainer, inputs: dict, rows: int = FLOOR_ROWS) -> torch.Tensor | None:
+    """log pi [R, C] of the completion tokens of the micro-batch's first R = min(rows, B) rows recomputed in two
+    halves, each cut after its own longest completion (fewer rows, a shorter sequence: other kernel shapes; the
+    positions and every token's context unchanged), through TRL's own ``_get_per_token_logps_and_entropies``, no
+    grad; 0 past each half's cut. None for a single row."""
     from trl import GRPOTrainer
 
-    prompt, completion = inputs["prompt_ids"], inputs["completion_ids"]
-    mask = inputs["completion_mask"]
-    rows = prompt.size(0)
+    rows = min(rows, inputs["prompt_ids"].size(0))
+    prompt, completion = inputs["prompt_ids"][:rows], inputs["completion_ids"][:rows]
+    mask = inputs["completion_mask"][:rows]
     if rows < 2:
         return None
     out = torch.zeros(completion.shape, dtype=torch.float32, device=completion.device)
@@ -86,7 +90,7 @@ def split_logps(trainer, inputs: dict) -> torch.Tensor | None:
         for part in (slice(0, h), slice(h, rows)):
             cut = max(1, int(mask[part].sum(1).max()))
             ids = torch.cat([prompt[part], completion[part, :cut]], dim=1)
-            attn = torch.cat([inputs["prompt_mask"][part], mask[part, :cut]], dim=1)
+            attn = torch.cat([inputs["prompt_mask"][:rows][part], mask[part, :cut]], dim=1)
             # TRL's method, not tokendyn's override (which consumes a pending KL stage)
             logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
                 trainer, trainer.model, ids, attn, cut
@@ -96,9 +100,11 @@ def split_logps(trainer, inputs: dict) -> torch.Tensor | None:
 
 
 def floor_frame(inputs: dict, logp_loss: torch.Tensor, logp_split: torch.Tensor, *key) -> pl.DataFrame | None:
-    """The `floor` rows: ``logp_loss`` (the loss's forward) as log pi_old, ``logp_split`` in the sampler's column."""
-    mask = {k: inputs[k] for k in ("completion_mask", "tool_mask") if k in inputs}
-    return sampler_frame({**mask, SAMPLER_KEY: logp_split}, *key, logp_old=logp_loss)
+    """The `floor` rows of the first R rows (``logp_split`` [R, C]): ``logp_loss`` (the loss's forward, [B, C]) as
+    log pi_old, ``logp_split`` in the sampler's column."""
+    r = logp_split.size(0)
+    mask = {k: inputs[k][:r] for k in ("completion_mask", "tool_mask") if k in inputs}
+    return sampler_frame({**mask, SAMPLER_KEY: logp_split}, *key, logp_old=logp_loss[:r])
 
 
 class SamplerSide:
@@ -112,15 +118,17 @@ class SamplerSide:
         self._floor = None  # (inputs, log-probs in halves, key): the floor, waiting for the same
 
     def begin(self, inputs: dict, *key) -> None:
-        """``key`` = (step, stage, micro, rank) of the micro-batch."""
+        """``key`` = (step, stage, micro, rank) of the micro-batch; the floor at micro 0 (a step's first)."""
         sampler = sampler_frame(inputs, *key)
         if sampler is not None:  # vLLM sampled: its log-probs beside the trainer's, and the weight applied
             self.write({"sampler": sampler})
         elif needs_logp_old(inputs):  # TRL's loss takes this forward's log-probs as pi_old: read at the end
             self._sampler = (inputs, key)
-        if self.floor:  # the trainer against itself: the same tokens in two halves, before the loss's forward
+        if (
+            self.floor and key[2] == 0
+        ):  # the trainer against itself, before the loss's forward: a step's first
             with self.quiet():
-                split = split_logps(self.trainer, inputs)
+                split = split_logps(self.trainer, inputs, FLOOR_ROWS)
             if split is not None:
                 self._floor = (inputs, split, key)
 

@@ -268,9 +268,9 @@ class TokendynGRPOConfig(GRPOConfig):
     probe_floor: bool = field(
         default=True,
         metadata={
-            "help": "At each probed micro-batch also recompute the trainer's log-probs of its tokens in two halves "
-            "of the micro-batch (same parameters, another kernel shape; one no-grad forward): the `floor` records, "
-            "the mismatch the trainer has with itself, beside the sampler's."
+            "help": "At each probed step's first micro-batch also recompute the trainer's log-probs of its first 4 "
+            "rows' tokens in two halves (same parameters, another kernel shape; one no-grad forward of 4 rows): the "
+            "`floor` records, the mismatch the trainer has with itself, beside the sampler's."
         },
     )
 
