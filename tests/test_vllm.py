@@ -20,11 +20,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from tokendyn import TokendynGRPOConfig, TokendynGRPOTrainer
+from tokendyn.analysis.masked import masked_share_table, masked_units
 from tokendyn.cli import main
 from tokendyn.hooks.offline import probe_rollouts
 from tokendyn.hooks.rollouts import dump_rollouts
 from tokendyn.integrations.vllm_cpu import colocated_engine, engine_model, release_engines
 from tokendyn.policy import default_policy_dir
+from tokendyn.probe.batch import signal_first
 from tokendyn.probe.tokenloss import Objective
 
 torch.set_num_threads(1)
@@ -522,6 +524,15 @@ def test_the_paired_comparison_shows_what_the_correction_does_per_bin(tmp_path):
     without = per_seq.filter((pl.col("rule") == "no_correction") & pl.col("seq").is_in(masked))
     assert without.height == len(masked) and (without["share"] > 0).all()
     assert {"base", "no_correction", "reweight"} <= set(paired["rule"].unique())
+    # the masked sequences are those TRL weighted 0: the sample's rows (signal first) of the rollout as generated
+    rollout = trainer.rollouts[0]
+    rows = signal_first(rollout["advantages"], rollout["completion_mask"], 16)
+    zero = rollout["importance_sampling_ratio"].reshape(len(rollout["advantages"]), -1)[rows].eq(0).all(dim=1)
+    found = masked_units(paired.filter(pl.col("step") == 0), mode)["seq"].to_list()
+    assert found == zero.nonzero().squeeze(1).tolist() and sorted(found) == sorted(masked)
+    table = masked_share_table(paired).filter(pl.col("mode") == mode)
+    assert table.filter(pl.col("bin") == -1)["masked_units"][0] == len(masked)
+    assert 0 < table.filter(pl.col("bin") == -1)["removed"][0] < 1
     with pytest.raises(ValueError, match="probe_compare_rules: no_correction"):
         _config(tmp_path / "x", probe_every=1, probe_compare_rules=["no_correction"],
                 vllm_importance_sampling_correction=False)  # fmt: skip

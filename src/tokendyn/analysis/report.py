@@ -41,7 +41,8 @@ def analyze_run(
     records, "paired": the paired comparison of update rules with bootstrap intervals when it has `paired`
     records (`tokendyn.analysis.paired`), and with the comparison's sweeps "sweep" (per value and bin) and
     "guidance" (`tokendyn.analysis.sweep.GUIDANCE_RULE`), "mismatch": the sampler's log rho per bin of pi_old and of
-    mu when it has `sampler` records (`tokendyn.analysis.mismatch`)}, from the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError`
+    mu when it has `sampler` records (`tokendyn.analysis.mismatch`), "masked": the update share the sampler
+    correction's mask removes per bin, with the paired rule no_correction (`tokendyn.analysis.masked`)}, from the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError`
     naming what the run holds. With write=True each non-empty table is also written (atomically) to OUT_DIR/{name}.parquet, OUT_DIR defaulting
     to RUN_DIR/analysis (an empty table is not written: an earlier file of that name is left as it was)."""
     path = check_run_dir(run_dir)
@@ -67,6 +68,9 @@ def analyze_run(
             s.height for s, _ in sweeps) else pl.DataFrame()  # fmt: skip
         tables["guidance"] = pl.concat([g for _, g in sweeps if g.height], how="diagonal_relaxed") if any(
             g.height for _, g in sweeps) else pl.DataFrame()  # fmt: skip
+        from tokendyn.analysis.masked import masked_share_table
+
+        tables["masked"] = masked_share_table(chosen)  # (empty without the rule no_correction)
     if "sampler" in run.kinds:
         from tokendyn.analysis.mismatch import mismatch_table
 
@@ -212,7 +216,7 @@ def print_report(
     if paired is not None and paired.height:
         print_paired(console, paired)
     for name, fn in (("sweep", print_sweep), ("guidance", print_guidance), ("mismatch", print_mismatch),
-                     ("floor", print_floor)):  # fmt: skip
+                     ("floor", print_floor), ("masked", print_masked)):  # fmt: skip
         frame = tables.get(name)
         if frame is not None and frame.height:
             fn(console, frame)
@@ -226,12 +230,7 @@ def print_mismatch(console: Console, mismatch: pl.DataFrame) -> None:
         "frac_masked": "masked", "frac_seq_masked": "seq masked",
     }  # fmt: skip
     for side in ("pi_old", "mu"):
-        rows = mismatch.filter(pl.col("side") == side).with_columns(
-            pl.when(pl.col("bin") < 0)
-            .then(pl.lit("all"))
-            .otherwise(pl.format("[{}, {})", pl.col("bin_lo"), pl.col("bin_hi")))
-            .alias("bin")
-        )
+        rows = mismatch.filter(pl.col("side") == side).with_columns(_bin_label())
         title = f"The sampler against the trainer (log rho = log pi_old - log mu), binned by {side}"
         console.print(rich_table(rows.select(list(columns)), title, columns))
 
@@ -240,12 +239,24 @@ def print_floor(console: Console, floor: pl.DataFrame) -> None:
     """The noise floor per bin: the trainer's log-probs against themselves in another micro-batch split."""
     columns = {"bin": "bin", "count": "tokens", "abs_mean": "mean |log rho|", "mean_log_rho": "mean log rho",
                "abs_p99": "p99", "abs_max": "max"}  # fmt: skip
-    rows = floor.with_columns(
-        pl.when(pl.col("bin") < 0).then(pl.lit("all")).otherwise(pl.format("[{}, {})", pl.col("bin_lo"), pl.col("bin_hi")))
-        .alias("bin")
-    )  # fmt: skip
+    rows = floor.with_columns(_bin_label())
     title = "The floor: the trainer against itself (the same tokens in another micro-batch split), binned by pi_old"
     console.print(rich_table(rows.select(list(columns)), title, columns))
+
+
+def print_masked(console: Console, masked: pl.DataFrame) -> None:
+    """The update share the correction's mask removes per bin (`tokendyn.analysis.masked`)."""
+    columns = {"mode": "mode", "bin": "bin", "units": "sequences", "masked_units": "masked", "tokens_masked":
+               "tokens masked", "removed": "share removed", "removed_lo": "lo", "removed_hi": "hi",
+               "of_bin": "of the bin's share", "of_bin_lo": "lo", "of_bin_hi": "hi"}  # fmt: skip
+    title = "The correction's mask: the uncorrected update's share carried by the sequences it dropped (rule no_correction)"
+    console.print(rich_table(masked.with_columns(_bin_label()).select(list(columns)), title, columns))
+
+
+def _bin_label() -> pl.Expr:
+    """The bin column as text: "all" for bin -1, else "[lo, hi)"."""
+    label = pl.format("[{}, {})", pl.col("bin_lo"), pl.col("bin_hi"))
+    return pl.when(pl.col("bin") < 0).then(pl.lit("all")).otherwise(label).alias("bin")
 
 
 def _print_by_stage(console: Console, frame: pl.DataFrame, title: str) -> None:
