@@ -8,6 +8,8 @@
 #   actor_rollout_ref.rollout.name=hf       tokendyn's Hugging Face `generate` rollout server
 #   +ray_kwargs.ray_init.num_gpus=RANKS     one logical GPU per actor rank (torch stays on the CPU)
 #   ray_kwargs.ray_init.num_cpus=3 RANKS + 3, transfer_queue...num_data_storage_units=1: room for verl's Ray actors
+#   actor_rollout_ref.rollout.dtype=float32 the hf server samples in float32, as the actor trains (verl's default
+#                                           bfloat16 samples as a bf16 vLLM would: a sampler / trainer mismatch)
 # (and strategy=fsdp2, sdpa attention, no torch compile; docs/verl.md has the table and the GPU form: drop these,
 # pick verl's rollout, vllm or sglang, and the mixed precision to train with). The K&K rows hold the whole prompt,
 # chat template included, hence custom_chat_template passing it through as written.
@@ -51,7 +53,7 @@ main() {
     actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.use_torch_compile=False \
     actor_rollout_ref.actor.fsdp_config.use_torch_compile=False \
     actor_rollout_ref.rollout.name=hf actor_rollout_ref.rollout.n=4 actor_rollout_ref.rollout.tensor_model_parallel_size="$RANKS" \
-    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 \
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.dtype=float32 \
     actor_rollout_ref.rollout.agent.num_workers=1 reward.num_workers=1 \
     reward.custom_reward_function.path="$REWARD" \
     trainer.n_gpus_per_node="$RANKS" trainer.nnodes=1 trainer.total_training_steps="$STEPS" \

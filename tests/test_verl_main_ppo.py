@@ -226,14 +226,17 @@ def test_bad_batch_saving_options_fail_in_one_line(options, message):
 
 
 # ---- slow: main_ppo itself -----------------------------------------------------------------------------------------
-def run_main_ppo(out: Path, ranks: int = 1, wandb: bool = False) -> dict:
+def run_main_ppo(
+    out: Path, ranks: int = 1, wandb: bool = False, steps: int = 2, more: tuple[str, ...] = ()
+) -> dict:
     """``examples/verl_main_ppo.sh OUT`` with the README's tokendyn lines (probe_dir under OUT) and the batch of the
-    first update saved: two GRPO steps on `ranks` actor ranks. ``wandb``: verl's W&B logger too
-    (``trainer.logger=['console','wandb']``), an offline run under OUT/wandb."""
+    first update saved: `steps` GRPO steps on `ranks` actor ranks. ``wandb``: verl's W&B logger too
+    (``trainer.logger=['console','wandb']``), an offline run under OUT/wandb. ``more``: further overrides, last
+    (so they win over the script's own)."""
     overrides = with_value(
         readme_overrides(), "actor_rollout_ref.actor.policy_loss.probe_dir", str(out / "probe")
     )
-    extra = ["+actor_rollout_ref.actor.policy_loss.probe_save_batches=1"]
+    extra = ["+actor_rollout_ref.actor.policy_loss.probe_save_batches=1", *more]
     if wandb:  # after the script's own trainer.logger, so this one wins
         extra.append("trainer.logger=['console','wandb']")
     env = {
@@ -241,7 +244,7 @@ def run_main_ppo(out: Path, ranks: int = 1, wandb: bool = False) -> dict:
         **(offline_env(out / "wandb") if wandb else {}),
         "PYTHON": sys.executable,
         "TOKENDYN": "0",  # the script's own tokendyn lines left out: the README's are passed instead
-        "STEPS": "2",
+        "STEPS": str(steps),
         "RANKS": str(ranks),
         "RAY_USAGE_STATS_ENABLED": "0",
         # Ray kills workers once the machine's memory is 95% used, whoever uses it (other tests, other jobs); the

@@ -5,7 +5,8 @@ Read, not re-derived: TRL keeps vLLM's processed log-probs as ``sampling_per_tok
 multiplies in as ``importance_sampling_ratio`` ((B, 1) in the sequence modes, (B, C) in the token modes; truncated
 or masked as ``vllm_importance_sampling_mode`` says). A token's ``seq_masked`` is true when the weight on its
 sequence is 0 at every valid token (a sequence mode's mask, or a token mode that masked them all); in a token mode
-a single masked token has ``is_weight`` 0 and ``seq_masked`` false.
+a single masked token has ``is_weight`` 0 and ``seq_masked`` false. `token_frame` writes the rows from the three
+tensors whichever framework holds them (verl's: `tokendyn.integrations.verl.sampler`).
 
 The noise floor (the `floor` kind, `split_logps`): the trainer's log-probs of the same tokens recomputed in two halves
 at the same parameters, against the forward the loss used, in the same columns. Taken on the first micro-batch of each
@@ -48,7 +49,22 @@ def sampler_frame(
     mask = inputs["completion_mask"].bool()
     if "tool_mask" in inputs:
         mask = mask & inputs["tool_mask"].bool()
-    weight = inputs.get(WEIGHT_KEY)
+    return token_frame(logp_old, logp_mu, mask, inputs.get(WEIGHT_KEY), step, stage, micro, rank)
+
+
+def token_frame(
+    logp_old: torch.Tensor,
+    logp_mu: torch.Tensor,
+    mask: torch.Tensor,
+    weight: torch.Tensor | None,
+    step: int,
+    stage: str,
+    micro: int,
+    rank: int,
+) -> pl.DataFrame:
+    """The `sampler` rows of the tokens where ``mask`` [B, C] is true: log pi_old, log mu [B, C], and the weight
+    the loss multiplied in ([B, C], or [B, 1] for a sequence's; None: 1), whichever framework read them."""
+    mask = mask.bool()
     weight = torch.ones_like(logp_old) if weight is None else weight.expand_as(logp_old)
     weight = weight.double()
     seq_masked = ((weight == 0) | ~mask).all(dim=1, keepdim=True).expand_as(mask)

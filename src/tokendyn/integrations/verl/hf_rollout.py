@@ -4,15 +4,24 @@ Registered by `backend.register_backend` through verl's rollout extension points
 
 Three parts, as verl's server rollouts have:
 
-- `HFRolloutServer`, one Ray actor per rollout replica holding the model (float32, SDPA attention, one torch
-  thread): ``async generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput`` samples a response with
-  ``model.generate`` (temperature, top-k, top-p as verl's agent loop sends them, at most
+- `HFRolloutServer`, one Ray actor per rollout replica holding the model (in verl's ``rollout.dtype``, SDPA
+  attention, one torch thread): ``async generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput``
+  samples a response with ``model.generate`` (temperature, top-k, top-p as verl's agent loop sends them, at most
   ``rollout.response_length`` tokens, stopping at the generation config's EOS; each request seeded from the rollout
   seed, the prompt and its repeat count, so the responses do not depend on the order requests arrive in) and
   returns each sampled token's log-probability under the temperature-scaled logits, log softmax(z / T)[o_t]
   (unfiltered by top-k / top-p), the quantity verl's actor recomputes as ``old_log_probs``
   (``rollout.calculate_log_probs=True`` puts both in verl's ``training/rollout_probs_diff_*`` metrics); the memory
-  hooks (wake_up, sleep, kv-cache) do nothing; `update_weights` loads a state dict.
+  hooks (wake_up, sleep, kv-cache) do nothing; `update_weights` loads a state dict (cast to the server's dtype).
+
+The dtype is verl's own ``actor_rollout_ref.rollout.dtype`` (the field verl's vLLM and SGLang servers read; verl's
+default ``bfloat16``; ``float32`` / ``fp32``, ``bfloat16`` / ``bf16``, ``float16`` / ``fp16``): the model is held,
+sampled and scored in it, as vLLM holds a float32 checkpoint in bf16, so both the sampled tokens and the returned
+log-probs are the low-precision model's (its logits cast to float32 before the temperature and the log-softmax, as
+vLLM's sampler casts them). Under ``bfloat16`` the rollout's log-probs differ from a float32 actor's
+``old_log_probs`` as a bf16 vLLM sampler's do (``docs/verl.md``): the training-inference mismatch verl's
+``algorithm.rollout_correction`` corrects. ``float32`` makes them the actor's (``examples/verl_main_ppo.sh`` sets it).
+A config without the field (a partial one, in tests) is read as float32.
 - `HFReplica`, the replica class verl's `LLMServerManager` builds per replica: `launch_servers` starts the server
   actor, named ``tokendyn_hf_server_<rank>``.
 - `HFServerAdapter`, the rollout adapter in each actor worker process: verl's weight sync (the "naive" checkpoint
@@ -49,6 +58,28 @@ def _model_path(model_config) -> str:
     return str(path)
 
 
+DTYPE_FIELD = "actor_rollout_ref.rollout.dtype"
+DTYPES = {
+    **dict.fromkeys(("float32", "fp32"), torch.float32),
+    **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
+    **dict.fromkeys(("float16", "fp16"), torch.float16),
+}
+
+
+def rollout_dtype(config) -> torch.dtype:
+    """The torch dtype of verl's ``rollout.dtype`` (float32 where the config has no such field); a name outside
+    `DTYPES` is a one-line error naming the field."""
+    name = getattr(config, "dtype", None)
+    if name is None:
+        return torch.float32
+    dtype = DTYPES.get(str(name).lower())
+    if dtype is None:
+        raise ValueError(
+            f"{DTYPE_FIELD}: the hf rollout holds the model in one of {', '.join(DTYPES)}, got {name!r}"
+        )
+    return dtype
+
+
 def _replica_world_size(config) -> int:
     return config.tensor_model_parallel_size * config.data_parallel_size * config.pipeline_model_parallel_size
 
@@ -68,7 +99,8 @@ def response_log_probs(
 
 class HFRolloutServer:
     """A rollout server holding a Hugging Face causal LM (see the module docstring). ``config``: verl's
-    `RolloutConfig` (``response_length``, ``prompt_length``, ``seed``); ``model_path``: the model directory."""
+    `RolloutConfig` (``response_length``, ``prompt_length``, ``seed``, ``dtype``: `rollout_dtype`); ``model_path``:
+    the model directory."""
 
     def __init__(self, config, model_path: str, replica_rank: int = 0) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -76,8 +108,9 @@ class HFRolloutServer:
         torch.set_num_threads(1)
         self.config = config
         self.replica_rank = replica_rank
+        self.dtype = rollout_dtype(config)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation="sdpa"
+            model_path, dtype=self.dtype, attn_implementation="sdpa"
         ).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         try:
@@ -153,8 +186,8 @@ class HFRolloutServer:
             return await asyncio.to_thread(self._generate, list(prompt_ids), dict(sampling_params))
 
     def update_weights(self, state: dict[str, torch.Tensor], global_steps: int | None = None) -> int:
-        """Load the actor's parameters (by Hugging Face name); a tied LM head may be absent. Returns how many
-        tensors were loaded."""
+        """Load the actor's parameters (by Hugging Face name; cast to the server's dtype); a tied LM head may be
+        absent. Returns how many tensors were loaded."""
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
         if unexpected or set(missing) - tied:
@@ -212,6 +245,7 @@ class HFReplica(RolloutReplica):
         return False
 
     async def launch_servers(self) -> None:
+        rollout_dtype(self.config)  # a bad dtype fails here, in one line, before the server actor starts
         name = SERVER_NAME.format(rank=self.replica_rank, suffix=self.name_suffix)
         server = (
             ray.remote(HFRolloutServer)

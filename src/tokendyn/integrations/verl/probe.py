@@ -17,6 +17,9 @@ one row per sequence without). The loss's normalisation (token sum / the global 
 average over the data-parallel ranks) makes each rank's records d/d of the global loss once divided by the dp size,
 so merged shards equal one process.
 
+Where the batch carries the rollout's log-probs (``rollout.calculate_log_probs``), each micro-batch also writes its
+`sampler` records: log mu, log pi_old and verl's rollout-correction weight per token (`integrations.verl.sampler`).
+
 After each `train_batch` the step's per-bin numbers are added to verl's metrics (the same on every rank: counts are
 summed over the data-parallel group first): ``actor/tokendyn/token_share/bin{b}``, ``actor/tokendyn/bound_violations``,
 ``actor/tokendyn/identity_rel_err_worst`` (no "max" / "min" in a key: verl's `reduce_metrics` would treat it so).
@@ -43,6 +46,7 @@ from tokendyn.effects.precision import MeasuredPrecision
 from tokendyn.hooks.live import check_sums, final_point_sums
 from tokendyn.integrations.verl.layout import prompt_response_lengths, response_layout
 from tokendyn.integrations.verl.loss import LOSS_NAME, VerlConfigError, stage_advantages
+from tokendyn.integrations.verl.sampler import sampler_frame
 from tokendyn.probe.probe import GradientProbe
 from tokendyn.records import RecordWriter
 from tokendyn.vocab import TRAIN
@@ -140,6 +144,7 @@ class EngineProbe:
         self._records: list[dict] = []
         self._original = None
         self._temperature: float | None = None
+        self._micro = 0  # the micro-batches of the running train_batch (the sampler records' `micro`)
 
     # ---- attaching -----------------------------------------------------------------------------------------
     def attach(self) -> EngineProbe:
@@ -173,7 +178,7 @@ class EngineProbe:
 
     def train_batch(self, data, loss_function):
         """`engine.train_batch` with the probe on: every micro-batch's loss goes through `_probed_loss`."""
-        self.results, self._records = [], []
+        self.results, self._records, self._micro = [], [], 0
         if self.analyses_every and self.step % self.analyses_every == 0:
             self.analyze(data, loss_function)
         try:
@@ -228,6 +233,11 @@ class EngineProbe:
             entropy=entropy,
             temperature=self._temperature,
         )
+        # the rollout's log-probs and verl's rollout-correction weights beside pi_old (`integrations.verl.sampler`)
+        sampler = sampler_frame(data, mask, self.step, self.stage, self._micro, self.rank)
+        if sampler is not None:
+            self.writer.add({"sampler": sampler})
+        self._micro += 1
         return loss_function(model_output=out, data=data, dp_group=dp_group)
 
     def analyze(self, data, loss_function) -> dict:

@@ -1,0 +1,232 @@
+"""verl's rollout correction (``algorithm.rollout_correction``, decoupled mode) against a bf16 sampler, in process:
+tokendyn's Hugging Face rollout server holding the embedded default policy in bfloat16 (verl's ``rollout.dtype``)
+samples the batch, verl's float32 actor engine recomputes pi_old, verl's own `compute_rollout_correction_and_rejection_mask`
+turns the two into ``rollout_is_weights``, and verl's `TrainingWorker.train_mini_batch` takes one SGD step with the
+tokendyn loss and the probe on. Checked: the server's log-probs are the bf16 model's own (its cached decoding, written
+out here) and differ from the float32 model's as a bf16 engine's do; the gradient the analyses decompose (verl's loss
+through `VerlObjective`, on `probe_batch` of the trained batch, the weights in) equals the actor's parameter change
+/ -lr, and without the weights it does not; the probe's `sampler` records carry the batch's log-probs and weights."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from functools import partial
+
+import polars as pl
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tokendyn.integrations import verl as glue
+from tokendyn.integrations.verl import cpu
+from tokendyn.integrations.verl.hf_rollout import HFRolloutServer
+from tokendyn.policy import default_policy_dir
+
+glue.register()
+T = 0.7
+LENGTH = 16
+GROUP = 4
+PROMPTS = [[5, 17, 33, 8, 91], [12, 40, 7, 66], [23, 9, 81, 30, 44, 3]]
+LR = 0.5
+# the relative error of the analyses' gradient against the actor's step, and the least error without the weights
+SAME_UPDATE = 1e-4
+WITHOUT_WEIGHTS = 1e-3
+
+
+def server(dtype: str | None, length: int = LENGTH) -> HFRolloutServer:
+    fields = {"response_length": length, "seed": 3, **({"dtype": dtype} if dtype else {})}
+    threads = torch.get_num_threads()
+    try:
+        return HFRolloutServer(OmegaConf.create(fields), str(default_policy_dir()))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def sample(srv: HFRolloutServer, prompt: list[int], temperature: float = T):
+    params = {"temperature": temperature, "top_p": 1.0, "top_k": -1, "logprobs": True}
+    threads = torch.get_num_threads()
+    try:
+        return asyncio.run(srv.generate(prompt_ids=prompt, sampling_params=params, request_id="r"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def cached_decoding_log_probs(
+    model, prompt: list[int], tokens: list[int], temperature: float
+) -> torch.Tensor:
+    """log softmax(z_t / T)[o_t] from the model's forward over the prompt, then one token at a time on its KV cache
+    (how a sampler scores what it samples), the logits cast to float32 first."""
+    from transformers import DynamicCache
+
+    out, logp = None, []
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt]), past_key_values=DynamicCache(), use_cache=True)
+        for token in tokens:
+            logp.append(torch.log_softmax(out.logits[0, -1].float() / temperature, -1)[token])
+            out = model(
+                input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
+            )
+    return torch.stack(logp)
+
+
+def test_the_hf_rollout_in_bf16_samples_and_scores_with_the_bf16_model():
+    """``rollout.dtype=bfloat16``: the server holds the model in bf16 (also after a weight sync of float32
+    tensors), and its log-probs are the bf16 model's own at T (its cached decoding: exactly), not the float32
+    model's: a mean |difference| from a float32 forward like a bf16 engine's (MISMATCH.md: 3.8e-2 on
+    SmolLM2-135M), where float32 on both sides gives ~1e-7."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(default_policy_dir())
+    srv = server("bfloat16", length=24)
+    assert srv.model.dtype == torch.bfloat16
+    bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    diffs = []
+    for prompt in PROMPTS:
+        out = sample(srv, prompt)
+        got = torch.tensor(out.log_probs)
+        torch.testing.assert_close(
+            got, cached_decoding_log_probs(bf16, prompt, out.token_ids, T), rtol=0, atol=1e-6
+        )
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            z = fp32(input_ids=ids).logits[0, len(prompt) - 1 : -1] / T
+        diffs.append(got - torch.log_softmax(z, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0])
+    mismatch = torch.cat(diffs).abs()
+    print(f"bf16 server vs float32 model: mean |dlogp| {mismatch.mean():.2e}, max {mismatch.max():.2e}")
+    assert 1e-3 < float(mismatch.mean()) < 0.1
+    state = {n: p.detach() * 0.5 for n, p in fp32.named_parameters()}
+    srv.update_weights(state)
+    norm = srv.model.get_parameter("model.norm.weight")
+    assert norm.dtype == torch.bfloat16 and torch.equal(norm, state["model.norm.weight"].to(torch.bfloat16))
+
+
+def test_a_rollout_dtype_outside_the_list_fails_in_one_line():
+    from tokendyn.integrations.verl.hf_rollout import rollout_dtype
+
+    assert rollout_dtype(OmegaConf.create({"dtype": "bf16"})) is torch.bfloat16
+    assert rollout_dtype(OmegaConf.create({})) is torch.float32
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.dtype: .* got 'int8'") as err:
+        rollout_dtype(OmegaConf.create({"dtype": "int8"}))
+    assert "\n" not in str(err.value)
+
+
+# ---- the actor's update with verl's correction weights ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bf16_rollouts():
+    """GROUP responses of LENGTH tokens (or fewer, at EOS) per prompt from the bf16 server: prompts, responses, log mu,
+    and one non-zero advantage per response (a fixed pattern: every sequence carries a signal)."""
+    srv = server("bfloat16")
+    prompts, responses, mu = [], [], []
+    for prompt in PROMPTS:
+        for _ in range(GROUP):
+            out = sample(srv, prompt)
+            prompts.append(prompt)
+            responses.append(out.token_ids)
+            mu.append(out.log_probs)
+    adv = [[(1.0 if i % 2 else -1.0) * (1 + 0.25 * (i % 3))] * len(r) for i, r in enumerate(responses)]
+    return prompts, responses, mu, adv
+
+
+def padded(values: list[list[float]]) -> torch.Tensor:
+    out = torch.zeros(len(values), max(map(len, values)))
+    for i, v in enumerate(values):
+        out[i, : len(v)] = torch.tensor(v)
+    return out
+
+
+@pytest.mark.parametrize(("mode", "threshold"), [("token", "1.02"), ("sequence", "0.9_1.1")])
+def test_the_analyses_gradient_is_the_actors_update_under_verls_rollout_correction(
+    bf16_rollouts, mode, threshold, tmp_path
+):
+    """verl's actor (`TrainingWorker.train_mini_batch`, FSDP2, remove-padding, two micro-batches, SGD, no clipping)
+    trains the tokendyn loss (Reweight on) on the bf16-sampled batch with verl's ``rollout_is_weights`` (token TIS
+    capped at 1.02; sequence IcePop keeping [0.9, 1.1]: narrow, so that they bind); the gradient of the analyses'
+    objective at the starting model (`VerlObjective` of the actor config on `probe_batch` of that batch, as
+    `EngineProbe.analyze` builds both) equals the parameter change / -lr; without the weights it does not."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+    from verl.workers.utils.losses import ppo_loss
+
+    from tokendyn.integrations.verl.objective import VerlObjective
+    from tokendyn.integrations.verl.probe import probe_batch
+    from tokendyn.probe.tokenloss import token_loss
+
+    prompts, responses, mu, adv = bf16_rollouts
+    options = {"bins": "intervals:4", "check_tokens": None, "direct_tokens": 0, "sample_tokens": 4096}
+    loss = glue.TokendynPolicyLossConfig(
+        reweight_alpha=0.3, probe_dir=str(tmp_path / "run"), probe_options=options
+    )
+    cfg = cpu.actor_config(micro_batch_size=6, policy_loss=loss)
+    worker = cpu.build_worker(
+        default_policy_dir(),
+        partial(ppo_loss, config=cfg),
+        use_remove_padding=True,
+        micro_batch_size=6,
+        lr=LR,
+    )
+
+    def batch():
+        return cpu.make_batch(prompts, responses, advantages=adv, temperature=T)
+
+    old = cpu.infer_log_probs(worker.engine, batch())  # verl's old-log-prob pass: the float32 actor's pi_old
+    data = batch()
+    mask = data["response_mask"]
+    data["old_log_probs"] = old
+    data["rollout_log_probs"] = padded(mu) * mask
+    weights_proto, kept, _ = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old, rollout_log_prob=data["rollout_log_probs"], response_mask=mask,
+        rollout_is=mode, rollout_is_threshold=threshold,
+    )  # fmt: skip
+    assert torch.equal(kept, mask)  # no rejection sampling asked
+    weights = weights_proto.batch["rollout_is_weights"]
+    data["rollout_is_weights"] = weights
+    valid = mask.bool()
+    assert ((weights[valid] - 1).abs() > 1e-3).float().mean() > 0.2  # the correction binds on many tokens
+    analysed = probe_batch(data, len(responses), T)  # what the probe's analyses take, before the step
+
+    start = cpu.full_parameters(worker.engine)
+    cpu.update_actor(worker, data)
+    moved = cpu.full_parameters(worker.engine)
+    worker._tokendyn_probe.detach()  # flush the records
+    names = list(start)
+    change = torch.cat([((start[n] - moved[n]) / LR).flatten() for n in names])
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_policy_dir(), dtype=torch.float32)
+    params = dict(model.named_parameters())
+    assert set(params) == set(names)
+
+    def gradient(batch):
+        model.zero_grad()
+        token_loss(model, batch, VerlObjective(cfg)).loss.backward()
+        return torch.cat([params[n].grad.flatten() for n in names])
+
+    assert analysed.is_ratio is not None and analysed.completion_mask.sum() == valid.sum()
+    rel = lambda g: float((g - change).norm() / change.norm())  # noqa: E731
+    same, without = rel(gradient(analysed)), rel(gradient(replace(analysed, is_ratio=None)))
+    print(
+        f"{mode}: analyses' gradient vs the actor's step: rel err {same:.1e}; without the weights {without:.1e}"
+    )
+    assert same < SAME_UPDATE
+    assert without > WITHOUT_WEIGHTS
+
+    # the probe's sampler records: the batch's log mu, pi_old and weights, token by token
+    records = pl.read_parquet(sorted((tmp_path / "run" / "records").glob("sampler-*.parquet")))
+    assert records.height == int(valid.sum())
+    rows = records.with_columns(seq=pl.col("micro") * 6 + pl.col("row")).sort("seq", "pos")
+    seq, pos = torch.tensor(rows["seq"].to_list()), torch.tensor(rows["pos"].to_list())
+    for column, want in (
+        ("logp_old", old),
+        ("logp_sampler", data["rollout_log_probs"]),
+        ("is_weight", weights),
+    ):
+        got = torch.tensor(rows[column].to_list(), dtype=torch.float64)
+        assert torch.equal(got, want[seq, pos].double()), column
+    assert rows["log_rho"].to_numpy() == pytest.approx((rows["logp_old"] - rows["logp_sampler"]).to_numpy())
+    from tokendyn.analysis import analyze_run
+
+    assert (
+        analyze_run(tmp_path / "run", write=False)["mismatch"].height > 0
+    )  # tabulated per bin, as for TRL + vLLM
