@@ -136,26 +136,14 @@ def padded(values: list[list[float]]) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize(("mode", "threshold"), [("token", "1.02"), ("sequence", "0.9_1.1")])
-def test_the_analyses_gradient_is_the_actors_update_under_verls_rollout_correction(
-    bf16_rollouts, mode, threshold, tmp_path
-):
-    """verl's actor (`TrainingWorker.train_mini_batch`, FSDP2, remove-padding, two micro-batches, SGD, no clipping)
-    trains the tokendyn loss (Reweight on) on the bf16-sampled batch with verl's ``rollout_is_weights`` (token TIS
-    capped at 1.02; sequence IcePop keeping [0.9, 1.1]: narrow, so that they bind); the gradient of the analyses'
-    objective at the starting model (`VerlObjective` of the actor config on `probe_batch` of that batch, as
-    `EngineProbe.analyze` builds both) equals the parameter change / -lr; without the weights it does not."""
-    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+def probed_actor(run_dir, reweight_alpha: float = 0.3):
+    """verl's actor (`TrainingWorker`, FSDP2, remove-padding, micro-batches of 6, SGD at LR) training the tokendyn
+    loss with the probe writing to ``run_dir``, and the actor config."""
     from verl.workers.utils.losses import ppo_loss
 
-    from tokendyn.integrations.verl.objective import VerlObjective
-    from tokendyn.integrations.verl.probe import probe_batch
-    from tokendyn.probe.tokenloss import token_loss
-
-    prompts, responses, mu, adv = bf16_rollouts
     options = {"bins": "intervals:4", "check_tokens": None, "direct_tokens": 0, "sample_tokens": 4096}
     loss = glue.TokendynPolicyLossConfig(
-        reweight_alpha=0.3, probe_dir=str(tmp_path / "run"), probe_options=options
+        reweight_alpha=reweight_alpha, probe_dir=str(run_dir), probe_options=options
     )
     cfg = cpu.actor_config(micro_batch_size=6, policy_loss=loss)
     worker = cpu.build_worker(
@@ -165,25 +153,63 @@ def test_the_analyses_gradient_is_the_actors_update_under_verls_rollout_correcti
         micro_batch_size=6,
         lr=LR,
     )
+    return worker, cfg
+
+
+def corrected_batch(worker, rollouts, **correction):
+    """The rollouts as verl's trainer hands them to the actor: pi_old from verl's old-log-prob pass (the float32
+    actor), log mu the sampler's, and verl's own `compute_rollout_correction_and_rejection_mask` (``correction``: its
+    ``rollout_is`` / ``rollout_rs`` options) applied as `compute_rollout_correction_and_add_to_batch` applies it:
+    ``rollout_is_weights`` added, ``response_mask`` (and the engine's ``loss_mask``, which verl's
+    `left_right_2_no_padding` copies from it) replaced by the rejection's. Returns the batch, the response mask
+    before the rejection and verl's metrics."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    prompts, responses, mu, adv = rollouts
 
     def batch():
         return cpu.make_batch(prompts, responses, advantages=adv, temperature=T)
 
     old = cpu.infer_log_probs(worker.engine, batch())  # verl's old-log-prob pass: the float32 actor's pi_old
     data = batch()
-    mask = data["response_mask"]
+    mask = data["response_mask"].clone()
     data["old_log_probs"] = old
     data["rollout_log_probs"] = padded(mu) * mask
-    weights_proto, kept, _ = compute_rollout_correction_and_rejection_mask(
-        old_log_prob=old, rollout_log_prob=data["rollout_log_probs"], response_mask=mask,
-        rollout_is=mode, rollout_is_threshold=threshold,
-    )  # fmt: skip
-    assert torch.equal(kept, mask)  # no rejection sampling asked
-    weights = weights_proto.batch["rollout_is_weights"]
-    data["rollout_is_weights"] = weights
+    weights, kept, metrics = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old, rollout_log_prob=data["rollout_log_probs"], response_mask=mask, **correction
+    )
+    if weights is not None:
+        data["rollout_is_weights"] = weights.batch["rollout_is_weights"]
+    data["response_mask"], data["loss_mask"] = kept, kept.clone()
+    return data, mask, metrics
+
+
+def sampler_records(run_dir) -> pl.DataFrame:
+    """The probe's `sampler` records in batch order: ``seq`` = the sequence's row in the batch (6 per micro)."""
+    records = pl.read_parquet(sorted((run_dir / "records").glob("sampler-*.parquet")))
+    return records.with_columns(seq=pl.col("micro") * 6 + pl.col("row")).sort("seq", "pos")
+
+
+@pytest.mark.parametrize(("mode", "threshold"), [("token", "1.02"), ("sequence", "0.9_1.1")])
+def test_the_analyses_gradient_is_the_actors_update_under_verls_rollout_correction(
+    bf16_rollouts, mode, threshold, tmp_path
+):
+    """verl's actor (`TrainingWorker.train_mini_batch`, FSDP2, remove-padding, two micro-batches, SGD, no clipping)
+    trains the tokendyn loss (Reweight on) on the bf16-sampled batch with verl's ``rollout_is_weights`` (token TIS
+    capped at 1.02; sequence IcePop keeping [0.9, 1.1]: narrow, so that they bind); the gradient of the analyses'
+    objective at the starting model (`VerlObjective` of the actor config on `probe_batch` of that batch, as
+    `EngineProbe.analyze` builds both) equals the parameter change / -lr; without the weights it does not."""
+    from tokendyn.integrations.verl.objective import VerlObjective
+    from tokendyn.integrations.verl.probe import probe_batch
+    from tokendyn.probe.tokenloss import token_loss
+
+    worker, cfg = probed_actor(tmp_path / "run")
+    data, mask, _ = corrected_batch(worker, bf16_rollouts, rollout_is=mode, rollout_is_threshold=threshold)
+    assert torch.equal(data["response_mask"], mask)  # no rejection sampling asked
+    old, weights = data["old_log_probs"], data["rollout_is_weights"]
     valid = mask.bool()
     assert ((weights[valid] - 1).abs() > 1e-3).float().mean() > 0.2  # the correction binds on many tokens
-    analysed = probe_batch(data, len(responses), T)  # what the probe's analyses take, before the step
+    analysed = probe_batch(data, len(bf16_rollouts[1]), T)  # what the probe's analyses take, before the step
 
     start = cpu.full_parameters(worker.engine)
     cpu.update_actor(worker, data)
@@ -213,9 +239,8 @@ def test_the_analyses_gradient_is_the_actors_update_under_verls_rollout_correcti
     assert without > WITHOUT_WEIGHTS
 
     # the probe's sampler records: the batch's log mu, pi_old and weights, token by token
-    records = pl.read_parquet(sorted((tmp_path / "run" / "records").glob("sampler-*.parquet")))
-    assert records.height == int(valid.sum())
-    rows = records.with_columns(seq=pl.col("micro") * 6 + pl.col("row")).sort("seq", "pos")
+    rows = sampler_records(tmp_path / "run")
+    assert rows.height == int(valid.sum())
     seq, pos = torch.tensor(rows["seq"].to_list()), torch.tensor(rows["pos"].to_list())
     for column, want in (
         ("logp_old", old),
