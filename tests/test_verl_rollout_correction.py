@@ -255,3 +255,95 @@ def test_the_analyses_gradient_is_the_actors_update_under_verls_rollout_correcti
     assert (
         analyze_run(tmp_path / "run", write=False)["mismatch"].height > 0
     )  # tabulated per bin, as for TRL + vLLM
+
+
+# ---- verl's rejection sampling: the tokens it drops -----------------------------------------------------------
+@pytest.mark.parametrize(("rs", "threshold"), [("token_k1", "0.97_1.03"), ("seq_max_k2", "0.003")])
+def test_the_sampler_records_show_the_tokens_verls_rejection_sampling_removed(
+    bf16_rollouts, rs, threshold, tmp_path
+):
+    """verl's rejection sampling (``algorithm.rollout_correction.rollout_rs``: per token, ``token_k1`` keeping
+    rho in [0.97, 1.03]; per sequence, ``seq_max_k2`` rejecting a sequence whose largest (log rho)^2 / 2 exceeds
+    0.003) beside token TIS (cap 1.02) removes tokens from the batch's ``response_mask``, which the loss trains on.
+    The probe's `sampler` records still hold every response token; those verl rejected (its returned mask against
+    the one it was given) have ``is_weight`` 0, ``seq_masked`` marks the sequences it rejected whole, the kept
+    tokens carry verl's ``rollout_is_weights``; the probe's `tokens` records follow the loss's mask, on the same
+    (micro, row, pos) keys; and `tokendyn analyze`'s mismatch table counts the rejected in ``frac_masked`` /
+    ``frac_seq_masked``."""
+    from tokendyn.analysis import analyze_run
+
+    run = tmp_path / "run"
+    worker, _ = probed_actor(run, reweight_alpha=0.0)
+    data, mask, metrics = corrected_batch(
+        worker, bf16_rollouts, rollout_is="token", rollout_is_threshold="1.02",
+        rollout_rs=rs, rollout_rs_threshold=threshold,
+    )  # fmt: skip
+    valid, kept = mask.bool(), data["response_mask"].bool()
+    rejected = valid & ~kept
+    whole = rejected.sum(1) == valid.sum(1)  # the sequences verl rejected at every token
+    n, n_rejected = int(valid.sum()), int(rejected.sum())
+    print(
+        f"{rs} {threshold}: {n_rejected} of {n} tokens rejected, {int(whole.sum())} of {len(whole)} sequences "
+        f"whole (verl: rollout_rs_masked_fraction {metrics['rollout_corr/rollout_rs_masked_fraction']:.3f})"
+    )
+    assert 0 < n_rejected < n  # the rejection binds, and keeps some
+    if rs.startswith("seq"):
+        assert torch.equal(rejected, whole[:, None] & valid)  # a sequence mode rejects whole sequences
+        assert 0 < int(whole.sum()) < len(whole)
+    cpu.update_actor(worker, data)
+    worker._tokendyn_probe.detach()  # flush the records
+
+    rows = sampler_records(run)
+    assert rows.height == n  # every response token, the rejected included
+    seq, pos = torch.tensor(rows["seq"].to_list()), torch.tensor(rows["pos"].to_list())
+    assert torch.equal(valid[seq, pos], torch.ones(n, dtype=torch.bool))
+    weight = torch.tensor(rows["is_weight"].to_list(), dtype=torch.float64)
+    is_rejected = rejected[seq, pos]
+    assert torch.equal(weight[is_rejected], torch.zeros(n_rejected, dtype=torch.float64))
+    assert torch.equal(weight[~is_rejected], data["rollout_is_weights"][seq, pos][~is_rejected].double())
+    assert bool((weight[~is_rejected] > 0).all())  # TIS truncates, never zeroes: 0 means rejected
+    assert torch.equal(torch.tensor(rows["seq_masked"].to_list()), whole[seq])
+
+    # the probe's other records follow the loss's mask: its token rows are the kept tokens, on the same keys
+    tokens = pl.read_parquet(sorted((run / "records").glob("tokens-*.parquet")))
+    keys = tokens.select("micro", "row", "pos").unique()
+    assert keys.height == int(kept.sum())
+    assert keys.join(rows.select("micro", "row", "pos"), on=["micro", "row", "pos"], how="anti").height == 0
+    assert torch.equal(kept[keys["micro"].to_torch() * 6 + keys["row"].to_torch(), keys["pos"].to_torch()],
+                       torch.ones(keys.height, dtype=torch.bool))  # fmt: skip
+
+    table = analyze_run(run, write=False)["mismatch"]
+    every = table.filter((pl.col("side") == "pi_old") & (pl.col("bin") == -1)).row(0, named=True)
+    assert every["count"] == n
+    assert every["frac_masked"] == pytest.approx(n_rejected / n, abs=1e-12)
+    assert every["frac_seq_masked"] == pytest.approx(int((whole[:, None] & valid).sum()) / n, abs=1e-12)
+
+
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_under_verls_multi_turn_rollout_the_sampler_rows_are_the_loss_mask(multi_turn):
+    """A batch as verl's trainer hands it to the actor (`DataProto.to_tensordict` with the trainer's ``meta_info``
+    ``multi_turn``, then `left_right_2_no_padding`): single-turn, the rows are every response token of the attention
+    mask, a rejected one weighted 0; multi-turn, where the response also holds tool outputs outside the agent loop's
+    ``response_mask`` that nothing in the batch tells from a rejected token, the rows are the loss's mask."""
+    from verl import DataProto
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from tokendyn.integrations.verl.layout import response_layout
+    from tokendyn.integrations.verl.sampler import sampler_frame
+
+    prompts = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    responses = torch.tensor([[11, 12, 13, 14, 15], [16, 17, 18, 0, 0]])
+    attention = torch.cat([torch.tensor([[0, 1, 1], [1, 1, 1]]), (responses > 0).long()], dim=1)
+    # tool output at row 0, pos 2-3 (multi-turn) or two rejected tokens (single-turn); row 1 pos 1 rejected
+    mask = torch.tensor([[1, 1, 0, 0, 1], [1, 0, 1, 0, 0]])
+    fields = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
+              "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+              "response_mask": mask, "old_log_probs": -torch.rand(2, 5), "rollout_log_probs": -torch.rand(2, 5)}  # fmt: skip
+    proto = DataProto.from_single_dict(fields, meta_info={"multi_turn": multi_turn, "temperature": 1.0})
+    data = left_right_2_no_padding(proto.to_tensordict())
+    valid = response_layout(data["input_ids"], data, 5, packed=True).valid
+    frame = sampler_frame(data, valid, data["response_mask"], 0, "train", 0, 0)
+    tokens = mask.bool() if multi_turn else attention[:, 3:].bool()
+    assert frame.select("row", "pos").rows() == [tuple(p) for p in tokens.nonzero().tolist()]
+    assert frame["is_weight"].to_list() == mask[tokens].double().tolist()
+    assert not frame["seq_masked"].any()
