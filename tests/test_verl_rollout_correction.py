@@ -136,26 +136,14 @@ def padded(values: list[list[float]]) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize(("mode", "threshold"), [("token", "1.02"), ("sequence", "0.9_1.1")])
-def test_the_analyses_gradient_is_the_actors_update_under_verls_rollout_correction(
-    bf16_rollouts, mode, threshold, tmp_path
-):
-    """verl's actor (`TrainingWorker.train_mini_batch`, FSDP2, remove-padding, two micro-batches, SGD, no clipping)
-    trains the tokendyn loss (Reweight on) on the bf16-sampled batch with verl's ``rollout_is_weights`` (token TIS
-    capped at 1.02; sequence IcePop keeping [0.9, 1.1]: narrow, so that they bind); the gradient of the analyses'
-    objective at the starting model (`VerlObjective` of the actor config on `probe_batch` of that batch, as
-    `EngineProbe.analyze` builds both) equals the parameter change / -lr; without the weights it does not."""
-    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+def probed_actor(run_dir, reweight_alpha: float = 0.3):
+    """verl's actor (`TrainingWorker`, FSDP2, remove-padding, micro-batches of 6, SGD at LR) training the tokendyn
+    loss with the probe writing to ``run_dir``, and the actor config."""
     from verl.workers.utils.losses import ppo_loss
 
-    from tokendyn.integrations.verl.objective import VerlObjective
-    from tokendyn.integrations.verl.probe import probe_batch
-    from tokendyn.probe.tokenloss import token_loss
-
-    prompts, responses, mu, adv = bf16_rollouts
     options = {"bins": "intervals:4", "check_tokens": None, "direct_tokens": 0, "sample_tokens": 4096}
     loss = glue.TokendynPolicyLossConfig(
-        reweight_alpha=0.3, probe_dir=str(tmp_path / "run"), probe_options=options
+        reweight_alpha=reweight_alpha, probe_dir=str(run_dir), probe_options=options
     )
     cfg = cpu.actor_config(micro_batch_size=6, policy_loss=loss)
     worker = cpu.build_worker(
@@ -165,25 +153,63 @@ def test_the_analyses_gradient_is_the_actors_update_under_verls_rollout_correcti
         micro_batch_size=6,
         lr=LR,
     )
+    return worker, cfg
+
+
+def corrected_batch(worker, rollouts, **correction):
+    """The rollouts as verl's trainer hands them to the actor: pi_old from verl's old-log-prob pass (the float32
+    actor), log mu the sampler's, and verl's own `compute_rollout_correction_and_rejection_mask` (``correction``: its
+    ``rollout_is`` / ``rollout_rs`` options) applied as `compute_rollout_correction_and_add_to_batch` applies it:
+    ``rollout_is_weights`` added, ``response_mask`` (and the engine's ``loss_mask``, which verl's
+    `left_right_2_no_padding` copies from it) replaced by the rejection's. Returns the batch, the response mask
+    before the rejection and verl's metrics."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    prompts, responses, mu, adv = rollouts
 
     def batch():
         return cpu.make_batch(prompts, responses, advantages=adv, temperature=T)
 
     old = cpu.infer_log_probs(worker.engine, batch())  # verl's old-log-prob pass: the float32 actor's pi_old
     data = batch()
-    mask = data["response_mask"]
+    mask = data["response_mask"].clone()
     data["old_log_probs"] = old
     data["rollout_log_probs"] = padded(mu) * mask
-    weights_proto, kept, _ = compute_rollout_correction_and_rejection_mask(
-        old_log_prob=old, rollout_log_prob=data["rollout_log_probs"], response_mask=mask,
-        rollout_is=mode, rollout_is_threshold=threshold,
-    )  # fmt: skip
-    assert torch.equal(kept, mask)  # no rejection sampling asked
-    weights = weights_proto.batch["rollout_is_weights"]
-    data["rollout_is_weights"] = weights
+    weights, kept, metrics = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old, rollout_log_prob=data["rollout_log_probs"], response_mask=mask, **correction
+    )
+    if weights is not None:
+        data["rollout_is_weights"] = weights.batch["rollout_is_weights"]
+    data["response_mask"], data["loss_mask"] = kept, kept.clone()
+    return data, mask, metrics
+
+
+def sampler_records(run_dir) -> pl.DataFrame:
+    """The probe's `sampler` records in batch order: ``seq`` = the sequence's row in the batch (6 per micro)."""
+    records = pl.read_parquet(sorted((run_dir / "records").glob("sampler-*.parquet")))
+    return records.with_columns(seq=pl.col("micro") * 6 + pl.col("row")).sort("seq", "pos")
+
+
+@pytest.mark.parametrize(("mode", "threshold"), [("token", "1.02"), ("sequence", "0.9_1.1")])
+def test_the_analyses_gradient_is_the_actors_update_under_verls_rollout_correction(
+    bf16_rollouts, mode, threshold, tmp_path
+):
+    """verl's actor (`TrainingWorker.train_mini_batch`, FSDP2, remove-padding, two micro-batches, SGD, no clipping)
+    trains the tokendyn loss (Reweight on) on the bf16-sampled batch with verl's ``rollout_is_weights`` (token TIS
+    capped at 1.02; sequence IcePop keeping [0.9, 1.1]: narrow, so that they bind); the gradient of the analyses'
+    objective at the starting model (`VerlObjective` of the actor config on `probe_batch` of that batch, as
+    `EngineProbe.analyze` builds both) equals the parameter change / -lr; without the weights it does not."""
+    from tokendyn.integrations.verl.objective import VerlObjective
+    from tokendyn.integrations.verl.probe import probe_batch
+    from tokendyn.probe.tokenloss import token_loss
+
+    worker, cfg = probed_actor(tmp_path / "run")
+    data, mask, _ = corrected_batch(worker, bf16_rollouts, rollout_is=mode, rollout_is_threshold=threshold)
+    assert torch.equal(data["response_mask"], mask)  # no rejection sampling asked
+    old, weights = data["old_log_probs"], data["rollout_is_weights"]
     valid = mask.bool()
     assert ((weights[valid] - 1).abs() > 1e-3).float().mean() > 0.2  # the correction binds on many tokens
-    analysed = probe_batch(data, len(responses), T)  # what the probe's analyses take, before the step
+    analysed = probe_batch(data, len(bf16_rollouts[1]), T)  # what the probe's analyses take, before the step
 
     start = cpu.full_parameters(worker.engine)
     cpu.update_actor(worker, data)
@@ -213,9 +239,8 @@ def test_the_analyses_gradient_is_the_actors_update_under_verls_rollout_correcti
     assert without > WITHOUT_WEIGHTS
 
     # the probe's sampler records: the batch's log mu, pi_old and weights, token by token
-    records = pl.read_parquet(sorted((tmp_path / "run" / "records").glob("sampler-*.parquet")))
-    assert records.height == int(valid.sum())
-    rows = records.with_columns(seq=pl.col("micro") * 6 + pl.col("row")).sort("seq", "pos")
+    rows = sampler_records(tmp_path / "run")
+    assert rows.height == int(valid.sum())
     seq, pos = torch.tensor(rows["seq"].to_list()), torch.tensor(rows["pos"].to_list())
     for column, want in (
         ("logp_old", old),
@@ -230,3 +255,95 @@ def test_the_analyses_gradient_is_the_actors_update_under_verls_rollout_correcti
     assert (
         analyze_run(tmp_path / "run", write=False)["mismatch"].height > 0
     )  # tabulated per bin, as for TRL + vLLM
+
+
+# ---- verl's rejection sampling: the tokens it drops -----------------------------------------------------------
+@pytest.mark.parametrize(("rs", "threshold"), [("token_k1", "0.97_1.03"), ("seq_max_k2", "0.003")])
+def test_the_sampler_records_show_the_tokens_verls_rejection_sampling_removed(
+    bf16_rollouts, rs, threshold, tmp_path
+):
+    """verl's rejection sampling (``algorithm.rollout_correction.rollout_rs``: per token, ``token_k1`` keeping
+    rho in [0.97, 1.03]; per sequence, ``seq_max_k2`` rejecting a sequence whose largest (log rho)^2 / 2 exceeds
+    0.003) beside token TIS (cap 1.02) removes tokens from the batch's ``response_mask``, which the loss trains on.
+    The probe's `sampler` records still hold every response token; those verl rejected (its returned mask against
+    the one it was given) have ``is_weight`` 0, ``seq_masked`` marks the sequences it rejected whole, the kept
+    tokens carry verl's ``rollout_is_weights``; the probe's `tokens` records follow the loss's mask, on the same
+    (micro, row, pos) keys; and `tokendyn analyze`'s mismatch table counts the rejected in ``frac_masked`` /
+    ``frac_seq_masked``."""
+    from tokendyn.analysis import analyze_run
+
+    run = tmp_path / "run"
+    worker, _ = probed_actor(run, reweight_alpha=0.0)
+    data, mask, metrics = corrected_batch(
+        worker, bf16_rollouts, rollout_is="token", rollout_is_threshold="1.02",
+        rollout_rs=rs, rollout_rs_threshold=threshold,
+    )  # fmt: skip
+    valid, kept = mask.bool(), data["response_mask"].bool()
+    rejected = valid & ~kept
+    whole = rejected.sum(1) == valid.sum(1)  # the sequences verl rejected at every token
+    n, n_rejected = int(valid.sum()), int(rejected.sum())
+    print(
+        f"{rs} {threshold}: {n_rejected} of {n} tokens rejected, {int(whole.sum())} of {len(whole)} sequences "
+        f"whole (verl: rollout_rs_masked_fraction {metrics['rollout_corr/rollout_rs_masked_fraction']:.3f})"
+    )
+    assert 0 < n_rejected < n  # the rejection binds, and keeps some
+    if rs.startswith("seq"):
+        assert torch.equal(rejected, whole[:, None] & valid)  # a sequence mode rejects whole sequences
+        assert 0 < int(whole.sum()) < len(whole)
+    cpu.update_actor(worker, data)
+    worker._tokendyn_probe.detach()  # flush the records
+
+    rows = sampler_records(run)
+    assert rows.height == n  # every response token, the rejected included
+    seq, pos = torch.tensor(rows["seq"].to_list()), torch.tensor(rows["pos"].to_list())
+    assert torch.equal(valid[seq, pos], torch.ones(n, dtype=torch.bool))
+    weight = torch.tensor(rows["is_weight"].to_list(), dtype=torch.float64)
+    is_rejected = rejected[seq, pos]
+    assert torch.equal(weight[is_rejected], torch.zeros(n_rejected, dtype=torch.float64))
+    assert torch.equal(weight[~is_rejected], data["rollout_is_weights"][seq, pos][~is_rejected].double())
+    assert bool((weight[~is_rejected] > 0).all())  # TIS truncates, never zeroes: 0 means rejected
+    assert torch.equal(torch.tensor(rows["seq_masked"].to_list()), whole[seq])
+
+    # the probe's other records follow the loss's mask: its token rows are the kept tokens, on the same keys
+    tokens = pl.read_parquet(sorted((run / "records").glob("tokens-*.parquet")))
+    keys = tokens.select("micro", "row", "pos").unique()
+    assert keys.height == int(kept.sum())
+    assert keys.join(rows.select("micro", "row", "pos"), on=["micro", "row", "pos"], how="anti").height == 0
+    assert torch.equal(kept[keys["micro"].to_torch() * 6 + keys["row"].to_torch(), keys["pos"].to_torch()],
+                       torch.ones(keys.height, dtype=torch.bool))  # fmt: skip
+
+    table = analyze_run(run, write=False)["mismatch"]
+    every = table.filter((pl.col("side") == "pi_old") & (pl.col("bin") == -1)).row(0, named=True)
+    assert every["count"] == n
+    assert every["frac_masked"] == pytest.approx(n_rejected / n, abs=1e-12)
+    assert every["frac_seq_masked"] == pytest.approx(int((whole[:, None] & valid).sum()) / n, abs=1e-12)
+
+
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_under_verls_multi_turn_rollout_the_sampler_rows_are_the_loss_mask(multi_turn):
+    """A batch as verl's trainer hands it to the actor (`DataProto.to_tensordict` with the trainer's ``meta_info``
+    ``multi_turn``, then `left_right_2_no_padding`): single-turn, the rows are every response token of the attention
+    mask, a rejected one weighted 0; multi-turn, where the response also holds tool outputs outside the agent loop's
+    ``response_mask`` that nothing in the batch tells from a rejected token, the rows are the loss's mask."""
+    from verl import DataProto
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from tokendyn.integrations.verl.layout import response_layout
+    from tokendyn.integrations.verl.sampler import sampler_frame
+
+    prompts = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    responses = torch.tensor([[11, 12, 13, 14, 15], [16, 17, 18, 0, 0]])
+    attention = torch.cat([torch.tensor([[0, 1, 1], [1, 1, 1]]), (responses > 0).long()], dim=1)
+    # tool output at row 0, pos 2-3 (multi-turn) or two rejected tokens (single-turn); row 1 pos 1 rejected
+    mask = torch.tensor([[1, 1, 0, 0, 1], [1, 0, 1, 0, 0]])
+    fields = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
+              "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+              "response_mask": mask, "old_log_probs": -torch.rand(2, 5), "rollout_log_probs": -torch.rand(2, 5)}  # fmt: skip
+    proto = DataProto.from_single_dict(fields, meta_info={"multi_turn": multi_turn, "temperature": 1.0})
+    data = left_right_2_no_padding(proto.to_tensordict())
+    valid = response_layout(data["input_ids"], data, 5, packed=True).valid
+    frame = sampler_frame(data, valid, data["response_mask"], 0, "train", 0, 0)
+    tokens = mask.bool() if multi_turn else attention[:, 3:].bool()
+    assert frame.select("row", "pos").rows() == [tuple(p) for p in tokens.nonzero().tolist()]
+    assert frame["is_weight"].to_list() == mask[tokens].double().tolist()
+    assert not frame["seq_masked"].any()

@@ -18,7 +18,8 @@ average over the data-parallel ranks) makes each rank's records d/d of the globa
 so merged shards equal one process.
 
 Where the batch carries the rollout's log-probs (``rollout.calculate_log_probs``), each micro-batch also writes its
-`sampler` records: log mu, log pi_old and verl's rollout-correction weight per token (`integrations.verl.sampler`).
+`sampler` records: log mu, log pi_old and verl's rollout-correction weight per token (`integrations.verl.sampler`),
+over every generated response token, those verl's rejection sampling removed from ``response_mask`` with weight 0.
 
 After each `train_batch` the step's per-bin numbers are added to verl's metrics (the same on every rank: counts are
 summed over the data-parallel group first): ``actor/tokendyn/token_share/bin{b}``, ``actor/tokendyn/bound_violations``,
@@ -234,7 +235,8 @@ class EngineProbe:
             temperature=self._temperature,
         )
         # the rollout's log-probs and verl's rollout-correction weights beside pi_old (`integrations.verl.sampler`)
-        sampler = sampler_frame(data, mask, self.step, self.stage, self._micro, self.rank)
+        # over every generated token: verl's rejection sampling narrowed ``mask``, the rejected tokens weighted 0
+        sampler = sampler_frame(data, valid, mask, self.step, self.stage, self._micro, self.rank)
         if sampler is not None:
             self.writer.add({"sampler": sampler})
         self._micro += 1
