@@ -13,7 +13,7 @@ from test_trainer import _config, _trainer
 
 from tokendyn.analysis import analyze_run
 from tokendyn.analysis.tables import checks_violations
-from tokendyn.trainers.config import PRESETS
+from tokendyn.trainers.presets import PRESETS
 from tokendyn.trainers.runner import method_name
 
 torch.set_num_threads(1)

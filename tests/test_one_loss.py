@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 
 from tokendyn.hooks.trainer import step_objective
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, token_loss
-from tokendyn.trainers.config import PRESETS
+from tokendyn.trainers.presets import PRESETS
 from tokendyn.trainers.grpo import TokendynGRPOTrainer, kl_clamp_binds
 
 torch.set_num_threads(1)

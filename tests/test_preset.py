@@ -18,7 +18,8 @@ import pytest
 import torch
 from test_trainer import PROMPTS, _trainer, vowel_reward  # noqa: F401
 
-from tokendyn.trainers.config import PRESETS, TokendynGRPOConfig
+from tokendyn.trainers.config import TokendynGRPOConfig
+from tokendyn.trainers.presets import PRESETS
 from tokendyn.trainers.grpo import TokendynGRPOTrainer
 
 torch.set_num_threads(1)

@@ -6,84 +6,19 @@ message naming the field and the accepted values.
 
 from __future__ import annotations
 
-import math
-import types
-import typing
 from dataclasses import dataclass, field, fields
-from functools import partial
 
 from trl import GRPOConfig
 
 from tokendyn.config import ProbeConfig, ProbeConfigError
 from tokendyn.integrations.vllm_cpu import SAMPLER_DTYPES
-from tokendyn.probe.rules import SURROGATES
 from tokendyn.probe.rules import params as rule_params
 from tokendyn.probe.tokenloss import POLICY_LOSSES, Objective, surrogate_problem
-from tokendyn.remedies import CLIP_COV_DEFAULTS, KL_COV_DEFAULTS, LOPTI_ORDERS
+from tokendyn.remedies import LOPTI_ORDERS
+from tokendyn.trainers.config_fields import PROBE_PREFIX, is_number, with_probe_fields, with_rule_fields
+from tokendyn.trainers.presets import preset_values
 
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp", "w_reinforce")
-
-
-def _is_number(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
-PROBE_PREFIX = "probe_"
-
-
-def _none_or(kind: type):
-    """An argparse type reading ``none`` (any case) as None, anything else as ``kind``: `--probe_check_tokens none`."""
-
-    def parse(text: str):
-        return None if str(text).strip().lower() == "none" else kind(text)
-
-    parse.__name__ = f"{kind.__name__}_or_none"
-    return parse
-
-
-def _cli_type(annotation):
-    """The HfArgumentParser-friendly type of a ProbeConfig field: tuples become lists (``nargs="+"``); an optional
-    number takes ``none`` on the command line."""
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is tuple:
-        return list[args[0]]
-    if isinstance(annotation, types.UnionType) and any(typing.get_origin(a) is tuple for a in args):
-        return list[next(typing.get_args(a)[0] for a in args if typing.get_origin(a) is tuple)] | None
-    if isinstance(annotation, types.UnionType) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) == 1 and rest[0] in (int, float):
-            return _none_or(rest[0])
-    return annotation
-
-
-def with_probe_fields(cls):
-    """Add one field ``probe_<name>`` per `ProbeConfig` field to ``cls`` (before ``@dataclass``): same default, same
-    help text, a CLI-friendly type. The trainer's probe options are derived from ProbeConfig, never written twice."""
-    hints = typing.get_type_hints(ProbeConfig)
-    annotations = cls.__dict__.get("__annotations__", {})
-    for f in fields(ProbeConfig):
-        name = PROBE_PREFIX + f.name
-        meta = {"help": f.metadata["help"] + f" (`ProbeConfig.{f.name}`)"}
-        if isinstance(f.default, tuple):
-            value = field(default_factory=partial(list, f.default), metadata=meta)
-        else:
-            value = field(default=f.default, metadata=meta)
-        annotations[name] = _cli_type(hints[f.name])
-        setattr(cls, name, value)
-    cls.__annotations__ = annotations
-    return cls
-
-
-def with_rule_fields(cls):
-    """Add one field per registered rule parameter that TRL's `GRPOConfig` does not have (`tokendyn.probe.rules`:
-    name, published default, help) to ``cls`` (before ``@dataclass``): a new rule's parameters need no line here."""
-    annotations = cls.__dict__.get("__annotations__", {})
-    for p in rule_params():
-        if not p.trl:
-            annotations[p.name] = float
-            setattr(cls, p.name, field(default=p.default, metadata={"help": p.help}))
-    cls.__annotations__ = annotations
-    return cls
 
 
 @dataclass
@@ -305,11 +240,11 @@ class TokendynGRPOConfig(GRPOConfig):
 
     def _validate_tokendyn_fields(self) -> None:
         alpha = self.advantage_reweight_alpha
-        if not _is_number(alpha) or not 0.0 <= alpha <= 1.0:
+        if not is_number(alpha) or not 0.0 <= alpha <= 1.0:
             raise ValueError(f"advantage_reweight_alpha must be a number in [0, 1] (0 = off), got {alpha!r}")
         for name in ("lopti_eta", "lopti_quantile"):
             value = getattr(self, name)
-            if value is not None and (not _is_number(value) or not 0.0 < value < 1.0):
+            if value is not None and (not is_number(value) or not 0.0 < value < 1.0):
                 raise ValueError(
                     f"{name} must be None (off) or a number in the open interval (0, 1), got {value!r}"
                 )
@@ -354,7 +289,7 @@ class TokendynGRPOConfig(GRPOConfig):
         ):
             raise ValueError(f"probe_every must be an integer >= 0, got {self.probe_every!r}")
         probe = self.probe_config()
-        if not _is_number(self.temperature) or self.temperature <= 0:
+        if not is_number(self.temperature) or self.temperature <= 0:
             raise ValueError(
                 f"temperature must be a number > 0 (the sampling temperature), got {self.temperature!r}"
             )
@@ -379,7 +314,7 @@ class TokendynGRPOConfig(GRPOConfig):
                 raise ValueError(problem)
         for name in ("logp_reweight_c", "w_reinforce_lambda"):
             value = getattr(self, name)
-            if not _is_number(value) or value < 0:
+            if not is_number(value) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.logp_reweight_c and self.advantage_reweight_alpha:
             raise ValueError(
@@ -388,8 +323,8 @@ class TokendynGRPOConfig(GRPOConfig):
                 f"logp_reweight_c={self.logp_reweight_c!r}"
             )
         if not (
-            _is_number(self.clip_cov_lb)
-            and _is_number(self.clip_cov_ub)
+            is_number(self.clip_cov_lb)
+            and is_number(self.clip_cov_ub)
             and self.clip_cov_lb < self.clip_cov_ub
         ):
             raise ValueError(
@@ -412,7 +347,7 @@ class TokendynGRPOConfig(GRPOConfig):
                 )
         eps = self.advantage_std_eps
         if eps is not None:
-            if not _is_number(eps) or eps < 0:
+            if not is_number(eps) or eps < 0:
                 raise ValueError(f"advantage_std_eps must be None (TRL's) or a number >= 0, got {eps!r}")
             if (
                 self.advantage_estimator != "grpo"
@@ -441,65 +376,3 @@ class TokendynGRPOConfig(GRPOConfig):
                 f"and use_adaptive_entropy=False, got entropy_coef={self.entropy_coef!r}, "
                 f"use_adaptive_entropy={self.use_adaptive_entropy!r}"
             )
-
-
-# The paper's training scripts (PAPER.md §1.2, scripts/train_kklogic_{baseline,AR,Lopti,AR-Lopti}_4x80GB.sh) in this
-# trainer's fields: the official base loss and optimizer; learning rate, batch sizes and lengths stay the user's.
-PAPER_BASE = dict(
-    loss_type="bnpo",  # token-mean of each micro-batch (core_algos.py:213-214), divided by the accumulation steps
-    advantage_std_eps=1e-6,  # (s - mean) / (std + 1e-6), unbiased std (core_algos.py:111-155)
-    delta=10.0,  # dual clip: min(clip_pg, -10 A) for A < 0 (core_algos.py:259-324)
-    kl_clamp=True,  # log-ratio in [-5, 5], k3 in [-10, 10] (core_algos.py:393-398)
-    beta=0.001,
-    use_bias_correction_kl=False,  # plain k3 (low_var_kl)
-    epsilon=0.2,
-    epsilon_high=0.24,
-    temperature=0.7,
-    top_p=1.0,
-    top_k=0,
-    optim="adamw_torch",
-    adam_beta1=0.9,
-    adam_beta2=0.999,
-    weight_decay=0.01,
-    weight_decay_all=True,  # AdamW over actor_module.parameters() (fsdp_workers.py:237-263): no exempt groups
-    lr_scheduler_type="constant",
-    warmup_steps=0,
-    max_grad_norm=1.0,
-    num_iterations=1,
-)
-PRESETS = {
-    "baseline": dict(PAPER_BASE),
-    "ar": dict(PAPER_BASE, advantage_reweight_alpha=0.3),
-    "lopti": dict(PAPER_BASE, lopti_eta=0.5, lopti_order="low_first"),
-    "ar_lopti": dict(PAPER_BASE, advantage_reweight_alpha=0.3, lopti_eta=0.5, lopti_order="low_first"),
-    # other remedies by their authors' settings, on top of the run's own base loss
-    "gspo": dict(
-        importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4, beta=0.0
-    ),
-    "80_20": dict(
-        top_entropy_quantile=0.2
-    ),  # "Beyond the 80/20 rule" (Wang et al. 2025): top-20 % entropy tokens
-    "clip_cov": dict(policy_loss="clip_cov", **CLIP_COV_DEFAULTS),
-    "kl_cov": dict(policy_loss="kl_cov", **KL_COV_DEFAULTS),
-    # the camp that protects low-probability tokens (REMEDIES_BOTH_CAMPS.md), by their authors' settings; the
-    # ratio-based ones (DPPO, ASPO, CE-GPPO) act only with more than one update per rollout (num_iterations > 1)
-    **{
-        name: dict(policy_loss=name, **{p.name: p.default for p in SURROGATES[name].params})
-        for name in ("dppo_tv", "dppo_kl", "aspo")
-    },
-    "ce_gppo": dict(
-        policy_loss="ce_gppo", epsilon=0.2, epsilon_high=0.2, ce_gppo_beta1=0.5, ce_gppo_beta2=1.0
-    ),
-    "lp_reg": dict(
-        policy_loss="lp_reg", epsilon=1.0, epsilon_high=9.0, beta=0.0, lp_reg_kappa=0.02, lp_reg_rho=0.01
-    ),
-    "logp_reweight": dict(logp_reweight_c=0.1),
-    "w_reinforce": dict(advantage_estimator="w_reinforce", w_reinforce_lambda=0.1, epsilon=0.2),
-}
-
-
-def preset_values(name: str) -> dict:
-    """The field values of preset ``name`` (a copy); an unknown name raises ValueError listing the presets."""
-    if name not in PRESETS:
-        raise ValueError(f"preset must be one of {', '.join(PRESETS)}; got {name!r}")
-    return dict(PRESETS[name])

@@ -85,7 +85,7 @@ class RunArguments:
         metadata={
             "help": "A set of trainer fields (flags and --config win): baseline, ar, lopti, ar_lopti (the paper's "
             "scripts: official base loss and optimizer), gspo, 80_20, clip_cov, kl_cov "
-            "(`tokendyn.trainers.config.PRESETS`).",
+            "(`tokendyn.trainers.presets.PRESETS`).",
         },
     )
     threads: int | None = field(
@@ -103,7 +103,7 @@ class RunArguments:
             if bad or not sizes:
                 raise ValueError(f"{name}: every size must be in {MIN_PEOPLE}..{MAX_PEOPLE}, got {sizes}")
         if self.preset is not None:
-            from .config import PRESETS
+            from .presets import PRESETS
 
             if self.preset not in PRESETS:
                 raise ValueError(f"preset: must be one of {', '.join(PRESETS)}, got {self.preset!r}")

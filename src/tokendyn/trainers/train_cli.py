@@ -104,7 +104,7 @@ def parse(argv: list[str]):
         argv = config_flags(path, known) + argv
     preset = given_preset(argv)
     if preset is not None:
-        from .config import preset_values
+        from .presets import preset_values
 
         try:
             parser.set_defaults(**preset_values(preset))  # the preset's values; flags and --config win
