@@ -146,6 +146,10 @@ def test_quick_study_end_to_end_and_resume(tmp_path, capsys):
     with pytest.raises(ValueError, match="rollouts 1 vs 2"):
         study(out, with_size(QUICK, rollouts=2), say=lambda m: None)
     assert json.loads(markers[0].read_text())["study"]["rollouts"] == 1
+    # --report-only (one engine for every study) trains nothing and writes the same report from the folders
+    report.unlink()
+    assert main(["study", "--quick", "--out", str(out), "--report-only"]) == 0
+    assert report.read_text() == text and [m.stat().st_mtime_ns for m in markers] == stamps
 
 
 def test_paired_bins_table_is_the_pooled_ratio_difference():
