@@ -117,12 +117,13 @@ def test_sweep_figure_draws_the_summary():
 
 
 def test_study_reports_both_camps_and_the_guidance_from_the_grpo_runs(tmp_path):
-    from tokendyn.commands.study import QUICK, both_camps_section, study_markdown
+    from tokendyn.commands.study import QUICK, study_markdown
+    from tokendyn.commands.study_report import both_camps_section
     from tokendyn.records import write_frames
 
     for seed in QUICK.seeds:  # two seeds' GRPO runs: the same records, steps kept apart per seed
         write_frames(tmp_path / "runs" / f"grpo-s{seed}", {"paired": _rows(6)}, rank=0)
-    camps, guide, figs = both_camps_section(tmp_path, QUICK)
+    camps, guide, figs = both_camps_section({s: tmp_path / "runs" / f"grpo-s{s}" for s in QUICK.seeds})
     assert set(camps["rule"]) == {"reweight", "dppo_tv"} and guide["best"][0] == -0.3
     assert guide["units"][0] == 2 * 6  # every seed's (step, sequence) a unit of its own
     (tmp_path / "figures").mkdir()

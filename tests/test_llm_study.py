@@ -15,11 +15,12 @@ import torch
 
 from tokendyn.cli import main
 from tokendyn.commands import llm_study as L
-from tokendyn.commands.llm_study_report import finished_runs, write_llm_study
+from tokendyn.commands.llm_study_report import write_llm_study
+from tokendyn.commands.study_engine import DONE, finished_runs, identity, run_config, with_size
 from tokendyn.common import UsageError
 
 torch.set_num_threads(1)
-SIZE = L.with_size(L.QUICK, methods=("grpo", "random_halves"), seeds=(0, 1))
+SIZE = with_size(L.QUICK, methods=("grpo", "random_halves"), seeds=(0, 1))
 COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "study" / "llm"
 
 
@@ -41,7 +42,7 @@ def test_every_run_leaves_its_results_and_no_weights(quick_study):
     assert order == ["grpo seed 0", "random_halves seed 0", "grpo seed 1", "random_halves seed 1"]
     assert not list(out.rglob("*.safetensors")) and not (root / "work" / "grpo-s0").exists()
     for (method, seed), d in runs.items():
-        done = json.loads((d / L.DONE).read_text())
+        done = json.loads((d / DONE).read_text())
         assert done["method_fields"] == L.METHODS[method] and done["study"]["eval_n"] == SIZE.eval_n
         ev = pl.read_parquet(d / "eval.parquet")
         assert ev["rollout"].unique().to_list() == [1]  # the start is evaluated once, not per run
@@ -59,11 +60,12 @@ def test_a_second_call_trains_nothing_and_another_study_is_refused(quick_study, 
     out = root / "out"
     said = []
     L.llm_study(out, SIZE, model=None, work_dir=tmp_path / "work", say=said.append)
-    assert sum("done earlier" in line for line in said) == 4 and not any("rollouts ->" in s for s in said)
+    # the four runs and the starting policy
+    assert sum("done earlier" in line for line in said) == 4 + 1 and not any("rollouts ->" in s for s in said)
     with pytest.raises(
         UsageError, match=r"^out: .* holds a finished run of a different study \(eval_n 4 vs 3"
     ):
-        L.llm_study(out, L.with_size(SIZE, eval_n=3), model=None, work_dir=tmp_path / "w")
+        L.llm_study(out, with_size(SIZE, eval_n=3), model=None, work_dir=tmp_path / "w")
 
 
 def test_an_unfinished_run_starts_over(quick_study, tmp_path):
@@ -112,15 +114,15 @@ def test_grpo_trained_again_sweeps_both_camps_and_trains_the_same(quick_study, t
     the report's both-camps table and guidance come from its folders."""
     from test_axis_tables import _rows
 
-    from tokendyn.commands.study import BOTH_CAMPS
+    from tokendyn.commands.study_engine import BOTH_CAMPS
     from tokendyn.records import write_frames
 
     root, _ = quick_study
     out = tmp_path / "out"
     shutil.copytree(root / "out", out)
-    size = L.with_size(SIZE, methods=("grpo", "grpo_camps"), seeds=(0,))
-    _, camps_cfg = L.run_config(tmp_path / "w", "grpo_camps", 0, size, None)
-    _, grpo_cfg = L.run_config(tmp_path / "w", "grpo", 0, size, None)
+    size = with_size(SIZE, methods=("grpo", "grpo_camps"), seeds=(0,))
+    _, camps_cfg = run_config(L.LLM, tmp_path / "w" / "c", "grpo_camps", 0, size, None)
+    _, grpo_cfg = run_config(L.LLM, tmp_path / "w" / "g", "grpo", 0, size, None)
     for field, value in BOTH_CAMPS.items():
         got = getattr(camps_cfg, field)
         assert (list(got) if isinstance(value, list) else got) == value, field
@@ -130,9 +132,7 @@ def test_grpo_trained_again_sweeps_both_camps_and_trains_the_same(quick_study, t
     assert grpo_cfg.probe_compare_lr is None
     L.llm_study(out, size, model=None, work_dir=tmp_path / "work", say=lambda _: None)
     write_frames(out / "runs" / "grpo_camps-s0", {"paired": _rows(6)}, rank=0)
-    text = write_llm_study(
-        out, L.with_size(SIZE, methods=("grpo", "random_halves", "grpo_camps"))
-    ).read_text()
+    text = write_llm_study(out, with_size(SIZE, methods=("grpo", "random_halves", "grpo_camps"))).read_text()
     assert (
         "their held-out outcomes equal GRPO's problem by problem at every evaluation for 1 of 1 seeds (0)."
         in text
@@ -187,5 +187,5 @@ def test_committed_llm_study_is_what_its_result_files_give(tmp_path):
         assert_same_table(pl.read_parquet(out / "tables" / table.name), pl.read_parquet(table), table.name)
     # every committed run is a run of the full study (same settings), with its wall time and thread count
     for d in runs.values():
-        done = json.loads((d / L.DONE).read_text())
-        assert done["study"] == L._identity(L.FULL, "smollm2-135m") and done["wall_time_s"] > 0
+        done = json.loads((d / DONE).read_text())
+        assert done["study"] == identity(L.LLM, L.FULL, "smollm2-135m") and done["wall_time_s"] > 0

@@ -13,8 +13,8 @@ from test_llm_study import assert_same_table
 
 from tokendyn.cli import main
 from tokendyn.commands import llm_study as L
-from tokendyn.commands.llm_study_report import finished_runs
 from tokendyn.commands.sampler_study_report import write_sampler_study
+from tokendyn.commands.study_engine import DONE, finished_runs, identity
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "docs" / "study" / "llm-vllm"
@@ -39,8 +39,8 @@ def test_committed_sampler_study_is_what_its_result_files_give(tmp_path, monkeyp
         assert_same_table(pl.read_parquet(out / "tables" / table.name), pl.read_parquet(table), table.name)
     for (method, _), d in runs.items():
         assert method in L.SAMPLER_ORDER
-        done = json.loads((d / L.DONE).read_text())
-        assert done["study"] == L._identity(L.SAMPLER_FULL, "smollm2-135m") and done["threads"] == 1
+        done = json.loads((d / DONE).read_text())
+        assert done["study"] == identity(L.SAMPLER, L.SAMPLER_FULL, "smollm2-135m") and done["threads"] == 1
         sampler = json.loads((d / "run.json").read_text())["sampler"]
         assert sampler["engine"] == "vllm" and sampler["dtype"] == DTYPE.get(method, "bfloat16")
         assert list((d / "records").glob("sampler-*.parquet"))

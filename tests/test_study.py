@@ -23,7 +23,8 @@ from tokendyn.analysis.study import (
     verdict,
 )
 from tokendyn.cli import main
-from tokendyn.commands.study import DONE, QUICK, study, with_size
+from tokendyn.commands.study import QUICK, study
+from tokendyn.commands.study_engine import DONE, with_size
 
 torch.set_num_threads(1)
 
@@ -145,6 +146,10 @@ def test_quick_study_end_to_end_and_resume(tmp_path, capsys):
     with pytest.raises(ValueError, match="rollouts 1 vs 2"):
         study(out, with_size(QUICK, rollouts=2), say=lambda m: None)
     assert json.loads(markers[0].read_text())["study"]["rollouts"] == 1
+    # --report-only (one engine for every study) trains nothing and writes the same report from the folders
+    report.unlink()
+    assert main(["study", "--quick", "--out", str(out), "--report-only"]) == 0
+    assert report.read_text() == text and [m.stat().st_mtime_ns for m in markers] == stamps
 
 
 def test_paired_bins_table_is_the_pooled_ratio_difference():
@@ -200,16 +205,17 @@ def test_both_camps_compares_every_rule_in_the_grpo_runs_only_and_keeps_earlier_
     """`tokendyn study --both-camps`: the GRPO runs compare both camps over 2 inner updates and sweep c and eta, the
     other methods compare nothing; a study without the option has the identity it had before the option existed
     (its finished runs are reused), one with it another identity."""
-    from tokendyn.commands.study import BOTH_CAMPS, _config, _identity
+    from tokendyn.commands.study import KK
+    from tokendyn.commands.study_engine import BOTH_CAMPS, identity, run_config
     from tokendyn.vocab import RULE_CAMPS
 
     size = with_size(QUICK, both_camps=True)
-    _, grpo = _config(tmp_path / "g", "grpo", 0, size, None, {})
-    _, lopti = _config(tmp_path / "l", "lopti", 0, size, None, {})
+    _, grpo = run_config(KK, tmp_path / "g", "grpo", 0, size, None, {})
+    _, lopti = run_config(KK, tmp_path / "l", "lopti", 0, size, None, {})
     camps = {RULE_CAMPS[r] for r in grpo.probe_compare_rules}
     assert camps == {"tames", "protects", "other"} and grpo.probe_compare_inner_steps == 2
     assert list(grpo.probe_compare_c_sweep) == BOTH_CAMPS["probe_compare_c_sweep"]
     assert min(grpo.probe_compare_c_sweep) < 0 < max(grpo.probe_compare_c_sweep)
     assert not lopti.probe_compare_rules and not lopti.probe_compare_c_sweep
-    assert "both_camps" not in _identity(QUICK, None, {})
-    assert _identity(size, None, {}) != _identity(QUICK, None, {})
+    assert "both_camps" not in identity(KK, QUICK, None, {})
+    assert identity(KK, size, None, {}) != identity(KK, QUICK, None, {})

@@ -51,7 +51,7 @@ class DemoSize:
     # K&K 3-person test puzzles sampled twice at T = 0.7 for the starting policy's Fig. 1a histogram (0: off)
     kk_histogram: int = 0
     # the GRPO run also compares every rule of both camps from its own states (K = 2 inner updates) and sweeps the c
-    # axis and Lopti's eta (`tokendyn.commands.study.BOTH_CAMPS`): the report's both-camps and sweep sections
+    # axis and Lopti's eta (`tokendyn.commands.study_engine.BOTH_CAMPS`): the report's both-camps and sweep sections
     both_camps: bool = False
     # the c and eta values of those sweeps (empty: the study's, BOTH_CAMPS)
     c_sweep: tuple[float, ...] = ()
@@ -121,7 +121,7 @@ def _configs(out: Path, size: DemoSize, model: str | None, overrides: dict):
         if size.probe_in_rollouts and name == "grpo":
             fields.update(probe_compare_rules=list(PAIRED_RULES), probe_compare_modes=[PAIRED_MODE])
             if size.both_camps:
-                from .study import BOTH_CAMPS
+                from .study_engine import BOTH_CAMPS
 
                 fields.update(BOTH_CAMPS)
                 if size.c_sweep:

@@ -23,8 +23,9 @@ agree with float64 steps to 1.5e-3 of a bin's mean |dpi|, every sign equal, issu
 also compare, from their own states, Reweight's and Lopti's update with theirs and (``both_camps``) every rule of
 both camps and the c / eta sweeps.
 
-Files. A run trains in ``WORK/{method}-s{seed}`` (weights; removed when it ends) and its results, small files only
-(run.json, metrics, every held-out problem's outcome, the probe's records), are copied into
+Files. The study engine makes the runs (`tokendyn.commands.study_engine`, the specs ``LLM`` and, for the sampler
+mode, ``SAMPLER``): a run trains in ``WORK/{method}-s{seed}`` (weights; removed when it ends) and its results, small
+files only (run.json, metrics, every held-out problem's outcome, the probe's records), are copied into
 ``OUT/runs/{method}-s{seed}`` with ``study_done.json`` written last: a run whose folder holds it is skipped, an
 unfinished one starts over, so the study survives a stop and continues on another machine from the committed
 folders. ``write_llm_study`` (``--report-only``) writes the tables, figures and study.md from those folders alone.
@@ -32,17 +33,14 @@ folders. ``write_llm_study`` (``--report-only``) writes the tables, figures and 
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokendyn.common import UsageError
 
-from .study import DONE, _done  # one marker and one identity check for both studies
+from .study_engine import BOTH_CAMPS, START, StudySpec, run_study
 
 LR = 1e-5  # the real-LLM demo's learning rate (GRPO: held-out 0.19 -> 0.75 in 30 rollouts)
 # the both-camps comparison's SGD lr (k = 2 updates per rule): at the paper's 1e-3 the second update left the local
@@ -95,8 +93,6 @@ CAMP = {
 PAPER_METHODS = ("reweight", "lopti")
 TRAINER = dict(learning_rate=LR, per_device_train_batch_size=32, num_generations=4, steps_per_generation=1,
                max_completion_length=16)  # fmt: skip
-RESULT_FILES = ("run.json", "metrics.parquet", "eval.parquet")
-START = "start"
 
 
 @dataclass(frozen=True)
@@ -154,109 +150,50 @@ SAMPLER_FULL = replace(FULL, methods=SAMPLER_ORDER)
 SAMPLER_QUICK = replace(QUICK, methods=("grpo_vllm_bf16", "lopti_vllm_bf16"), seeds=(0,))
 
 
-def check_size(size: LLMStudySize) -> LLMStudySize:
-    """One-line UsageError naming the field and the allowed values; nothing is created before this passes."""
+def _check(size: LLMStudySize) -> None:
     from tokendyn.tasks.arith.generator import HELDOUT_SIZE
     from tokendyn.vocab import ANALYSES, STEP_PRECISIONS
 
-    bad = [m for m in size.methods if m not in METHODS]
-    if bad or not size.methods or len(set(size.methods)) != len(size.methods):
-        raise UsageError(f"methods: distinct names from {', '.join(METHODS)}, got {list(size.methods)}")
-    if not size.seeds or any(s < 0 for s in size.seeds) or len(set(size.seeds)) != len(size.seeds):
-        raise UsageError(f"seeds: distinct integers >= 0 (at least one), got {list(size.seeds)}")
-    for name in ("rollouts", "eval_every"):
-        if getattr(size, name) < 1:
-            raise UsageError(f"{name}: must be an integer >= 1, got {getattr(size, name)}")
+    if size.eval_every < 1:
+        raise UsageError(f"eval_every: must be an integer >= 1, got {size.eval_every}")
     top = min(HELDOUT_SIZE[d] for d in size.eval_digits)
     if not 1 <= size.eval_n <= top:
         raise UsageError(f"eval_n: must be in 1..{top} (the held-out split), got {size.eval_n}")
-    if size.probe_every < 0 or size.probe_sample_sequences < 1:
-        raise UsageError(
-            f"probe_every / probe_sample_sequences: >= 0 / >= 1, got {size.probe_every} / {size.probe_sample_sequences}"
-        )
     if not size.analyses or any(a not in ANALYSES for a in size.analyses):
         raise UsageError(f"analyses: names from {', '.join(ANALYSES)}, got {list(size.analyses)}")
     if size.step_precision not in STEP_PRECISIONS:
         raise UsageError(f"step_precision: one of {', '.join(STEP_PRECISIONS)}, got {size.step_precision!r}")
-    if size.n_boot < 100:
-        raise UsageError(f"n_boot: must be >= 100, got {size.n_boot}")
-    return size
 
 
-def _identity(size: LLMStudySize, model: str | None) -> dict:
-    """What a finished run must share with this study to be reused (not the method and seed lists, nor n_boot)."""
-    d = asdict(size)
-    for k in ("methods", "seeds", "n_boot"):
-        d.pop(k)
-    return json.loads(json.dumps({**d, "model": model}))
+def _settings(size: LLMStudySize) -> tuple[dict, dict]:
+    """Sums of the trained digits, greedy held-out evaluations every ``eval_every`` rollouts, the study's trainer
+    settings and the analyses' own."""
+    run = {"task": "arith", "arith_digits": list(size.digits), "arith_eval_digits": list(size.eval_digits),
+           "eval_n": size.eval_n}  # fmt: skip
+    fields = {**TRAINER, "eval_steps": size.eval_every, "probe_step_precision": size.step_precision,
+              "probe_analyses": list(size.analyses), "disable_tqdm": True}  # fmt: skip
+    return run, fields
 
 
-def run_config(work: Path, method: str, seed: int, size: LLMStudySize, model: str | None):
-    """(RunArguments, TokendynGRPOConfig) of one run: the embedded defaults, the study's trainer settings, the
-    method's fields; probe cadence and evaluations counted in rollouts."""
-    import torch
-
-    from tokendyn.analysis.study import PAIRED_MODE, PAIRED_RULES
-    from tokendyn.trainers.config import TokendynGRPOConfig
-    from tokendyn.trainers.runner import EMBEDDED_DEFAULTS, RunArguments, optimizer_steps_per_rollout
-
-    from .study import BOTH_CAMPS
-
-    run = RunArguments(model_name_or_path=model, task="arith", arith_digits=list(size.digits),
-                       arith_eval_digits=list(size.eval_digits), eval_n=size.eval_n, rollouts=size.rollouts)  # fmt: skip
-    fields = dict(EMBEDDED_DEFAULTS)
-    fields.update(TRAINER)
-    fields.update(
-        output_dir=str(work / f"{method}-s{seed}"),
-        seed=seed,
-        eval_steps=size.eval_every,
-        probe_every=size.probe_every,
-        probe_sample_sequences=size.probe_sample_sequences,
-        probe_step_precision=size.step_precision,
-        probe_analyses=list(size.analyses),
-        probe_direct_budget=None,  # Fig. 2a reads the direct gradients: every 10th probed micro-batch
-        use_cpu=not torch.cuda.is_available(),
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    fields.update(METHODS[method])
-    if method in ("grpo", SAMPLER_BASELINE, *SAME_AS_GRPO) and size.probe_every:
-        fields.update(probe_compare_rules=list(PAIRED_RULES), probe_compare_modes=[PAIRED_MODE])
-        if size.both_camps or method == "grpo_camps":
-            fields.update(BOTH_CAMPS, probe_compare_lr=CAMPS_LR)
-    cfg = TokendynGRPOConfig(**fields)
-    cfg.probe_every = size.probe_every * optimizer_steps_per_rollout(cfg)
-    return run, cfg
-
-
-def _eval_frame(heldout: Path, method: str, seed: int, steps_per_rollout: int):
+def _evaluate(trained: Path, method: str, seed: int, size: LLMStudySize, cfg):
     """The run's per-problem outcomes with the rollout each evaluation followed: (method, seed, rollout, digits,
     problem, correct)."""
     import polars as pl
 
-    df = pl.read_parquet(heldout)
+    from tokendyn.trainers.runner import optimizer_steps_per_rollout
+
+    df = pl.read_parquet(trained / "heldout.parquet")
     return df.select(
         pl.lit(method).alias("method"),
         pl.lit(seed).alias("seed"),
-        (pl.col("step") // steps_per_rollout).alias("rollout"),
+        (pl.col("step") // optimizer_steps_per_rollout(cfg)).alias("rollout"),
         "digits",
         "problem",
         pl.col("correct").cast(pl.Int8),
     ).sort("rollout", "digits", "problem")
 
 
-def _publish(staging: Path, final: Path, identity: dict, extra: dict) -> None:
-    """Move a finished run's result folder into place: the done marker inside it, the folder renamed last (a
-    reader sees the whole folder or none)."""
-    from tokendyn.common import write_json
-
-    write_json(staging / DONE, {"study": identity, **extra})
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(staging, final)
-
-
-def start_eval(model: str | None, size: LLMStudySize):
+def _evaluate_start(model: str | None, size: LLMStudySize, seed: int):
     """The starting policy's greedy outcomes on the held-out sums (rollout 0 of every method and seed)."""
     import polars as pl
     import torch
@@ -267,9 +204,33 @@ def start_eval(model: str | None, size: LLMStudySize):
     policy, tok = load_policy(model or str(default_policy_dir()), dtype=torch.float32)
     rows = arith_outcomes(policy, tok, list(size.eval_digits), size.eval_n)
     return pl.DataFrame(
-        [{"method": START, "seed": 0, "rollout": 0, "digits": r["digits"], "problem": r["problem"],
+        [{"method": START, "seed": seed, "rollout": 0, "digits": r["digits"], "problem": r["problem"],
           "correct": int(r["correct"])} for r in rows]
     ).with_columns(pl.col("correct").cast(pl.Int8))  # fmt: skip
+
+
+LLM = StudySpec(
+    methods=METHODS,
+    full=FULL,
+    quick=QUICK,
+    settings=_settings,
+    check=_check,
+    evaluate=_evaluate,
+    evaluate_start=_evaluate_start,
+    order=(*ORDER, *SAMPLER_ORDER),
+    seed_major=(*ORDER[:5], *SAMPLER_ORDER),  # the paper's question and Lopti's controls, the sampler's runs
+    baselines=("grpo", SAMPLER_BASELINE, *SAME_AS_GRPO),
+    sweeps=SAME_AS_GRPO,
+    camps_fields={**BOTH_CAMPS, "probe_compare_lr": CAMPS_LR},
+    results_only=True,
+    min_probe_every=0,
+    optional=("overrides",),
+    model_field="--policy",
+    default_out="runs/study-llm",
+    default_work="runs/llm-study-work",
+)
+# the sampler mode: the same runs, its own sizes (every sampler method), folder and report
+SAMPLER = replace(LLM, full=SAMPLER_FULL, quick=SAMPLER_QUICK, default_out="runs/study-llm-vllm")
 
 
 def llm_study(
@@ -283,75 +244,4 @@ def llm_study(
     """Train every (method, seed) of ``size`` not finished yet (results into OUT/runs, weights in WORK, default
     runs/llm-study-work) and evaluate the starting policy once (OUT/start); returns OUT. The report:
     `tokendyn.commands.llm_study_report.write_llm_study`."""
-    from rich.console import Console
-
-    from tokendyn.common import check_writable
-    from tokendyn.records import write_parquet
-    from tokendyn.trainers.runner import optimizer_steps_per_rollout, train
-
-    size = check_size(size)
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"out: {str(out)!r} exists and is not a directory")
-    check_writable(out, "--out")
-    if model is not None:
-        from tokendyn.policy import check_model_source
-
-        check_model_source(model, "--policy")
-    work = Path(work_dir) if work_dir is not None else Path("runs") / "llm-study-work"
-    console = Console()
-    say = say or (lambda msg: console.print(msg, highlight=False))
-    identity = _identity(size, model)
-    order = [m for m in (*ORDER, *SAMPLER_ORDER) if m in size.methods]
-    main = [m for m in order if m in ORDER[:5] or m in SAMPLER_ORDER]
-    plan = [(m, s) for s in size.seeds for m in main] + [
-        (m, s) for m in order if m not in main for s in size.seeds
-    ]
-    configs = {(m, s): run_config(work, m, s, size, model) for m, s in plan}  # every config validated first
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-    for m, s in plan:
-        _done(out / "runs" / f"{m}-s{s}", identity)  # another study's finished run is an error now, not later
-    t0 = time.time()
-    if not _done(out / START, identity):
-        t = time.time()
-        staging = out / f".{START}.staging-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        write_parquet(start_eval(model, size), staging / "eval.parquet")
-        _publish(staging, out / START, identity, {"wall_time_s": round(time.time() - t, 1)})
-        say(f"starting policy evaluated in {time.time() - t:.0f} s")
-    for i, (method, seed) in enumerate(plan, 1):
-        final = out / "runs" / f"{method}-s{seed}"
-        head = f"[{i}/{len(plan)}] {method} seed {seed}"
-        if _done(final, identity):
-            say(f"{head}: done earlier ({final})")
-            continue
-        run, cfg = configs[(method, seed)]
-        path = Path(cfg.output_dir)
-        if path.exists():
-            say(f"{head}: unfinished earlier run in {path}: starting it over")
-            shutil.rmtree(path)
-        say(f"[bold]{head}[/bold]: {size.rollouts} rollouts -> {final}")
-        t = time.time()
-        meta = train(run, cfg, progress=False, eval_at_start=False)
-        per = optimizer_steps_per_rollout(cfg)
-        staging = out / "runs" / f".{method}-s{seed}.staging-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        write_parquet(_eval_frame(path / "heldout.parquet", method, seed, per), staging / "eval.parquet")
-        for name in ("run.json", "metrics.parquet"):
-            shutil.copy2(path / name, staging / name)
-        if (path / "records").is_dir():
-            shutil.copytree(path / "records", staging / "records")
-        wall = round(time.time() - t, 1)
-        threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or None
-        _publish(staging, final, identity, {"train_wall_time_s": meta["wall_time_s"], "wall_time_s": wall,
-                                            "threads": threads, "method_fields": METHODS[method]})  # fmt: skip
-        shutil.rmtree(path)  # the weights: never kept with the results
-        say(f"    done in {wall:.0f} s")
-    say(f"runs finished in {time.time() - t0:.0f} s")
-    return out
-
-
-def with_size(base: LLMStudySize, **changes) -> LLMStudySize:
-    return replace(base, **changes)
+    return run_study(LLM, out_dir, size, model=model, work_dir=work_dir, say=say)

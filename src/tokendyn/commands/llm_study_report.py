@@ -10,12 +10,13 @@ Figures 1-2; the both-camps comparison and sweep from the GRPO runs' own states,
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from .llm_study import CAMP, DONE, ORDER, PAPER_METHODS, SAME_AS_GRPO, START, LLMStudySize
+from .llm_study import CAMP, METHODS, ORDER, PAPER_METHODS, SAME_AS_GRPO, LLMStudySize
+from .study_engine import DONE, START, finished_runs, read_marker
+from .study_report import section, with_interval
 
 CONTROL_PAIRS = (
     ("lopti", "grpo"),
@@ -26,16 +27,16 @@ CONTROL_PAIRS = (
 )
 
 
-def finished_runs(out: Path) -> dict[tuple[str, int], Path]:
-    """(method, seed) -> folder of every finished run under OUT/runs (its done marker present)."""
-    found = {}
-    for d in sorted((out / "runs").glob("*-s*")):
-        if not (d / DONE).is_file() or d.name.startswith("."):
-            continue
-        method, _, seed = d.name.rpartition("-s")
-        if method in CAMP and seed.isdigit():
-            found[(method, int(seed))] = d
-    return found
+def load_finished(out: Path, methods, what: str):
+    """(finished runs of ``methods`` under OUT, their outcomes: `load_evals`); a UsageError where there is none."""
+    from tokendyn.common import UsageError
+
+    runs = finished_runs(out, methods)
+    if not runs:
+        raise UsageError(
+            f"out: {str(out)!r} holds no finished run of {what} (OUT/runs/<method>-s<seed>/{DONE})"
+        )
+    return runs, load_evals(out, runs)
 
 
 def load_evals(out: Path, runs: dict[tuple[str, int], Path]):
@@ -156,24 +157,16 @@ def write_llm_study(out: str | Path, size: LLMStudySize) -> Path:
 
     from tokendyn.analysis import seeds as S
     from tokendyn.analysis import study as A
-    from tokendyn.common import UsageError, atomic_write
     from tokendyn.figures.study import accuracy_curve_figure, difference_figure
-    from tokendyn.records import write_parquet
 
-    from .study import both_camps_section
+    from .study_report import both_camps_section, save_report
 
     out = Path(out)
-    runs = finished_runs(out)
-    if not runs:
-        raise UsageError(
-            f"out: {str(out)!r} holds no finished run of the study (OUT/runs/<method>-s<seed>/{DONE})"
-        )
-    evals = load_evals(out, runs)
+    runs, evals = load_finished(out, METHODS, "the study")
     acc = S.accuracy_over_seeds(evals, size.n_boot)
     trained = acc.filter(pl.col("method") != START)
     final = int(trained["rollout"].max())
     methods = [m for m in ORDER if any(k[0] == m for k in runs)]
-    seeds = sorted({s for _, s in runs})
     versus = [(m, "grpo") for m in methods if m != "grpo" and m not in SAME_AS_GRPO]
     diffs = pl.concat(
         [S.differences_table(evals, versus, r, size.n_boot) for r in sorted(set(trained["rollout"]) - {0})],
@@ -189,28 +182,25 @@ def write_llm_study(out: str | Path, size: LLMStudySize) -> Path:
     repro = A.reproduces_table(None, units, size.n_boot) if "grpo" in units else pl.DataFrame()
     if repro.height:  # its Fig. 3 rows are K&K accuracy: this study's accuracy is the sections above
         repro = repro.filter(~pl.col("phenomenon").str.starts_with("Fig. 3"))
-    camp_size = LLMStudySize(**{**size.__dict__, "methods": tuple(methods), "seeds": tuple(seeds)})
     sweep_from = "grpo_camps" if "grpo_camps" in methods else "grpo"  # (the sweeps' runs, else GRPO's own)
-    camps, guide, camp_figs = both_camps_section(out, camp_size, sweep_from)
+    camps, guide, camp_figs = both_camps_section(
+        {s: d for (m, s), d in sorted(runs.items()) if m == sweep_from}
+    )
     same = same_training(evals, runs)
     tables = {"evaluations": evals, "accuracy": acc, "differences": diffs, "controls": controls,
               "mechanism": mech, "reproduces": repro, "both_camps": camps, "guidance": guide}  # fmt: skip
-    (out / "tables").mkdir(parents=True, exist_ok=True)
-    for name, df in tables.items():
-        if df.height:
-            write_parquet(df, out / "tables" / f"{name}.parquet")
-    figs = out / "figures"
-    figs.mkdir(parents=True, exist_ok=True)
-    written = [accuracy_curve_figure(acc, figs / "accuracy.png")]
-    if diffs.height:
-        written.append(difference_figure(diffs.filter(pl.col("rollout") == final), figs / "differences.png"))
-    written += [f(figs) for f in camp_figs]
-    walls = {k: json.loads((d / DONE).read_text()) for k, d in runs.items()}
-    text = _markdown(size, runs, walls, acc, diffs, controls, mech, repro, camps, guide, final,
-                     [p.relative_to(out) for p in written], same, sweep_from)  # fmt: skip
-    path = out / "study.md"
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-    return path
+
+    def draw(figs: Path) -> list[Path]:
+        written = [accuracy_curve_figure(acc, figs / "accuracy.png")]
+        if diffs.height:
+            written.append(
+                difference_figure(diffs.filter(pl.col("rollout") == final), figs / "differences.png")
+            )
+        return written + [f(figs) for f in camp_figs]
+
+    markers = {k: read_marker(d) for k, d in runs.items()}
+    return save_report(out, tables, draw, lambda figs: _markdown(size, markers, acc, diffs, controls, mech, repro,
+                                                                 camps, guide, final, figs, same, sweep_from))  # fmt: skip
 
 
 def same_training(evals, runs: dict) -> list[tuple[int, bool]]:
@@ -226,18 +216,15 @@ def same_training(evals, runs: dict) -> list[tuple[int, bool]]:
     return out
 
 
-def _markdown(size, runs, walls, acc, diffs, controls, mech, repro, camps, guide, final, figures, same=(),
+def _markdown(size, markers, acc, diffs, controls, mech, repro, camps, guide, final, figures, same=(),
               sweep_from="grpo") -> str:  # fmt: skip
     import polars as pl
 
     from tokendyn.analysis.seeds import VERDICT_TEXT
-    from tokendyn.analysis.study import VERDICT_RULE, markdown
+    from tokendyn.analysis.study import VERDICT_RULE
 
-    per_method = {}
-    for (m, s), w in walls.items():
-        per_method.setdefault(m, []).append((s, w))
-    total = sum(w.get("wall_time_s", 0.0) for w in walls.values())
-    threads = sorted({w.get("threads") for w in walls.values() if w.get("threads")})
+    from .study_report import cost_section, document, guidance_section
+
     lines = [
         "# Does it help? The seeded study on SmolLM2-135M-Instruct",
         "",
@@ -248,69 +235,45 @@ def _markdown(size, runs, walls, acc, diffs, controls, mech, repro, camps, guide
         f"(counterfactual steps in the {size.step_precision} dtype). Intervals: 95 %, {size.n_boot} two-stage "
         "bootstrap resamples (seeds, then problems within seeds; records: seeds, then probed steps).",
         "",
-        "## What ran and what it cost",
-        "",
-        f"{len(runs)} finished runs, {total:,.0f} s of wall time in all"
-        + (f" ({', '.join(map(str, threads))} thread(s) per run)" if threads else "")
-        + ". Per method: seeds finished, mean wall time per run.",
-        "",
-        "| method | camp | seeds | wall s / run |",
-        "|---|---|---|---|",
+        *cost_section(markers, ORDER, CAMP, note=" Per method: seeds finished, mean wall time per run."),
+        *heldout_section(acc),
     ]
-    for m in [m for m in ORDER if m in per_method]:
-        ss = sorted(per_method[m])
-        wall = np.mean([w.get("wall_time_s", 0.0) for _, w in ss])
-        lines.append(f"| {m} | {CAMP[m]} | {', '.join(str(s) for s, _ in ss)} | {wall:,.0f} |")
-    lines += ["", "## Held-out accuracy (two-digit sums, greedy)", ""]
-    if acc.height:
-        shown = acc.with_columns(
-            pl.format(
-                "{} [{}, {}]", pl.col("accuracy").round(3), pl.col("lo").round(3), pl.col("hi").round(3)
-            ).alias("accuracy [95 %]")
-        ).select("method", "rollout", "seeds", "accuracy [95 %]", "seed_sd", "seed_min", "seed_max")
-        lines += [markdown(shown), ""]
-        grpo = acc.filter((pl.col("method") == "grpo") & (pl.col("rollout") == final))
-        if grpo.height and grpo["seeds"][0] < 2:
-            lines += ["GRPO's across-seed spread: one seed so far, no spread yet.", ""]
-        elif grpo.height:
-            g = grpo.row(0, named=True)
-            lines += [
-                f"GRPO's across-seed spread after {final} rollouts: the {g['seeds']} seeds' accuracies range "
-                f"{g['seed_min']:.3f}-{g['seed_max']:.3f} (sd {g['seed_sd']:.3f}).",
-                "",
-            ]
-    lines += ["## Each method minus GRPO", "", VERDICT_TEXT, ""]
+    grpo = acc.filter((pl.col("method") == "grpo") & (pl.col("rollout") == final)) if acc.height else acc
+    if grpo.height and grpo["seeds"][0] < 2:
+        lines += ["GRPO's across-seed spread: one seed so far, no spread yet.", ""]
+    elif grpo.height:
+        g = grpo.row(0, named=True)
+        lines += [
+            f"GRPO's across-seed spread after {final} rollouts: the {g['seeds']} seeds' accuracies range "
+            f"{g['seed_min']:.3f}-{g['seed_max']:.3f} (sd {g['seed_sd']:.3f}).",
+            "",
+        ]
+    lines += section("Each method minus GRPO", VERDICT_TEXT, table=diffs)
     if diffs.height:
-        lines += [markdown(diffs), ""]
         for r in diffs.filter(pl.col("rollout") == final).iter_rows(named=True):
             lines.append(
                 f"- **{r['method']}** − GRPO after {final} rollouts: {r['difference']:+.3f} [{r['lo']:+.3f}, "
                 f"{r['hi']:+.3f}] over {r['seeds']} seeds: {r['verdict']}."
             )
         lines.append("")
-    lines += ["## Lopti's controls: its split, or its two steps per batch?", ""]
+    lines += section("Lopti's controls: its split, or its two steps per batch?", table=controls,
+                     empty="Lopti's and its controls' runs are not finished yet.")  # fmt: skip
     if controls.height:
-        lines += [markdown(controls), "", control_reading(controls), ""]
-    else:
-        lines += ["Lopti's and its controls' runs are not finished yet.", ""]
-    lines += [
-        "## The mechanism on the same runs",
-        "",
+        lines += [control_reading(controls), ""]
+    lines += section(
+        "The mechanism on the same runs",
         "Per method, from its probed steps (intervals over seeds, then probed steps): the [0, .25) bin's share of "
         "the update and of the tokens, the top bin's correct ratio (A > 0: share of rising tokens after the "
         "counterfactual step), the mean entropy of the sampled tokens over training (mean over seeds [range]), "
         "and the final accuracy.",
-        "",
-    ]
-    if mech.height:
-        lines += [markdown(mech), ""]
+        table=mech,
+    )
     if repro.height:
-        lines += ["## Figures 1-2: what reproduces (GRPO's runs)", "", VERDICT_RULE, "", markdown(repro), ""]
+        lines += section("Figures 1-2: what reproduces (GRPO's runs)", VERDICT_RULE, table=repro)
     if same:
         equal = [s for s, ok in same if ok]
-        lines += [
-            "## GRPO trained twice",
-            "",
+        lines += section(
+            "GRPO trained twice",
             f"The grpo_camps runs retrain GRPO with the same seeds and make every rule of both camps from its probed "
             f"states; their held-out outcomes equal GRPO's problem by problem at every evaluation for "
             f"{len(equal)} of {len(same)} seeds ({', '.join(str(s) for s, _ in same)})"
@@ -319,19 +282,15 @@ def _markdown(size, runs, walls, acc, diffs, controls, mech, repro, camps, guide
                 if len(equal) == len(same)
                 else ": the comparisons are not free of side effects on training."
             ),
-            "",
-        ]
+        )
     if camps is not None and camps.height:
-        lines += [
-            f"## Both camps from the GRPO runs' states ({sweep_from})",
-            "",
-            markdown(camps.drop("run")),
-            "",
-        ]
-    if guide is not None and guide.height:
-        from tokendyn.analysis.sweep import GUIDANCE_RULE
+        lines += section(f"Both camps from the GRPO runs' states ({sweep_from})", table=camps.drop("run"))
+    lines += guidance_section(guide)
+    return document(lines, figures)
 
-        lines += ["## Guidance along the axis through both camps", "", GUIDANCE_RULE, "",
-                  markdown(guide.drop("run")), ""]  # fmt: skip
-    lines += [f"![{f.stem}]({f.as_posix()})" for f in figures]
-    return "\n".join(lines) + "\n"
+
+def heldout_section(acc) -> list[str]:
+    """Held-out accuracy per method and rollout, with its interval and the spread over seeds."""
+    shown = acc.select("method", "rollout", "seeds", with_interval("accuracy [95 %]"), "seed_sd", "seed_min",
+                       "seed_max") if acc.height else None  # fmt: skip
+    return section("Held-out accuracy (two-digit sums, greedy)", table=shown)

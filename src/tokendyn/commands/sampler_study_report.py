@@ -13,13 +13,14 @@ tokens in a sequence TRL's ``sequence_mask`` zeroed.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from .llm_study import CAMP, DONE, SAMPLER_BASELINE, SAMPLER_ORDER, START, LLMStudySize
-from .llm_study_report import finished_runs, load_evals, mechanism_table
+from .llm_study import CAMP, SAMPLER_BASELINE, SAMPLER_ORDER, LLMStudySize
+from .llm_study_report import heldout_section, load_evals, load_finished, mechanism_table
+from .study_engine import START, finished_runs, read_marker
+from .study_report import cost_section, document, section
 
 # a remedy under the bf16 sampler -> the same remedy in the reference (generate-sampled) study
 UNDER = {"reweight_vllm_bf16": "reweight", "lopti_vllm_bf16": "lopti"}
@@ -38,7 +39,7 @@ def reference_evals(reference: Path, seeds: set[int]):
     included), or an empty frame."""
     import polars as pl
 
-    runs = {k: d for k, d in finished_runs(reference).items() if k[0] in REFERENCE_METHODS and k[1] in seeds}
+    runs = {k: d for k, d in finished_runs(reference, REFERENCE_METHODS).items() if k[1] in seeds}
     if not runs:
         return {}, pl.DataFrame()
     evals = load_evals(reference, runs)
@@ -106,17 +107,12 @@ def write_sampler_study(out: str | Path, size: LLMStudySize, reference: str | Pa
 
     from tokendyn.analysis import seeds as S
     from tokendyn.analysis import study as A
-    from tokendyn.common import UsageError, atomic_write
     from tokendyn.figures.study import accuracy_curve_figure, difference_figure
-    from tokendyn.records import write_parquet
+
+    from .study_report import save_report
 
     out = Path(out)
-    runs = {k: d for k, d in finished_runs(out).items() if k[0] in SAMPLER_ORDER}
-    if not runs:
-        raise UsageError(
-            f"out: {str(out)!r} holds no finished run of the sampler study (OUT/runs/<method>-s<seed>)"
-        )
-    evals = load_evals(out, runs)
+    runs, evals = load_finished(out, SAMPLER_ORDER, "the sampler study")
     seeds = {s for _, s in runs}
     ref_runs, ref_evals = (
         reference_evals(Path(reference), seeds) if reference is not None else ({}, pl.DataFrame())
@@ -148,36 +144,24 @@ def write_sampler_study(out: str | Path, size: LLMStudySize, reference: str | Pa
     mismatch, slopes = mismatch_tables(runs, size.n_boot)
     tables = {"evaluations": both, "accuracy": acc, "differences": diffs, "consistency": consistency,
               "remedies": remedies, "mechanism": mech, "mismatch": mismatch, "slopes": slopes}  # fmt: skip
-    (out / "tables").mkdir(parents=True, exist_ok=True)
-    for name, df in tables.items():
-        if df.height:
-            write_parquet(df, out / "tables" / f"{name}.parquet")
-    figs = out / "figures"
-    figs.mkdir(parents=True, exist_ok=True)
-    written = [accuracy_curve_figure(acc, figs / "accuracy.png")]
-    if diffs.height:
-        written.append(difference_figure(diffs.filter(pl.col("rollout") == final), figs / "differences.png",
-                                         SAMPLER_BASELINE, "GRPO's (vLLM bf16, corrected)"))  # fmt: skip
-    walls = {k: json.loads((d / DONE).read_text()) for k, d in runs.items()}
-    text = _markdown(size, runs, walls, acc, diffs, consistency, remedies, mech, mismatch, slopes, final,
-                     [p.relative_to(out) for p in written], reference)  # fmt: skip
-    path = out / "study.md"
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-    return path
+
+    def draw(figs: Path) -> list[Path]:
+        written = [accuracy_curve_figure(acc, figs / "accuracy.png")]
+        if diffs.height:
+            written.append(difference_figure(diffs.filter(pl.col("rollout") == final), figs / "differences.png",
+                                             SAMPLER_BASELINE, "GRPO's (vLLM bf16, corrected)"))  # fmt: skip
+        return written
+
+    markers = {k: read_marker(d) for k, d in runs.items()}
+    return save_report(out, tables, draw, lambda figs: _markdown(size, markers, acc, diffs, consistency, remedies,
+                                                                 mech, mismatch, slopes, figs, reference))  # fmt: skip
 
 
-def _markdown(size, runs, walls, acc, diffs, consistency, remedies, mech, mismatch, slopes, final, figures,
-              reference) -> str:  # fmt: skip
-    import polars as pl
-
+def _markdown(
+    size, markers, acc, diffs, consistency, remedies, mech, mismatch, slopes, figures, reference
+) -> str:
     from tokendyn.analysis.seeds import VERDICT_TEXT
-    from tokendyn.analysis.study import markdown
 
-    per_method: dict[str, list] = {}
-    for (m, s), w in walls.items():
-        per_method.setdefault(m, []).append((s, w))
-    total = sum(w.get("wall_time_s", 0.0) for w in walls.values())
-    threads = sorted({w.get("threads") for w in walls.values() if w.get("threads")})
     lines = [
         "# Does the sampler change the story? GRPO and the remedies under vLLM on SmolLM2-135M-Instruct",
         "",
@@ -194,78 +178,50 @@ def _markdown(size, runs, walls, acc, diffs, consistency, remedies, mech, mismat
             else " No reference study given: the consistency and remedy rows are left out."
         ),  # fmt: skip
         "",
-        "## What ran and what it cost",
-        "",
-        f"{len(runs)} finished runs, {total:,.0f} s of wall time in all"
-        + (f" ({', '.join(map(str, threads))} thread(s) per run, two runs at a time)" if threads else "")
-        + ".",
-        "",
-        "| method | what | seeds | wall s / run |",
-        "|---|---|---|---|",
+        *cost_section(markers, SAMPLER_ORDER, CAMP, column="what", at_once=", two runs at a time"),
+        *heldout_section(acc),
+        *section(f"Each method minus GRPO under the sampler ({SAMPLER_BASELINE})", VERDICT_TEXT, table=diffs),
+        *section(
+            "Consistency: vLLM-sampled GRPO minus generate-sampled GRPO, same seeds",
+            "The float32 engine samples what the trainer would (its mismatch is ~1e-6 nats): it should differ from "
+            "the generate-sampled GRPO by nothing resolved. The bf16 rows are the sampler's own effect on GRPO.",
+            table=consistency,
+            empty="No reference runs at these seeds yet.",
+        ),
+        *section(
+            "Each remedy under the sampler against its effect under generate",
+            "under_vllm_bf16: the remedy minus GRPO, both sampled by vLLM in bf16 with TRL's correction; "
+            "under_generate: the remedy minus GRPO in the reference study; sampler_minus_generate: the first minus "
+            "the second, paired by seed and problem.",
+            table=remedies,
+            empty="No pair with both sides finished yet.",
+        ),
+        *section(
+            "The mechanism on the same runs",
+            "Per method, from its probed steps: the [0, .25) bin's share of the update and of the tokens, the top "
+            "bin's correct ratio (A > 0), the mean entropy of its samples and the final accuracy (generate-sampled "
+            "rows from the reference at the same seeds).",
+            table=mech,
+        ),
     ]
-    for m in [m for m in SAMPLER_ORDER if m in per_method]:
-        ss = sorted(per_method[m])
-        wall = np.mean([w.get("wall_time_s", 0.0) for _, w in ss])
-        lines.append(f"| {m} | {CAMP[m]} | {', '.join(str(s) for s, _ in ss)} | {wall:,.0f} |")
-    lines += ["", "## Held-out accuracy (two-digit sums, greedy)", ""]
-    if acc.height:
-        shown = acc.with_columns(
-            pl.format("{} [{}, {}]", pl.col("accuracy").round(3), pl.col("lo").round(3), pl.col("hi").round(3))
-            .alias("accuracy [95 %]")
-        ).select("method", "rollout", "seeds", "accuracy [95 %]", "seed_sd", "seed_min", "seed_max")  # fmt: skip
-        lines += [markdown(shown), ""]
-    lines += [f"## Each method minus GRPO under the sampler ({SAMPLER_BASELINE})", "", VERDICT_TEXT, ""]
-    if diffs.height:
-        lines += [markdown(diffs), ""]
-    lines += [
-        "## Consistency: vLLM-sampled GRPO minus generate-sampled GRPO, same seeds",
-        "",
-        "The float32 engine samples what the trainer would (its mismatch is ~1e-6 nats): it should differ from the "
-        "generate-sampled GRPO by nothing resolved. The bf16 rows are the sampler's own effect on GRPO.",
-        "",
-    ]
-    lines += (
-        [markdown(consistency), ""] if consistency.height else ["No reference runs at these seeds yet.", ""]
-    )
-    lines += [
-        "## Each remedy under the sampler against its effect under generate",
-        "",
-        "under_vllm_bf16: the remedy minus GRPO, both sampled by vLLM in bf16 with TRL's correction; under_generate: "
-        "the remedy minus GRPO in the reference study; sampler_minus_generate: the first minus the second, paired "
-        "by seed and problem.",
-        "",
-    ]
-    lines += [markdown(remedies), ""] if remedies.height else ["No pair with both sides finished yet.", ""]
-    lines += [
-        "## The mechanism on the same runs",
-        "",
-        "Per method, from its probed steps: the [0, .25) bin's share of the update and of the tokens, the top bin's "
-        "correct ratio (A > 0), the mean entropy of its samples and the final accuracy (generate-sampled rows from "
-        "the reference at the same seeds).",
-        "",
-    ]
-    if mech.height:
-        lines += [markdown(mech), ""]
-    lines += [
-        "## The sampler's mismatch per pi_old bin",
-        "",
+    cols = ["method", "bin", "seeds", "steps", "count", "abs_mean", "abs_mean_lo", "abs_mean_hi", "mean_log_rho",
+            "mean_log_rho_lo", "mean_log_rho_hi", "frac_seq_masked", "frac_seq_masked_lo", "frac_seq_masked_hi",
+            "per_one_minus_pi", "abs_p99", "envelope"]  # fmt: skip
+    lines += section(
+        "The sampler's mismatch per pi_old bin",
         "Per method, every token of the probed micro-batches (`sampler` records; log rho = log pi_old - log mu): "
         "mean |log rho| and signed mean log rho, the share of tokens in a sequence TRL's sequence_mask zeroed, mean "
         "|log rho| per unit of (1 - pi_old), with intervals over seeds then probed steps; pooled p99 and the envelope "
         "max |log rho| / (1 - pi_old). Bin -1 is every token.",
-        "",
-    ]
-    if mismatch.height:
-        cols = ["method", "bin", "seeds", "steps", "count", "abs_mean", "abs_mean_lo", "abs_mean_hi", "mean_log_rho",
-                "mean_log_rho_lo", "mean_log_rho_hi", "frac_seq_masked", "frac_seq_masked_lo", "frac_seq_masked_hi",
-                "per_one_minus_pi", "abs_p99", "envelope"]  # fmt: skip
-        lines += [markdown(mismatch.select([c for c in cols if c in mismatch.columns])), ""]
+        table=mismatch.select([c for c in cols if c in mismatch.columns]) if mismatch.height else None,
+    )
     if slopes.height:
+        from tokendyn.analysis.study import markdown
+
         lines += [
             "The (1 - pi) law: least-squares slope of |log rho| on 1 - pi_old through 0, per method.",
             "",
             markdown(slopes),
             "",
         ]
-    lines += [f"![{f.stem}]({f.as_posix()})" for f in figures]
-    return "\n".join(lines) + "\n"
+    return document(lines, figures)

@@ -95,20 +95,10 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    if args.policy != "default":
-        return _run_llm(args)
-    if args.sampler != "generate" or args.reference is not None:
-        from tokendyn.common import UsageError
+    from .study_engine import check_size, run_study, with_size
 
-        if args.reference is not None:
-            raise UsageError("--reference: an option of --policy smollm2-135m --sampler vllm only")
-        raise UsageError(
-            f"--sampler: {args.sampler} is a mode of --policy smollm2-135m only; allowed here: generate"
-        )
-
-    from .study import FULL, QUICK, study, with_size
-
-    size = QUICK if args.quick else FULL
+    spec, model, report = _kind(args)
+    size = spec.quick if args.quick else spec.full
     changes = {
         "methods": args.methods,
         "seeds": args.seeds,
@@ -118,21 +108,31 @@ def run(args: argparse.Namespace) -> int:
         "eval_n": args.eval_n,
         "both_camps": args.both_camps or None,
     }
-    size = with_size(size, **{k: v for k, v in changes.items() if v is not None})
-    report = study(Path(args.out), size, model=args.model)
-    print(f"study: {report}")
+    size = check_size(spec, with_size(size, **{k: v for k, v in changes.items() if v is not None}))
+    out = Path(args.out if args.out != "runs/study" else spec.default_out)
+    if not args.report_only:
+        run_study(spec, out, size, model=model, work_dir=args.work)
+    if args.report_only or not args.no_report:
+        print(f"study: {report(out, size)}")
     return 0
 
 
-def _run_llm(args: argparse.Namespace) -> int:
-    """`tokendyn study --policy smollm2-135m`: the seeded study on the real LLM (`tokendyn.commands.llm_study`)."""
-    from pathlib import Path
-
+def _kind(args: argparse.Namespace):
+    """(spec, model, report writer) of the study the flags name; a one-line UsageError for a flag it does not
+    take. --policy default: the K&K study (`tokendyn.commands.study`); smollm2-135m: the seeded study on the real LLM
+    (`tokendyn.commands.llm_study`), its rollouts sampled by the trainer's ``generate`` or by vLLM (--sampler)."""
     from tokendyn.common import UsageError
 
-    from .llm_study import FULL, QUICK, SAMPLER_FULL, SAMPLER_QUICK, llm_study, with_size
-    from .llm_study_report import write_llm_study
+    if args.policy == "default":
+        if args.reference is not None:
+            raise UsageError("--reference: an option of --policy smollm2-135m --sampler vllm only")
+        if args.sampler != "generate":
+            raise UsageError(
+                f"--sampler: {args.sampler} is a mode of --policy smollm2-135m only; allowed here: generate"
+            )
+        from .study import KK, write_study
 
+        return KK, args.model, write_study
     for flag, value in (
         ("--people", args.people),
         ("--eval-people", args.eval_people),
@@ -141,31 +141,13 @@ def _run_llm(args: argparse.Namespace) -> int:
         if value is not None:
             raise UsageError(f"{flag}: not an option of --policy {args.policy} (sums on the packaged model)")
     if args.sampler == "vllm":
-        size = SAMPLER_QUICK if args.quick else SAMPLER_FULL
-    else:
-        size = QUICK if args.quick else FULL
-    changes = {"methods": args.methods, "seeds": args.seeds, "rollouts": args.rollouts, "eval_n": args.eval_n}
-    size = with_size(size, **{k: v for k, v in changes.items() if v is not None})
-    if args.both_camps:
-        size = with_size(size, both_camps=True)
-    default_out = "runs/study-llm-vllm" if args.sampler == "vllm" else "runs/study-llm"
-    out = Path(args.out if args.out != "runs/study" else default_out)
-    if args.reference is not None and args.sampler != "vllm":
-        raise UsageError(f"--reference: an option of --sampler vllm only, got --sampler {args.sampler}")
-    if args.sampler == "vllm":
+        from .llm_study import SAMPLER
         from .sampler_study_report import write_sampler_study
 
-        def report() -> Path:
-            return write_sampler_study(out, size, args.reference)
-    else:
+        return SAMPLER, args.policy, lambda out, size: write_sampler_study(out, size, args.reference)
+    if args.reference is not None:
+        raise UsageError(f"--reference: an option of --sampler vllm only, got --sampler {args.sampler}")
+    from .llm_study import LLM
+    from .llm_study_report import write_llm_study
 
-        def report() -> Path:
-            return write_llm_study(out, size)
-
-    if args.report_only:
-        print(f"study: {report()}")
-        return 0
-    llm_study(out, size, model=args.policy, work_dir=args.work)
-    if not args.no_report:
-        print(f"study: {report()}")
-    return 0
+    return LLM, args.policy, write_llm_study
