@@ -10,6 +10,7 @@ import random
 import polars as pl
 
 from tokendyn.analysis.masked import masked_share_table, masked_units
+from tokendyn.analysis.mismatch_share import mismatched_share_table
 
 EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -57,3 +58,36 @@ def test_nothing_masked_removes_nothing_and_no_rule_gives_no_table():
     assert table["removed"].to_list() == [0.0] * 5 and table["removed_hi"].to_list() == [0.0] * 5
     assert table["masked_units"].to_list() == [0] * 5
     assert masked_share_table(_paired(set(), set()).filter(pl.col("rule") != "no_correction")).height == 0
+
+
+def test_the_mismatched_tokens_share_is_their_sum_over_the_view():
+    """`mismatched_share_table` against a plain sum: the tokens with |log rho| > tau, each rule's shares of them."""
+    rng = random.Random(1)
+    view, rules = [], []
+    for step in (0, 2):
+        for seq in range(4):
+            for pos in range(5):
+                view.append({"step": step, "seq": seq, "pos": pos, "log_rho": rng.uniform(-0.3, 0.3)})
+                for rule in ("base", "no_correction", "lopti"):
+                    rules.append({"step": step, "seq": seq, "pos": pos, "rule": rule, "mode": "equal_norm",
+                                  "share": rng.uniform(-0.02, 0.1)})  # fmt: skip
+    view.append({"step": 2, "seq": 3, "pos": 9, "log_rho": None})  # no sampler log-prob: left out
+    table = mismatched_share_table(pl.DataFrame(view), pl.DataFrame(rules), tau=0.1, n_boot=200)
+    hot = {
+        (v["step"], v["seq"], v["pos"]) for v in view if v["log_rho"] is not None and abs(v["log_rho"]) > 0.1
+    }
+
+    def carried(rule):
+        return (
+            sum(r["share"] for r in rules if r["rule"] == rule and (r["step"], r["seq"], r["pos"]) in hot) / 2
+        )
+
+    for rule in ("base", "no_correction", "lopti"):
+        got = table.filter(pl.col("rule") == rule).row(0, named=True)
+        assert math.isclose(got["mismatched_share"], carried(rule), rel_tol=1e-12)
+        assert math.isclose(got["minus_base"], carried(rule) - carried("base"), rel_tol=1e-12, abs_tol=1e-15)
+        assert (
+            got["mismatched"] == len(hot) and got["tokens"] == 40 and got["token_fraction"] == len(hot) / 40
+        )
+        assert got["mismatched_share_lo"] <= got["mismatched_share"] <= got["mismatched_share_hi"]
+    assert mismatched_share_table(pl.DataFrame(view).drop("log_rho"), pl.DataFrame(rules)).height == 0

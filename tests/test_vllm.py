@@ -21,6 +21,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from tokendyn import TokendynGRPOConfig, TokendynGRPOTrainer
 from tokendyn.analysis.masked import masked_share_table, masked_units
+from tokendyn.analysis.report import analyze_run
 from tokendyn.cli import main
 from tokendyn.hooks.offline import probe_rollouts
 from tokendyn.hooks.rollouts import dump_rollouts
@@ -534,6 +535,9 @@ def test_the_paired_comparison_shows_what_the_correction_does_per_bin(tmp_path):
     table = masked_share_table(paired).filter(pl.col("mode") == mode)
     assert table.filter(pl.col("bin") == -1)["masked_units"][0] == len(masked)
     assert 0 < table.filter(pl.col("bin") == -1)["removed"][0] < 1
+    tables = analyze_run(tmp_path, write=False)  # `tokendyn analyze`: both tables, the rules at mismatched tokens
+    assert tables["masked"].equals(masked_share_table(paired))
+    assert {"base", "no_correction", "reweight"} <= set(tables["mismatched"]["rule"])
     with pytest.raises(ValueError, match="probe_compare_rules: no_correction"):
         _config(tmp_path / "x", probe_every=1, probe_compare_rules=["no_correction"],
                 vllm_importance_sampling_correction=False)  # fmt: skip

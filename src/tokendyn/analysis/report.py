@@ -42,7 +42,9 @@ def analyze_run(
     records (`tokendyn.analysis.paired`), and with the comparison's sweeps "sweep" (per value and bin) and
     "guidance" (`tokendyn.analysis.sweep.GUIDANCE_RULE`), "mismatch": the sampler's log rho per bin of pi_old and of
     mu when it has `sampler` records (`tokendyn.analysis.mismatch`), "masked": the update share the sampler
-    correction's mask removes per bin, with the paired rule no_correction (`tokendyn.analysis.masked`)}, from the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError`
+    correction's mask removes per bin, with the paired rule no_correction (`tokendyn.analysis.masked`), "mismatched":
+    each rule's update share at the view's tokens with |log rho| > log 1.1 (`tokendyn.analysis.mismatch_share`)}, from
+    the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError`
     naming what the run holds. With write=True each non-empty table is also written (atomically) to OUT_DIR/{name}.parquet, OUT_DIR defaulting
     to RUN_DIR/analysis (an empty table is not written: an earlier file of that name is left as it was)."""
     path = check_run_dir(run_dir)
@@ -81,6 +83,13 @@ def analyze_run(
         tables["floor"] = mismatch_table(select_steps(run["floor"], steps, stage)).filter(
             pl.col("side") == "pi_old"
         )
+    if (
+        "token_view" in run.kinds and "token_view_rules" in run.kinds
+    ):  # the rules' shares at mismatched tokens
+        from tokendyn.analysis.mismatch_share import mismatched_share_table
+
+        view, rules = (select_steps(run[k], steps) for k in ("token_view", "token_view_rules"))
+        tables["mismatched"] = mismatched_share_table(view, rules)
     if "notes" in run.kinds:
         tables["notes"] = notes_table(run["notes"])
     if write:
@@ -216,7 +225,7 @@ def print_report(
     if paired is not None and paired.height:
         print_paired(console, paired)
     for name, fn in (("sweep", print_sweep), ("guidance", print_guidance), ("mismatch", print_mismatch),
-                     ("floor", print_floor), ("masked", print_masked)):  # fmt: skip
+                     ("floor", print_floor), ("masked", print_masked), ("mismatched", print_mismatched)):  # fmt: skip
         frame = tables.get(name)
         if frame is not None and frame.height:
             fn(console, frame)
@@ -251,6 +260,15 @@ def print_masked(console: Console, masked: pl.DataFrame) -> None:
                "of_bin": "of the bin's share", "of_bin_lo": "lo", "of_bin_hi": "hi"}  # fmt: skip
     title = "The correction's mask: the uncorrected update's share carried by the sequences it dropped (rule no_correction)"
     console.print(rich_table(masked.with_columns(_bin_label()).select(list(columns)), title, columns))
+
+
+def print_mismatched(console: Console, table: pl.DataFrame) -> None:
+    """Each rule's update share at the mismatched tokens of the view (`tokendyn.analysis.mismatch_share`)."""
+    columns = {"rule": "rule", "mode": "mode", "tokens": "tokens", "token_fraction": "mismatched tokens",
+               "mismatched_share": "their update share", "mismatched_share_lo": "lo", "mismatched_share_hi": "hi",
+               "minus_base": "minus base", "minus_base_lo": "lo", "minus_base_hi": "hi"}  # fmt: skip
+    title = "The update share of the tokens the sampler mismatched (|log rho| > log 1.1), per rule, from the same states"
+    console.print(rich_table(table, title, columns))
 
 
 def _bin_label() -> pl.Expr:
