@@ -30,14 +30,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tokendyn demo --out runs/demo
 
-# two workers: the tests run one thread each, so a 2-core machine runs two at a time
+# two workers: the tests run one thread each, so a 2-core machine runs two at a time. --dist loadfile: each test file on
+# one worker, so a module's fixture (verl's main_ppo run, test_vllm's engines) is made once. (loadgroup's xdist_group
+# marks do nothing under pytest 9 with pytest-xdist 3.8: its hook sets the old `_nodeid`; every group was split.)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not real_llm_extra"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not real_llm_extra"
 
 # the real LLM's longer checks (its extra matrix cells, the demo and study offline; ~6 min of one worker):
 # `.ci/run` runs them after `make test`
 test-real-llm: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m real_llm_extra
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m real_llm_extra
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

@@ -71,7 +71,6 @@ def test_trl_script_swaps_in_the_tokendyn_trainer(tmp_path, monkeypatch):
     assert run["metrics"].select("lopti/stage1_fraction").collect().drop_nulls().height >= 1
 
 
-@pytest.mark.xdist_group("vllm")
 def test_trl_script_samples_with_vllm(tmp_path, monkeypatch):
     out = tmp_path / "trl_vllm"
     from tokendyn.integrations.vllm_cpu import release_engines

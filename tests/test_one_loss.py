@@ -19,8 +19,8 @@ from transformers import TrainerCallback
 
 from tokendyn.hooks.trainer import step_objective
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, token_loss
-from tokendyn.trainers.presets import PRESETS
 from tokendyn.trainers.grpo import TokendynGRPOTrainer, kl_clamp_binds
+from tokendyn.trainers.presets import PRESETS
 
 torch.set_num_threads(1)
 

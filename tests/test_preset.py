@@ -19,8 +19,8 @@ import torch
 from test_trainer import PROMPTS, _trainer, vowel_reward  # noqa: F401
 
 from tokendyn.trainers.config import TokendynGRPOConfig
-from tokendyn.trainers.presets import PRESETS
 from tokendyn.trainers.grpo import TokendynGRPOTrainer
+from tokendyn.trainers.presets import PRESETS
 
 torch.set_num_threads(1)
 

@@ -61,7 +61,6 @@ def test_verls_apply_bypass_mode_refuses_the_tokendyn_loss_and_keeps_its_own_oth
     assert torch.equal(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"])
 
 
-@pytest.mark.xdist_group("main_ppo")
 def test_main_ppo_with_bypass_mode_and_the_tokendyn_loss_stops_in_one_line(tmp_path):
     """The README's verl command with ``algorithm.rollout_correction.bypass_mode=true`` added: it exits non-zero
     with the one line before Ray starts, and no update ran (no records)."""

@@ -43,8 +43,7 @@ RECORD_KINDS = {
 }
 
 # every test of the module reads one main_ppo run (a module fixture, ~100 s of both cores and ~4 GB): one xdist worker
-# runs them all (`--dist loadgroup` in the Makefile), so the suite makes that run once, not once per worker
-pytestmark = pytest.mark.xdist_group("main_ppo")
+# runs them all (`--dist loadfile` in the Makefile), so the suite makes that run once, not once per worker
 
 
 def readme_overrides() -> list[str]:

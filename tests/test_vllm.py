@@ -31,7 +31,7 @@ from tokendyn.probe.batch import signal_first
 from tokendyn.probe.tokenloss import Objective
 
 torch.set_num_threads(1)
-pytestmark = pytest.mark.xdist_group("vllm")  # one worker builds the engines, one after another
+# (`--dist loadfile`: one worker builds this module's engines, one after another)
 
 
 @pytest.fixture(autouse=True)
@@ -535,7 +535,8 @@ def test_the_paired_comparison_shows_what_the_correction_does_per_bin(tmp_path):
     table = masked_share_table(paired).filter(pl.col("mode") == mode)
     assert table.filter(pl.col("bin") == -1)["masked_units"][0] == len(masked)
     assert 0 < table.filter(pl.col("bin") == -1)["removed"][0] < 1
-    tables = analyze_run(tmp_path, write=False)  # `tokendyn analyze`: both tables, the rules at mismatched tokens
+    # `tokendyn analyze`: both tables (the rules' shares at the mismatched tokens too)
+    tables = analyze_run(tmp_path, write=False)
     assert tables["masked"].equals(masked_share_table(paired))
     assert {"base", "no_correction", "reweight"} <= set(tables["mismatched"]["rule"])
     with pytest.raises(ValueError, match="probe_compare_rules: no_correction"):
