@@ -10,8 +10,8 @@ tensors whichever framework holds them (verl's: `tokendyn.integrations.verl.samp
 
 The noise floor (the `floor` kind, `split_logps`): the trainer's log-probs of the same tokens recomputed in two halves
 at the same parameters, against the forward the loss used, in the same columns. Taken on the first micro-batch of each
-probed optimizer step, on its first `FLOOR_ROWS` rows: a reference level needs no more, and one no-grad forward of
-every probed micro-batch cost 19 % of the update phase on the embedded default, 4 rows of a step's first 3.0 %
+probed optimizer step, on its first `FLOOR_ROWS` rows: a reference level needs no more. On the embedded default a
+no-grad forward of every probed micro-batch cost 19 % of the update phase; 4 rows of a step's first cost 3.0 %
 (`bench/floor_cost.py`).
 
 With the correction off and the rollout's steps aligned (one optimizer step per generation, no iterations) TRL keeps
