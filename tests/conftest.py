@@ -14,22 +14,6 @@ import trl  # noqa: F401  (lazy: before tokendyn, so this process keeps TRL's vL
 # in each of them (`tokendyn/trainers/__init__.py`); the in-process vLLM tests are unaffected (TRL imported first)
 os.environ["TOKENDYN_NO_VLLM"] = "1"
 
-# the longest test files (fresh-clone `--durations`, 2 workers), handed out first: `--dist loadfile` gives files to the
-# workers in collection order, so a long file collected last (alphabetically) ran alone at the end
-LONGEST_FIRST = (
-    "test_verl_main_ppo.py", "test_probe_distributed.py", "test_vllm.py", "test_bench_memory.py", "test_study.py",
-    "test_verl_main_ppo_correction.py", "test_real_llm.py", "test_sampler_study.py", "test_llm_study.py",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(config, items):
-    """The files of `LONGEST_FIRST` first, in that order; every other file after them as collected."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(
-        key=lambda item: rank.get(item.path.name, len(rank))
-    )  # (stable: a file's tests keep their order)
-
-
 TINY_CORPUS = [
     "A very special island is inhabited only by knights and knaves.",
     "Knights always tell the truth, and knaves always lie.",
