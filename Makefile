@@ -37,9 +37,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not real_llm_extra"
 
 # the real LLM's longer checks (its extra matrix cells, the demo and study offline; ~6 min of one worker):
-# `.ci/run` runs them after `make test`
+# `.ci/run` runs them after `make test`; --dist load: its 6 tests spread over both workers (they share no module fixture)
 test-real-llm: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m real_llm_extra
+	$(BIN)/python -m pytest -q -n 2 --dist load -m real_llm_extra
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
