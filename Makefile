@@ -37,7 +37,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not real_llm_extra"
 
 # the real LLM's longer checks (its extra matrix cells, the demo and study offline; ~6 min of one worker):
-# `.ci/run` runs them after `make test`; --dist load: its 6 tests spread over both workers (they share no module fixture)
+# `.ci/run` runs them after `make test`; --dist load spreads its 6 tests over both workers (each makes test_real_llm.py's module fixture, as before)
 test-real-llm: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist load -m real_llm_extra
 
