@@ -12,7 +12,13 @@ The noise floor (the `floor` kind, `split_logps`): the trainer's log-probs of th
 at the same parameters, against the forward the loss used, in the same columns. Taken on the first micro-batch of each
 probed optimizer step, on its first `FLOOR_ROWS` rows: a reference level needs no more. On the embedded default a
 no-grad forward of every probed micro-batch cost 19 % of the update phase; 4 rows of a step's first cost 3.0 %
-(`bench/floor_cost.py`).
+(`bench/floor_cost.py`). The halves run as a side pass that leaves training untouched (`side_pass`): every module in
+eval mode (no dropout), torch's RNG states (CPU, and each accelerator device the model is on) saved and restored, the
+training flags restored on any exit; so the trained weights are those of the same run without the floor, bit for bit.
+What it measures: without dropout (the embedded Qwen2 default and SmolLM2-135M have none), the trainer against
+itself under another micro-batch split, the kernels' difference alone. With dropout > 0 the loss's forward draws its
+dropout masks and the halves draw none: the floor is then the dropout's effect on the trainer's log pi plus that
+kernel difference, the part of a sampler's log rho (a sampler draws no dropout) that the trainer's dropout alone makes.
 
 With the correction off and the rollout's steps aligned (one optimizer step per generation, no iterations) TRL keeps
 no ``old_per_token_logps``: its loss takes the current log-probs, detached, as log pi_old. The probe then passes its
@@ -21,10 +27,14 @@ own per-token log-probs of the micro-batch (`needs_logp_old`, ``logp_old=``): th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import polars as pl
 import torch
+from torch import nn
+
+from tokendyn.probe.forward import eval_mode
 
 SAMPLER_KEY = "sampling_per_token_logps"
 WEIGHT_KEY = "importance_sampling_ratio"
@@ -92,7 +102,8 @@ def split_logps(trainer, inputs: dict, rows: int = FLOOR_ROWS) -> torch.Tensor |
     """log pi [R, C] of the completion tokens of the micro-batch's first R = min(rows, B) rows recomputed in two
     halves, each cut after its own longest completion (fewer rows, a shorter sequence: other kernel shapes; the
     positions and every token's context unchanged), through TRL's own ``_get_per_token_logps_and_entropies``, no
-    grad; 0 past each half's cut. None for a single row."""
+    grad, as a `side_pass` (eval mode: no dropout; the RNG untouched); 0 past each half's cut. None for a single
+    row."""
     from trl import GRPOTrainer
 
     rows = min(rows, inputs["prompt_ids"].size(0))
@@ -102,7 +113,7 @@ def split_logps(trainer, inputs: dict, rows: int = FLOOR_ROWS) -> torch.Tensor |
         return None
     out = torch.zeros(completion.shape, dtype=torch.float32, device=completion.device)
     h = (rows + 1) // 2
-    with torch.no_grad():
+    with torch.no_grad(), side_pass(trainer.model):
         for part in (slice(0, h), slice(h, rows)):
             cut = max(1, int(mask[part].sum(1).max()))
             ids = torch.cat([prompt[part], completion[part, :cut]], dim=1)
@@ -113,6 +124,22 @@ def split_logps(trainer, inputs: dict, rows: int = FLOOR_ROWS) -> torch.Tensor |
             )
             out[part, :cut] = logps.detach().float()
     return out
+
+
+@contextmanager
+def side_pass(model: nn.Module) -> Iterator[nn.Module]:
+    """A forward that is not a training pass and must not change training: every submodule in eval mode (no dropout
+    mask drawn, no layer dropped), its training flag restored on exit, exception or not; torch's CPU RNG state and
+    that of each accelerator device holding a parameter saved on entry and restored on exit (whatever the pass drew,
+    the training forwards after it draw what they would have drawn without it)."""
+    devices = {p.device for p in model.parameters() if p.device.type not in ("cpu", "meta")}
+    kinds = {d.type for d in devices}
+    if len(kinds) > 1:
+        raise ValueError(f"side_pass: the model's parameters are on several device types {sorted(kinds)}")
+    kind = kinds.pop() if kinds else None
+    indices = sorted({d.index if d.index is not None else 0 for d in devices})
+    with torch.random.fork_rng(devices=indices, device_type=kind), eval_mode(model, checkpoint=False):
+        yield model
 
 
 def floor_frame(inputs: dict, logp_loss: torch.Tensor, logp_split: torch.Tensor, *key) -> pl.DataFrame | None:
