@@ -16,20 +16,28 @@ import sys
 from tokendyn.common import UsageError  # re-exported: the CLI's input error type
 from tokendyn.version import __version__
 
-# command name -> module exposing ``register(subparsers)`` (which sets ``func`` on its parser)
+# command name -> module exposing ``register(subparsers)`` (which sets ``func`` on its parser), in the order
+# `tokendyn --help` lists them: the demo first (where a new user starts), then a run's own steps, then the rest
 COMMANDS = {
+    "demo": "tokendyn.commands.demo_cli",
+    "train": "tokendyn.trainers.train_cli",
+    "figures": "tokendyn.figures.cli",
+    "view": "tokendyn.figures.view_cli",
+    "analyze": "tokendyn.analysis.cli",
+    "doctor": "tokendyn.commands.doctor",
+    "probe": "tokendyn.hooks.offline_cli",
+    "study": "tokendyn.commands.study_cli",
     "kk": "tokendyn.tasks.kk.cli",
     "warmstart": "tokendyn.trainers.warmstart_cli",
     "eval": "tokendyn.trainers.eval_cli",
-    "train": "tokendyn.trainers.train_cli",
-    "analyze": "tokendyn.analysis.cli",
-    "figures": "tokendyn.figures.cli",
-    "view": "tokendyn.figures.view_cli",
-    "probe": "tokendyn.hooks.offline_cli",
-    "demo": "tokendyn.commands.demo_cli",
-    "study": "tokendyn.commands.study_cli",
     "model-path": "tokendyn.commands.model_path_cli",
 }
+
+# the line `tokendyn --help` opens with, below the description
+START_HERE = (
+    "start here: `tokendyn demo --quick` (a smoke-size demo), then `tokendyn demo`;\n"
+    "each prints the path of the report.html it writes"
+)
 
 
 # commands whose flags are parsed by the command itself (every GRPOConfig field is a flag)
@@ -128,7 +136,11 @@ def one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="tokendyn", description="Which tokens drive the update in RL on LLMs.")
+    parser = Parser(
+        prog="tokendyn",
+        description=f"Which tokens drive the update in RL on LLMs.\n\n{START_HERE}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"tokendyn {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMANDS.values():

@@ -23,6 +23,7 @@ import polars as pl
 from matplotlib.figure import Figure
 
 from tokendyn.figures.data import MissingRecords, Records, load_runs
+from tokendyn.figures.diagnosis import diagnosis_html
 from tokendyn.figures.sections import FIGURES, hint
 from tokendyn.figures.tables import TABLES
 from tokendyn.figures.view import view_fragment
@@ -299,6 +300,7 @@ def render_html(
         "Bins are intervals of π_old, the sampling policy's probability of the sampled token at the sampling "
         "temperature.</p>"
         f"<table><thead><tr><th>run</th><th>directory</th><th>records</th></tr></thead><tbody>{runs}</tbody></table>"
+        f"{diagnosis_html(r.path for r in records.runs)}"  # the diagnosis opens the report
         f"<ul>{toc}</ul>{''.join(body)}</body></html>"
     )
 
