@@ -426,6 +426,8 @@ def test_an_offline_probe_records_the_view_with_its_text(tiny_model_dir, tmp_pat
     assert view["dpi_real"].null_count() == view.height and view["dpi_cf"].null_count() == 0
     rules = load_run(tmp_path / "run")["token_view_rules"].collect()
     assert rules.height == 2 * view.height and set(rules["mode"]) == {"equal_norm"}
+    key = ["step", "stage", "seq", "pos"]  # each rule row at its view token, stage included
+    assert rules.join(view.select(key), on=key, how="inner").height == rules.height
 
 
 def test_shares_of_a_rounding_level_update_are_not_shown():

@@ -1,10 +1,12 @@
 """verl's rollout-correction ``bypass_mode`` under the tokendyn loss is refused in one line naming the field: at
 verl's own config check (``validate_config``), at verl's own ``apply_bypass_mode`` (which would rewrite the loss
 mode), and from the real entry point ``python -m verl.trainer.main_ppo`` before Ray starts. verl's decoupled mode, and
-bypass under verl's own losses, are left as verl runs them."""
+bypass under verl's own losses, are left as verl runs them. A guard that cannot be installed stops the registration in
+one line, and each verl function the glue wraps is in `internals.check`."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -77,3 +79,63 @@ def test_main_ppo_with_bypass_mode_and_the_tokendyn_loss_stops_in_one_line(tmp_p
     assert lines, log[-3000:]
     assert "Started a local Ray instance" not in log
     assert not list((tmp_path / "probe").glob("records/*.parquet"))
+
+
+def test_the_guard_that_cannot_be_installed_stops_the_registration_in_one_line(monkeypatch):
+    """verl's rollout-correction helper that does not import (``sys.modules`` entry None: Python's own "import of
+    this module fails") stops `correction.install` and the plugin's `register` in one line naming the module and
+    the field it guards; the guard never vanishes quietly."""
+    from tokendyn.integrations.verl import correction
+    from tokendyn.integrations.verl.internals import VerlInternalsChanged
+
+    monkeypatch.setitem(sys.modules, "verl.trainer.ppo.rollout_corr_helper", None)
+    for call in (correction.install, glue.register):
+        with pytest.raises(VerlInternalsChanged) as err:
+            call()
+        message = str(err.value)
+        assert message.startswith(
+            "verl.trainer.ppo.rollout_corr_helper.apply_bypass_mode: cannot be imported"
+        )
+        assert BYPASS_FIELD in message and "\n" not in message
+
+
+def test_a_module_that_bound_validate_config_before_the_guard_gets_the_guard(monkeypatch):
+    """A module that imported ``validate_config`` by name before `install` (as ``main_ppo`` does) is rebound: its
+    name refuses bypass too."""
+    import types
+
+    from tokendyn.integrations.verl import correction
+
+    original = inspect.unwrap(verl_config.validate_config)
+    early = types.ModuleType("_early_importer")
+    early.validate_config = original
+    monkeypatch.setitem(sys.modules, "_early_importer", early)
+    monkeypatch.setattr(verl_config, "validate_config", original)  # as before any install
+    correction.install()
+    assert early.validate_config is verl_config.validate_config is not original
+    with pytest.raises(glue.VerlConfigError, match=BYPASS_FIELD):
+        early.validate_config(_config(True), use_reference_policy=False, use_critic=False)
+
+
+def test_the_wrapped_verl_functions_are_in_internals_check(monkeypatch):
+    """`internals.check` names each verl function the glue wraps, and a moved one (a parameter renamed, the
+    function gone) fails it in one line naming it."""
+    from tokendyn.integrations.verl import internals
+
+    names = internals.check()
+    for name in ("verl.utils.config.validate_config", "verl.trainer.ppo.rollout_corr_helper.apply_bypass_mode",
+                 "verl.workers.engine_workers.TrainingWorker.train_mini_batch"):  # fmt: skip
+        assert name in names
+
+    def apply_bypass_mode(
+        data, rollout_corr_config=None, policy_loss_config=None
+    ):  # its first parameter renamed
+        return data
+
+    monkeypatch.setattr(rollout_corr_helper, "apply_bypass_mode", apply_bypass_mode)
+    with pytest.raises(internals.VerlInternalsChanged, match=r"apply_bypass_mode now takes \(data, ") as err:
+        internals.check()
+    assert "\n" not in str(err.value)
+    monkeypatch.delattr(rollout_corr_helper, "apply_bypass_mode")
+    with pytest.raises(internals.VerlInternalsChanged, match="apply_bypass_mode is gone"):
+        internals.check()

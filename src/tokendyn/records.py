@@ -168,7 +168,8 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
         "logits_ratio": pl.Float64,
     },
     # the sampler against the trainer: one row per completion token of a probed micro-batch whose rollout carries
-    # the engine's log-probs (TRL + vLLM: `tokendyn.hooks.sampler`); log_rho = logp_old - logp_sampler
+    # the engine's log-probs (TRL + vLLM: `tokendyn.hooks.sampler`); log_rho = logp_old - logp_sampler; is_weight and
+    # seq_masked null where no weight was applied or read (the offline probe: a rollouts file carries none)
     "sampler": _SAMPLER_COLUMNS,
     # the trainer against itself, the noise floor of any mismatch: the same tokens' log-probs recomputed in two
     # halves of the micro-batch at the same parameters (`tokendyn.hooks.sampler.split_logps`); the sampler's columns,
@@ -323,7 +324,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
     },
     # the paired comparison's rules at the view's tokens: one row per (token, rule, mode)
     "token_view_rules": {
-        "step": pl.Int64,
+        **_REBALANCE_KEY,
         "seq": pl.Int32,
         "pos": pl.Int32,
         "rule": pl.Utf8,

@@ -14,7 +14,8 @@ bin of pi_old, with S the probed steps:
 s_t is the token's share of its rule's update (`sum_share` of the `paired` records; Σ over all tokens = 1 per step);
 bin -1 is every token. Intervals: the units resampled with replacement (seeded), 2.5 % and 97.5 % quantiles, as
 `tokendyn.analysis.paired.paired_summary`. A sequence with no signal (every advantage 0) carries nothing under
-either rule and is not masked.
+either rule and is not masked. A unit with no rows under the base rule is unknown, not masked: it is left out of
+every sum above and counted in ``excluded_units`` (`unpaired_units`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import polars as pl
 from tokendyn.analysis.paired import percentile_interval
 
 RULE, REFERENCE = "no_correction", "base"
+_STATS = ("removed", "removed_lo", "removed_hi", "of_bin", "of_bin_lo", "of_bin_hi")
 
 
 def masked_units(paired: pl.DataFrame, mode: str) -> pl.DataFrame:
@@ -36,15 +38,24 @@ def masked_units(paired: pl.DataFrame, mode: str) -> pl.DataFrame:
     )
     base = per.filter(pl.col("rule") == REFERENCE).select("step", "seq", pl.col("carried").alias("base"))
     rule = per.filter(pl.col("rule") == RULE).select("step", "seq", pl.col("carried").alias("rule"))
-    both = rule.join(base, on=["step", "seq"], how="left").with_columns(pl.col("base").fill_null(0.0))
+    both = rule.join(base, on=["step", "seq"], how="inner")  # no base rows: unknown (`unpaired_units`)
     return both.filter((pl.col("base") == 0) & (pl.col("rule") > 0)).select("step", "seq").sort("step", "seq")
+
+
+def unpaired_units(paired: pl.DataFrame, mode: str) -> pl.DataFrame:
+    """(step, seq) of the units with rows under ``no_correction`` and none under the base rule in ``mode``: whether
+    the correction masked them is unknown."""
+    sel = paired.filter(pl.col("mode") == mode)
+    units = [sel.filter(pl.col("rule") == r).select("step", "seq").unique() for r in (RULE, REFERENCE)]
+    return units[0].join(units[1], on=["step", "seq"], how="anti").sort("step", "seq")
 
 
 def masked_share_table(
     paired: pl.LazyFrame | pl.DataFrame, *, n_boot: int = 1000, seed: int = 0
 ) -> pl.DataFrame:
     """One row per (mode, bin): steps, units, masked_units, tokens_masked, removed and of_bin with their _lo / _hi
-    bootstrap bounds (module docstring). Empty without the ``no_correction`` rule."""
+    bootstrap bounds, and excluded_units (no base rows; module docstring). Empty without the ``no_correction`` rule;
+    a mode whose every unit lacks the base rule gives null statistics."""
     frame = paired.collect() if isinstance(paired, pl.LazyFrame) else paired
     if "sweep" in frame.columns:
         frame = frame.filter(pl.col("sweep").is_null())
@@ -52,10 +63,19 @@ def masked_share_table(
         return pl.DataFrame()
     rng = np.random.default_rng(seed)
     bins = frame.select("bin", "bin_lo", "bin_hi").unique("bin")
+    bin_ids = [-1, *sorted(bins["bin"].to_list())]
     rows = []
     for mode in sorted(frame["mode"].unique()):
-        sel = frame.filter(pl.col("mode") == mode, pl.col("rule") == RULE)
+        unpaired = unpaired_units(frame, mode)
+        sel = frame.filter(pl.col("mode") == mode, pl.col("rule") == RULE).join(
+            unpaired, on=["step", "seq"], how="anti"
+        )
         units = sel.select("step", "seq").unique().sort("step", "seq")
+        if units.height == 0:  # nothing paired: unknown
+            unknown = dict.fromkeys(("steps", "masked_units", "tokens_masked", *_STATS))
+            rows += [{"mode": mode, "bin": b, "units": 0, "excluded_units": unpaired.height, **unknown}
+                     for b in bin_ids]  # fmt: skip
+            continue
         masked = masked_units(frame, mode).with_columns(pl.lit(True).alias("masked"))
         units = units.join(masked, on=["step", "seq"], how="left").with_columns(
             pl.col("masked").fill_null(False)
@@ -82,6 +102,7 @@ def masked_share_table(
                 "steps": steps,
                 "units": n,
                 "masked_units": int(is_masked.sum()),
+                "excluded_units": unpaired.height,
                 "tokens_masked": int((count * is_masked).sum()),
                 "removed": float((share * is_masked).sum() / steps),
             }
@@ -91,6 +112,6 @@ def masked_share_table(
             with np.errstate(invalid="ignore", divide="ignore"):
                 row["of_bin_lo"], row["of_bin_hi"] = percentile_interval(removed / whole)
             rows.append(row)
-    out = pl.DataFrame(rows).join(bins, on="bin", how="left")
+    out = pl.DataFrame(rows, infer_schema_length=None).join(bins, on="bin", how="left")
     first = ["mode", "bin", "bin_lo", "bin_hi"]
     return out.select(*first, *[c for c in out.columns if c not in first]).sort("mode", "bin")

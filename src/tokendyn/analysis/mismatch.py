@@ -13,6 +13,8 @@ under-estimated lands in a low mu bin and shows a positive log rho for that reas
     mean_weight          = mean applied weight (how much the correction rescales the bin's gradient)
     frac_masked          = share of tokens whose applied weight is 0
     frac_seq_masked      = share of tokens whose whole sequence the correction zeroed
+                           (the last three over the tokens whose weight is known; null where none is: the offline
+                           probe's records, whose rollouts carried no weights)
 
 Bin ``-1`` is every token. The edges are the paper's fixed intervals unless given; the last bin is closed.
 """
@@ -38,7 +40,7 @@ def _bin_expr(prob: pl.Expr, edges: Sequence[float]) -> pl.Expr:
 def _stats(group: pl.DataFrame) -> dict:
     a = group["abs_log_rho"]
     env = group["env"].drop_nulls()
-    w = group["is_weight"]
+    w, m = group["is_weight"].drop_nulls(), group["seq_masked"].drop_nulls()  # null: not recorded (offline)
     n = group.height
     return {
         "count": n,
@@ -49,9 +51,9 @@ def _stats(group: pl.DataFrame) -> dict:
         "abs_p99": a.quantile(0.99, "linear"),
         "abs_max": a.max(),
         "envelope": env.max() if env.len() else None,
-        "mean_weight": w.mean(),
-        "frac_masked": float((w == 0.0).sum()) / n,
-        "frac_seq_masked": float(group["seq_masked"].sum()) / n,
+        "mean_weight": w.mean() if w.len() else None,
+        "frac_masked": float((w == 0.0).sum()) / w.len() if w.len() else None,
+        "frac_seq_masked": float(m.sum()) / m.len() if m.len() else None,
     }
 
 

@@ -41,7 +41,7 @@ def analyze_run(
     records, "paired": the paired comparison of update rules with bootstrap intervals when it has `paired`
     records (`tokendyn.analysis.paired`), and with the comparison's sweeps "sweep" (per value and bin) and
     "guidance" (`tokendyn.analysis.sweep.GUIDANCE_RULE`), "mismatch": the sampler's log rho per bin of pi_old and of
-    mu when it has `sampler` records (`tokendyn.analysis.mismatch`), "masked": the update share the sampler
+    mu when it has `sampler` records, each token once (`tokendyn.analysis.mismatch`), "masked": the update share the sampler
     correction's mask removes per bin, with the paired rule no_correction (`tokendyn.analysis.masked`), "mismatched":
     each rule's update share at the view's tokens with |log rho| > log 1.1 (`tokendyn.analysis.mismatch_share`)}, from
     the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError`
@@ -75,8 +75,9 @@ def analyze_run(
         tables["masked"] = masked_share_table(chosen)  # (empty without the rule no_correction)
     if "sampler" in run.kinds:
         from tokendyn.analysis.mismatch import mismatch_table
+        from tokendyn.analysis.mismatch_seeds import first_stage  # Lopti's two stages: each token once
 
-        tables["mismatch"] = mismatch_table(select_steps(run["sampler"], steps, stage))
+        tables["mismatch"] = mismatch_table(first_stage(select_steps(run["sampler"], steps, stage).collect()))
     if "floor" in run.kinds:  # the trainer against itself: the noise floor of any sampler's mismatch
         from tokendyn.analysis.mismatch import mismatch_table
 
@@ -257,16 +258,19 @@ def print_masked(console: Console, masked: pl.DataFrame) -> None:
     """The update share the correction's mask removes per bin (`tokendyn.analysis.masked`)."""
     columns = {"mode": "mode", "bin": "bin", "units": "sequences", "masked_units": "masked", "tokens_masked":
                "tokens masked", "removed": "share removed", "removed_lo": "lo", "removed_hi": "hi",
-               "of_bin": "of the bin's share", "of_bin_lo": "lo", "of_bin_hi": "hi"}  # fmt: skip
+               "of_bin": "of the bin's share", "of_bin_lo": "lo", "of_bin_hi": "hi",
+               "excluded_units": "left out: no base rule"}  # fmt: skip
     title = "The correction's mask: the uncorrected update's share carried by the sequences it dropped (rule no_correction)"
-    console.print(rich_table(masked.with_columns(_bin_label()).select(list(columns)), title, columns))
+    shown = [c for c in columns if c in masked.columns]  # (a table written before excluded_units)
+    console.print(rich_table(masked.with_columns(_bin_label()).select(shown), title, columns))
 
 
 def print_mismatched(console: Console, table: pl.DataFrame) -> None:
     """Each rule's update share at the mismatched tokens of the view (`tokendyn.analysis.mismatch_share`)."""
     columns = {"rule": "rule", "mode": "mode", "tokens": "tokens", "token_fraction": "mismatched tokens",
                "mismatched_share": "their update share", "mismatched_share_lo": "lo", "mismatched_share_hi": "hi",
-               "minus_base": "minus base", "minus_base_lo": "lo", "minus_base_hi": "hi"}  # fmt: skip
+               "minus_base": "minus base", "minus_base_lo": "lo", "minus_base_hi": "hi",
+               "units_without_rule": "no rule", "units_without_base": "no base"}  # fmt: skip
     title = "The update share of the tokens the sampler mismatched (|log rho| > log 1.1), per rule, from the same states"
     console.print(rich_table(table, title, columns))
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from tokendyn.probe.head import HeadShard, head_partial, head_quantities
 from tokendyn.probe.tokenloss import ProbeBatch, eval_mode, head_inputs
-from tokendyn.records import to_frame
+from tokendyn.records import SCHEMAS, to_frame
 from tokendyn.vocab import TRAIN
 
 # tokens decoded before each one, so that a decoder's rules at the text's start do not apply
@@ -183,10 +183,11 @@ def token_rules_frame(results: dict, frame: pl.DataFrame) -> pl.DataFrame:
     seq = torch.tensor(frame["seq"].to_list(), dtype=torch.long)
     pos = torch.tensor(frame["pos"].to_list(), dtype=torch.long)
     n = len(seq)
-    cols: dict[str, list] = {c: [] for c in ("step", "seq", "pos", "rule", "mode", "delta_pi", "share")}
-    step = frame["step"].to_list()
+    cols: dict[str, list] = {c: [] for c in SCHEMAS["token_view_rules"]}
+    step, stage = frame["step"].to_list(), frame["stage"].to_list()
     for (rule, mode), res in results.items():
         cols["step"] += step
+        cols["stage"] += stage
         cols["seq"] += seq.tolist()
         cols["pos"] += pos.tolist()
         cols["rule"] += [rule] * n

@@ -35,7 +35,6 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -46,13 +45,12 @@ from tokendyn.effects.precision import MeasuredPrecision
 from tokendyn.effects.rebalance import analyze_update
 from tokendyn.effects.shares import jvp_attention
 from tokendyn.hooks.model_fit import POSITIONS, check_fits, model_limits, positions_from_masks
+from tokendyn.hooks.offline_records import no_signal_note, offline_sampler_frame, signal_sample, versions
 from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.rollouts import Rollouts, read_rollouts
-from tokendyn.hooks.sampler import sampler_frame
-from tokendyn.probe.batch import signal_rows
 from tokendyn.probe.probe import GradientProbe
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, eval_mode, token_loss
-from tokendyn.records import RecordWriter, to_frame, write_frames
+from tokendyn.records import RecordWriter, write_frames
 from tokendyn.vocab import TRAIN
 
 METHOD = "offline probe"
@@ -254,15 +252,13 @@ def probe_rollouts(
                     if (
                         rollouts.sampler_logp is not None
                     ):  # the file's sampler beside pi_old (the column, or pi)
-                        sampled = {**b, "completion_mask": batch.completion_mask}
-                        frame = sampler_frame(sampled, 0, TRAIN, micro, 0, logp_old=None if rollouts.old_logp
-                                              is not None else loss.logp.detach())  # fmt: skip
-                        writer.add({"sampler": frame})
+                        own = None if rollouts.old_logp is not None else loss.logp.detach()
+                        writer.add({"sampler": offline_sampler_frame(b, batch.completion_mask, micro, own)})
                     if bar is not None:
                         bar.advance(task)
             writer.flush()
             if analysing and not n_analysed:
-                write_frames(staging, {"notes": _no_signal_note()}, rank=0)
+                write_frames(staging, {"notes": no_signal_note()}, rank=0)
             if n_analysed:
                 if bar is not None:
                     bar.update(task, description=f"analyses on {n_analysed} sequences", completed=0, total=1)
@@ -304,7 +300,7 @@ def probe_rollouts(
                 "positions": positions,
                 "seed": seed,
             },
-            "versions": _versions(),
+            "versions": versions(),
             "status": "finished",
             "wall_time_s": round(time.time() - t0, 2),
             **(meta or {}),
@@ -316,27 +312,6 @@ def probe_rollouts(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return OfflineResult(run_dir, [run_dir / f for f in files], rollouts.n, n_tokens, len(chunks), n_analysed)
-
-
-NO_SIGNAL = "no sequence of the sample has a non-zero advantage; analyses skipped"
-
-
-def signal_sample(rollouts: Rollouts, n: int) -> list[int]:
-    """The rows the analyses take: the first ``n`` rows of the file (in its order) with some scored token whose
-    advantage is not 0 (`tokendyn.probe.batch.signal_rows`, the trainer's rule), fewer when it has fewer."""
-    rows: list[int] = []
-    for i in range(rollouts.n):
-        if len(rows) >= n:
-            break
-        adv = torch.as_tensor(np.asarray(rollouts.advantages[i], dtype=np.float64))
-        scored = torch.as_tensor(np.asarray(rollouts.scored(i)) != 0).unsqueeze(0)
-        if bool(signal_rows(adv.reshape(1, -1) if adv.dim() else adv.reshape(1), scored)[0]):
-            rows.append(i)
-    return rows
-
-
-def _no_signal_note():
-    return to_frame("notes", {"step": [0], "rank": [0], "code": ["no_signal_sample"], "message": [NO_SIGNAL]})
 
 
 def _analyse(
@@ -389,16 +364,3 @@ def _analyse(
             named = {key: r for key, r in results.items() if r.sweep is None}  # sweep points apart
             frames["token_view_rules"] = token_rules_frame(named, frames["token_view"])
     write_frames(out, frames, rank=0)
-
-
-def _versions() -> dict:
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("tokendyn", "torch", "transformers", "trl"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out

@@ -48,7 +48,7 @@ def register() -> None:
     (`worker.install`), register the advantage estimator ``w_reinforce`` (`advantages.register_estimator`) and
     the CPU backend's platform "cpu" and rollout "hf" (`backend.register_backend`, active only with
     ``VERL_PLATFORM=cpu``), and refuse verl's rollout-correction ``bypass_mode`` under the tokendyn loss
-    (`correction.install`); idempotent."""
+    (`correction.install`, which raises in one line when it cannot install the guard); idempotent."""
     register_loss()
     register_estimator()
     install_worker()

@@ -7,15 +7,18 @@ sampler records would all be the sampler's mu, and the trainer's own pi_old (the
 gone; verl's legacy trainer also rewrites ``actor.policy_loss.loss_mode`` to its own ``"bypass_mode"`` loss
 (``rollout_corr_helper.apply_bypass_mode``), replacing tokendyn's loss. `install` makes verl refuse it where its
 entry point checks the config (``verl.utils.config.validate_config``, which ``main_ppo`` calls before Ray starts) and
-in ``apply_bypass_mode`` itself. The decoupled mode (``bypass_mode=false``, verl's default) keeps the trainer's pi_old
+in ``apply_bypass_mode`` itself; a verl whose two functions cannot be imported or have moved stops `install` in one
+line (`VerlInternalsChanged`): the guard never vanishes without a word. The decoupled mode (``bypass_mode=false``, verl's default) keeps the trainer's pi_old
 and passes the weights in as ``rollout_is_weights`` (`tokendyn.integrations.verl.objective`).
 """
 
 from __future__ import annotations
 
+import sys
 from functools import wraps
 from typing import Any
 
+from tokendyn.integrations.verl.internals import WRAPPED, VerlInternalsChanged, wrapped_function
 from tokendyn.integrations.verl.loss import LOSS_NAME, VerlConfigError
 
 _MARK = "_tokendyn_bypass_check"
@@ -50,16 +53,33 @@ def check_config(config: Any) -> None:
     refuse_bypass(_get(correction, "bypass_mode"), loss)
 
 
-def install() -> bool:
-    """Wrap ``verl.utils.config.validate_config`` and ``rollout_corr_helper.apply_bypass_mode`` once (``main_ppo``
-    binds the first when it is imported, after verl's plugins ran; the legacy trainer imports the second from its
-    module at the call); False when either module cannot be imported here."""
+def _guarded(spec: tuple):
+    """verl's function of ``spec`` (`internals.WRAPPED`), or one line naming why the guard cannot be installed."""
     try:
-        from verl.trainer.ppo import rollout_corr_helper
-        from verl.utils import config as verl_config
-    except ImportError:
-        return False
-    validate = verl_config.validate_config
+        return wrapped_function(*spec)
+    except ImportError as exc:
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        raise VerlInternalsChanged(
+            f"{spec[0]}.{spec[1]}: cannot be imported ({why}), so the {BYPASS_FIELD} guard of the tokendyn loss "
+            "cannot be installed; install verl's trainer dependencies (pip install 'tokendyn[verl]')"
+        ) from None
+
+
+def _rebind(old, new) -> None:
+    """Every module that imported ``old`` by name before it was wrapped (``main_ppo`` binds validate_config when it
+    is imported) gets ``new``."""
+    for module in list(sys.modules.values()):
+        if (getattr(module, "__dict__", None) or {}).get(old.__name__) is old:  # (no module __getattr__ runs)
+            setattr(module, old.__name__, new)
+
+
+def install() -> None:
+    """Wrap ``verl.utils.config.validate_config`` and ``rollout_corr_helper.apply_bypass_mode`` once (``main_ppo``
+    binds the first when it is imported, after verl's plugins ran: a module that bound it earlier is rebound; the
+    legacy trainer imports the second from its module at the call). A module that cannot be imported, or a function
+    that moved: `VerlInternalsChanged` in one line (`_guarded`)."""
+    specs = {spec[1]: spec for spec in WRAPPED}
+    validate = _guarded(specs["validate_config"])
     if not getattr(validate, _MARK, False):
 
         @wraps(validate)
@@ -68,8 +88,8 @@ def install() -> bool:
             return validate(config, *args, **kwargs)
 
         setattr(validate_config, _MARK, True)
-        verl_config.validate_config = validate_config
-    apply = rollout_corr_helper.apply_bypass_mode
+        _rebind(validate, validate_config)
+    apply = _guarded(specs["apply_bypass_mode"])
     if not getattr(apply, _MARK, False):
 
         @wraps(apply)
@@ -78,5 +98,4 @@ def install() -> bool:
             return apply(batch, rollout_corr_config, policy_loss_config)
 
         setattr(apply_bypass_mode, _MARK, True)
-        rollout_corr_helper.apply_bypass_mode = apply_bypass_mode
-    return True
+        _rebind(apply, apply_bypass_mode)

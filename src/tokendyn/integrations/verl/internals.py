@@ -1,5 +1,5 @@
 """Every verl internal (not a documented extension point) that tokendyn's CPU backend (`backend`, `hf_rollout`,
-`cpu`) leans on, named once, here, for verl 0.9.x. `check()` looks at each and raises naming the one that moved;
+`cpu`) leans on, and every verl function the glue wraps, named once, here, for verl 0.9.x. `check()` looks at each and raises naming the one that moved;
 ``tests/test_verl_main_ppo.py`` runs it, so an upgrade of verl that changes any of them fails there first, loudly.
 
 The public extension points the backend uses are not listed: `PlatformRegistry.register` (verl's platform plugin
@@ -24,6 +24,14 @@ interface), `RolloutReplicaRegistry.register` (``docs/extend_guide.rst``), `Base
    compute the same log-probs.
 5. `PLATFORM_SINGLETON`: ``platform_manager._current_platform``, read (never through `get_platform()`, which
    would auto-detect first) to see whether a platform is set already.
+
+The functions the glue wraps (`WRAPPED`: module, attribute, method or None, the leading parameters the wrapper
+passes on):
+
+6. ``verl.utils.config.validate_config`` and ``verl.trainer.ppo.rollout_corr_helper.apply_bypass_mode``: the
+   ``bypass_mode`` guard (`correction.install`);
+7. ``verl.workers.engine_workers.TrainingWorker.train_mini_batch``: the probe and Lopti's two updates
+   (`worker.install`).
 """
 
 from __future__ import annotations
@@ -43,6 +51,12 @@ PLATFORM_SINGLETON = ("verl.plugin.platform.platform_manager", "_current_platfor
 GLOO_BACKEND = "cpu:gloo"
 FP32_MIXED_PRECISION = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 _MARK = "_tokendyn_cpu"
+WRAPPED = (
+    ("verl.utils.config", "validate_config", None, ("config",)),
+    ("verl.trainer.ppo.rollout_corr_helper", "apply_bypass_mode", None,
+     ("batch", "rollout_corr_config", "policy_loss_config")),
+    ("verl.workers.engine_workers", "TrainingWorker", "train_mini_batch", ("self", "data")),
+)  # fmt: skip
 
 
 class VerlInternalsChanged(RuntimeError):
@@ -52,8 +66,24 @@ class VerlInternalsChanged(RuntimeError):
 def _attr(module: str, name: str):
     mod = importlib.import_module(module)
     if not hasattr(mod, name):
-        raise VerlInternalsChanged(f"{module}.{name} is gone: tokendyn's verl CPU backend needs updating")
+        raise VerlInternalsChanged(f"{module}.{name} is gone: tokendyn's verl glue needs updating")
     return getattr(mod, name)
+
+
+def wrapped_function(module: str, name: str, method: str | None, params: tuple[str, ...]):
+    """The verl function the glue wraps (unwrapped: its signature), checked to take ``params`` first."""
+    target = _attr(module, name)
+    where = f"{module}.{name}" + (f".{method}" if method else "")
+    if method is not None:
+        if not hasattr(target, method):
+            raise VerlInternalsChanged(f"{where} is gone: tokendyn's verl glue needs updating")
+        target = getattr(target, method)
+    got = tuple(inspect.signature(inspect.unwrap(target)).parameters)[: len(params)]
+    if got != params:
+        raise VerlInternalsChanged(
+            f"{where} now takes ({', '.join(got)}), the glue passes ({', '.join(params)}): it needs updating"
+        )
+    return target
 
 
 def rollout_adapters() -> dict:
@@ -137,10 +167,13 @@ def check() -> list[str]:
     if "mixed_precision" not in getattr(_attr(*ENGINE_CONFIG_CLASS), "__dataclass_fields__", {}):
         raise VerlInternalsChanged(f"{'.'.join(ENGINE_CONFIG_CLASS)} has no mixed_precision field")
     _attr(*PLATFORM_SINGLETON)
+    for spec in WRAPPED:
+        wrapped_function(*spec)
     return [
         ".".join(ROLLOUT_ADAPTERS),
         f"{PROCESS_GROUP_MODULE}.{PROCESS_GROUP_FUNCTION}",
         ENGINE_DEVICE_ENV,
         ".".join(ENGINE_CONFIG_CLASS) + ".mixed_precision",
         ".".join(PLATFORM_SINGLETON),
+        *(".".join(part for part in spec[:3] if part) for spec in WRAPPED),
     ]
