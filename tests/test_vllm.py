@@ -15,7 +15,6 @@ import polars as pl
 import pytest
 import torch
 from datasets import Dataset
-from polars.testing import assert_frame_equal
 from test_floor import FirstInputs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
@@ -78,15 +77,28 @@ def _config(out, cls=TokendynGRPOConfig, **overrides):
 
 
 class _Rollouts(FirstInputs):
-    """Keeps every rollout batch as generated, and the first training micro-batch's loss inputs."""
+    """Keeps every rollout batch as generated (each row numbered, ``row_id``: TRL shuffles and splits it with the
+    batch), the first training micro-batch's loss inputs, and every training micro-batch's as (optimizer step, micro
+    index in the step, inputs), counted here."""
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if self.model.training:
+            output["row_id"] = torch.arange(output["completion_ids"].size(0))
             self.__dict__.setdefault("rollouts", []).append(
                 {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in output.items()}
             )
         return output
+
+    def _compute_loss(self, model, inputs):
+        if model.training:
+            micro = self.__dict__.setdefault("micro_inputs", [])
+            step = self.state.global_step
+            index = sum(1 for s, _, _ in micro if s == step)
+            micro.append(
+                (step, index, {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+            )
+        return super()._compute_loss(model, inputs)
 
 
 def _build(cls, args):
@@ -198,22 +210,33 @@ def test_records_equal_the_offline_probe_of_the_same_completions(runs, tmp_path)
             assert math.isclose(row[stat], row[f"{stat}_off"], rel_tol=tol), (row["point"], row["bin"], stat)
             checked += 1
     assert checked >= 2 * 5 * 4 * 3  # two quantities, 5 points, 4 bins, 3 statistics
-    # the dumped file carries vLLM's log-probs (column sampler_logp): the offline probe records the same sampler rows
+    # the dumped file carries vLLM's log-probs (column sampler_logp): the live and the offline sampler rows each
+    # against a plain float32 forward of the starting model with full logits (log pi_old) and the log-probs vLLM
+    # returned to TRL (log mu), token by token
     assert "sampler_logp" in pl.read_parquet(path).columns
+    mask = inputs["completion_mask"].bool()
+    plain = _completion_logps(model.eval(), inputs)[mask].double()
+    mu = inputs["sampling_per_token_logps"][mask].double()
+    rows, pos = mask.nonzero(as_tuple=True)
     live = pl.read_parquet(sorted((tmp / "probed" / "records").glob("sampler-*.parquet")))
     live = live.filter((pl.col("step") == 0) & (pl.col("micro") == 0)).sort("row", "pos")
     offline = pl.read_parquet(sorted((tmp_path / "off" / "records").glob("sampler-*.parquet"))).sort(
         "row", "pos"
     )
-    for column in ("row", "pos", "logp_old", "logp_sampler", "log_rho"):
-        assert offline[column].to_list() == live[column].to_list(), column
+    for frame in (live, offline):
+        assert frame["row"].to_list() == rows.tolist() and frame["pos"].to_list() == pos.tolist()
+        assert (torch.tensor(frame["logp_old"].to_list()) - plain).abs().max() < 1e-5
+        assert torch.equal(torch.tensor(frame["logp_sampler"].to_list(), dtype=torch.float64), mu)
+        assert (torch.tensor(frame["log_rho"].to_list()) - (plain - mu)).abs().max() < 1e-5
 
 
 def test_vllm_samples_from_the_trainers_current_weights(tmp_path):
     """After each update TRL syncs the weights into vLLM: at every rollout, vLLM's float32 log-probs of the tokens
     it sampled equal the trainer's pi_old (its current model) to float32 rounding, while the initial model's differ
     by far more (what a stale engine would give)."""
-    trainer = _build(_Rollouts, _config(tmp_path, learning_rate=2e-2, vllm_dtype="float32", max_steps=4))
+    args = _config(tmp_path, learning_rate=2e-2, vllm_dtype="float32", max_steps=4, probe_every=1,
+                   probe_analyses="none")  # fmt: skip
+    trainer = _build(_Rollouts, args)
     assert trainer.sampler_info["dtype"] == "float32"
     initial = AutoModelForCausalLM.from_pretrained(str(default_policy_dir()), dtype=torch.float32).eval()
     trainer.train()
@@ -231,6 +254,45 @@ def test_vllm_samples_from_the_trainers_current_weights(tmp_path):
     # the engine's weights are the trainer's after the last sync (one update before the end)
     weights = dict(engine_model(trainer.vllm_generation.llm).named_parameters())
     assert all(w.numel() > 0 for w in weights.values())  # plain weights kept, not repacked away
+    # float32 on both sides: the recorded log rho is float32 rounding of two kernel sets (the engine's attention and
+    # F.linear against the trainer's), orders below a bf16 sampler's (> 1e-3, test_sampler_records_...), and at or
+    # above the trainer's own noise floor (its log-probs recomputed in other batch shapes; ~1e-17 on this model)
+    records = tmp_path / "records"
+    rho = pl.read_parquet(sorted(records.glob("sampler-*.parquet")))["log_rho"].abs()
+    floor = pl.read_parquet(sorted(records.glob("floor-*.parquet")))["log_rho"].abs()
+    assert rho.len() > 0 and floor.len() > 0
+    assert floor.mean() <= rho.mean() < 1e-5 and rho.max() < 2e-4, (rho.mean(), rho.max(), floor.mean())
+    # the built engine against another request: refused in one line
+    from tokendyn.integrations.vllm_cpu import VllmCpuError, verify_engine
+
+    with pytest.raises(VllmCpuError) as err:
+        verify_engine(trainer.vllm_generation.llm, "bfloat16", cpu=True)
+    assert str(err.value) == "vllm_dtype: bfloat16 was asked for, the engine was built in float32"
+
+
+def test_an_engine_on_vllms_packed_kernels_is_refused():
+    """vLLM's own CPU dispatch (built outside `keep_plain_weights`) repacks every linear layer for its GEMM kernels:
+    TRL's sync would not reach them, and the check refuses the engine in one line; the glue's engine passes it."""
+    from vllm import LLM
+
+    from tokendyn.integrations import vllm_cpu as glue
+
+    glue.release_engines()
+    with glue.engine_env():
+        llm = glue.own_engine(LLM(model=str(default_policy_dir()), dtype="float32", enforce_eager=True,
+                             max_model_len=128, seed=0))  # fmt: skip
+    with pytest.raises(glue.VllmCpuError) as err:
+        glue.verify_engine(llm, "float32", cpu=True)
+    assert str(err.value) == (
+        "use_vllm on CPU: no layer of the engine computes from its plain weight (vllm.model_executor.layers.utils."
+        "dispatch_cpu_unquantized_gemm not replaced while it was built): TRL's weight sync would not reach the sampler"
+    )
+    glue.release_engines()
+    with glue.engine_env(), glue.keep_plain_weights():
+        llm = glue.own_engine(LLM(model=str(default_policy_dir()), dtype="float32", enforce_eager=True,
+                             max_model_len=128, seed=0))  # fmt: skip
+    plain = glue.verify_engine(llm, "float32", cpu=True)
+    assert "lm_head" in plain and len(plain) == 2 + 4 * 4  # embedding, head, 4 linears in each of 4 blocks
 
 
 def test_tokendyn_train_use_vllm_runs_from_the_cli(tmp_path):
@@ -303,12 +365,21 @@ def test_sampler_records_are_the_engines_logprobs_and_trls_weights(runs):
     assert first["logp_old"].to_list() == inputs["old_per_token_logps"][mask].double().tolist()
     weight = inputs["importance_sampling_ratio"].expand_as(mask)[mask].double()
     assert first["is_weight"].to_list() == weight.tolist()
-    # sequence_mask, clip 3: one weight per sequence, exp(sum of its log rho) where within [0, 3]
+    # sequence_mask, clip 3: one weight per sequence, exp(sum of its log rho) where within [0, 3] (TRL's documented
+    # rule, from the recorded log rho); the mask branch (w = 0) at a tight clip: test_the_recorded_weight_is_trls_every_mode
     seq = first.group_by("row").agg(pl.col("log_rho").sum(), pl.col("is_weight").first()).sort("row")
-    for total, w in seq.select("log_rho", "is_weight").rows():
-        assert w == 0.0 if math.exp(total) > 3.0 else math.isclose(w, math.exp(total), rel_tol=1e-5)
+    kept = [(t, w) for t, w in seq.select("log_rho", "is_weight").rows() if math.exp(t) <= 3.0]
+    assert kept and all(math.isclose(w, math.exp(t), rel_tol=1e-5) for t, w in kept)
+    assert all(w == 0.0 for t, w in seq.select("log_rho", "is_weight").rows() if math.exp(t) > 3.0)
     steps = records["step"].unique().sort().to_list()
     assert steps == [0, 1, 2]
+    # a bf16 sampler against a float32 trainer: log rho is not 0, far above the trainer's own noise floor
+    floor = (
+        pl.read_parquet(sorted((tmp / "probed" / "records").glob("floor-*.parquet")))["log_rho"].abs().mean()
+    )
+    rho = records["log_rho"].abs()
+    # (tokens at pi ~ 1 have log rho 0 on both sides: 0.68 of them are non-zero in a 16-token arith run)
+    assert (rho > 0).mean() > 0.5 and rho.mean() > 1e-3 and rho.mean() > 100 * floor, (rho.mean(), floor)
     from tokendyn.analysis import analyze_run
 
     table = analyze_run(tmp / "probed", write=False)["mismatch"]
@@ -353,6 +424,9 @@ def test_the_recorded_weight_is_trls_every_mode(mode, tmp_path):
     assert outside.any() and not outside.all()  # the range binds on some tokens, not all
     if mode.endswith("mask"):
         assert (got[outside] == 0).all()
+    if mode == "sequence_mask":  # the mask branch: whole sequences weighted 0, beside sequences kept
+        per_seq = records.group_by("step", "micro", "row").agg(pl.col("is_weight").max())
+        assert (per_seq["is_weight"] == 0).any() and (per_seq["is_weight"] > 0).any()
     seq = records.group_by("micro", "row").agg(pl.col("seq_masked").all(), (pl.col("is_weight") == 0).all())
     assert seq["seq_masked"].to_list() == seq["is_weight"].to_list()
 
@@ -481,17 +555,35 @@ def test_the_analyses_objective_is_the_update_the_corrected_loss_made(mode, tmp_
 
 def test_the_token_view_shows_each_tokens_log_rho_and_weight(runs, tmp_path):
     """The token view's sampler fields: every view token's log rho and weight are the sampler records' of the same
-    token (the view's rows are the analysis sample's, the records' the micro-batches': matched by value, 1e-9), and
-    the page's hover names them."""
+    token, found by its key (step, micro, row, pos). The view's sequence i is row i of the analysis sample (the
+    rollout's first rows with a signal, as generated); TRL shuffles the rollout into micro-batches, and the row
+    numbers the test put in the rollout (``row_id``) say which micro-batch row each became. The page's hover names
+    them."""
+    from tokendyn.probe.batch import signal_rows
+
     _, probed, tmp = runs
     view = pl.read_parquet(sorted((tmp / "probed" / "records").glob("token_view-*.parquet")))
     records = pl.read_parquet(sorted((tmp / "probed" / "records").glob("sampler-*.parquet")))
     assert view.height and view["log_rho"].null_count() == 0 and view["is_weight"].null_count() == 0
-    for step, part in view.group_by("step"):
-        theirs = records.filter(pl.col("step") == step[0])
-        rho, weight = theirs["log_rho"].to_numpy(), theirs["is_weight"].to_numpy()
-        for r, w in part.select("log_rho", "is_weight").rows():  # a token of the records with both values
-            assert ((abs(rho - r) < 1e-9) & (abs(weight - w) < 1e-6)).any(), (r, w)
+    where = []  # (step, seq) -> (micro, row): the micro-batch row that holds the sample's sequence
+    for step, rollout in enumerate(probed.rollouts):
+        mask = rollout["completion_mask"]
+        rows = signal_first(rollout["advantages"], mask, probed.args.probe_sample_sequences)
+        sample = rows[signal_rows(rollout["advantages"], mask)[rows].bool()]
+        for seq, row_id in enumerate(sample.tolist()):
+            found = [(m, int(r)) for s, m, batch in probed.micro_inputs if s == step
+                     for r in (batch["row_id"] == row_id).nonzero().flatten()]  # fmt: skip
+            assert len(found) == 1, (step, seq, found)
+            where.append({"step": step, "seq": seq, "micro": found[0][0], "row": found[0][1]})
+    keyed = view.join(pl.DataFrame(where), on=["step", "seq"], how="left")
+    assert keyed["micro"].null_count() == 0
+    both = keyed.join(
+        records.select("step", "micro", "row", "pos", pl.col("log_rho").alias("rec_rho"), "is_weight"),
+        on=["step", "micro", "row", "pos"], how="left", suffix="_rec",
+    )  # fmt: skip
+    assert both.height == view.height and both["rec_rho"].null_count() == 0
+    assert (both["log_rho"] - both["rec_rho"]).abs().max() < 1e-9  # log pi_old read back from pi_old
+    assert (both["is_weight"] == both["is_weight_rec"]).all()
     from tokendyn.figures.data import load_runs
     from tokendyn.figures.view import view_data, view_page
 
@@ -536,20 +628,18 @@ def test_the_paired_comparison_shows_what_the_correction_does_per_bin(tmp_path):
     table = masked_share_table(paired).filter(pl.col("mode") == mode)
     assert table.filter(pl.col("bin") == -1)["masked_units"][0] == len(masked)
     assert 0 < table.filter(pl.col("bin") == -1)["removed"][0] < 1
-    # `tokendyn analyze`: both tables (the rules' shares at the mismatched tokens too)
+    # `tokendyn analyze`'s table against TRL's weights: every bin (-1: all) counts the sequences TRL weighted 0 and
+    # their valid tokens, and removes the share the uncorrected rule gave them
     tables = analyze_run(tmp_path, write=False)
-    point = [
-        "mode",
-        "bin",
-        "units",
-        "masked_units",
-        "tokens_masked",
-        "removed",
-        "of_bin",
-    ]  # (int widths differ)
-    assert_frame_equal(
-        tables["masked"].select(point), masked_share_table(paired).select(point), check_dtypes=False
-    )
+    written = tables["masked"].filter(pl.col("mode") == mode)
+    sample_mask = rollout["completion_mask"][rows]
+    every = written.filter(pl.col("bin") == -1).row(0, named=True)
+    assert every["units"] == len(rows) and every["masked_units"] == int(zero.sum())
+    assert every["tokens_masked"] == int(sample_mask[zero].sum())
+    assert written.filter(pl.col("bin") >= 0)["tokens_masked"].sum() == every["tokens_masked"]
+    uncorrected = paired.filter((pl.col("mode") == mode) & (pl.col("rule") == "no_correction"))
+    share = uncorrected.filter(pl.col("seq").is_in(zero.nonzero().squeeze(1).tolist()))["sum_share"].sum()
+    assert math.isclose(every["removed"], share, rel_tol=1e-9)
     assert {"base", "no_correction", "reweight"} <= set(tables["mismatched"]["rule"])
     with pytest.raises(ValueError, match="probe_compare_rules: no_correction"):
         _config(tmp_path / "x", probe_every=1, probe_compare_rules=["no_correction"],

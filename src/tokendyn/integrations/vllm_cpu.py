@@ -13,13 +13,21 @@ GPU that is TRL's own path and nothing here runs. On vLLM's CPU backend (the ``v
    files) by one that keeps every 2-D weight and computes ``F.linear(x, layer.weight, bias)`` from it: a synced
    weight is the weight sampled from. Other layers (3-D expert weights, convolutions) keep vLLM's own dispatch.
 2. **The engine in this process.** TRL reaches the model through ``llm.llm_engine.model_executor``:
-   ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set when unset).
+   ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set when unset, while the engine is built: `engine_env`).
 3. **Threads and memory.** The CPU worker drops torch to one thread and then replaces ``torch.set_num_threads`` by a
    no-op for the rest of the process: both are undone when the engine is built, so ``--threads`` holds for training
    and sampling. The KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (set to `KV_CACHE_GIB` when unset; without it vLLM
    reserves ``vllm_gpu_memory_utilization`` of the machine's memory, 0.9 in TRL's defaults, and refuses to start).
    The engine's one-process rendezvous takes a free port, and the launch variables TRL sets for it (``RANK``,
-   ``MASTER_PORT``, ...) are put back afterwards.
+   ``MASTER_PORT``, ...) are put back afterwards; so is every variable set while the engine is built (the glue's,
+   and vLLM's CPU platform's: ``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ... would reach a later subprocess).
+
+Checked, each failing in one line (`VllmCpuError`): before the engine is built (`check`), the installed vllm-cpu
+against `SUPPORTED` and the names patched (`PATCHED`) and wrapped (TRL's ``LLM``, `trl_internals.VLLM_LLM`; absent
+under ``TOKENDYN_NO_VLLM=1``); while it is built, an argument TRL passes itself with another value than the glue's
+(never overridden); once it is built (`verify_engine`), its dtype against the requested one and, on the CPU, that
+some layer computes from its plain weight and no 2-D weight is left to vLLM's packed kernels; after the block, that
+TRL built its engine through the wrapped name at all.
 
 One engine at a time: vLLM's in-process distributed state is the process's, and an engine takes it down when it
 shuts down; an earlier engine is released (`release_engine`) before the next one is built, and a run releases its
@@ -28,7 +36,8 @@ own when training ends.
 The sampler's dtype: vLLM resolves ``dtype="auto"`` of a float32 checkpoint to bfloat16 (``vllm/config/model.py``),
 so TRL's defaults sample in bf16 while the trainer scores in float32. ``sampler_dtype`` other than "auto" builds the
 engine in that dtype instead (TRL has no field for it), ``enforce_eager`` without torch.compile; `engine_info` reads
-back what was built.
+back what was built. TRL asks for ``processed_logprobs``: log mu after temperature and any top-p / top-k / min-p
+truncation, renormalised over the kept tokens.
 """
 
 from __future__ import annotations
@@ -38,34 +47,47 @@ import os
 import socket
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 
-WRITTEN_FOR = "0.31.0"  # vllm-cpu, the version the patched function was read in
+from ..common import UsageError
+from . import trl_internals
+
+SUPPORTED = ("0.31.0",)  # vllm-cpu versions the patched dispatch was read in (the Makefile pins the last)
+WRITTEN_FOR = SUPPORTED[-1]
 PATCHED = "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"
 KV_CACHE_GIB = 1
 SAMPLER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# what the glue sets while the engine is built (when unset), put back once it is built
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
 # what TRL's colocate mode writes into os.environ for vLLM's rendezvous: left set, a later trainer in the process
 # would read a distributed launch from them
 LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-class VllmCpuError(RuntimeError):
-    """vLLM's CPU backend is not the one this glue was written for, or is missing."""
+class VllmCpuError(UsageError):
+    """vLLM's CPU backend is not the one this glue was written for, is missing, or built an engine the glue did not
+    ask for (one line; the CLI prints it as an input error)."""
 
 
-def vllm_version() -> str | None:
-    """The installed vLLM's version (``vllm-cpu`` or ``vllm``), None when neither is installed."""
+def installed() -> tuple[str, str] | None:
+    """The installed vLLM distribution and its version (``vllm-cpu`` first, then ``vllm``), None when neither."""
     from importlib.metadata import PackageNotFoundError, version
 
     for dist in ("vllm-cpu", "vllm"):
         try:
-            return version(dist)
+            return dist, version(dist)
         except PackageNotFoundError:
             continue
     return None
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (``vllm-cpu`` or ``vllm``), None when neither is installed."""
+    found = installed()
+    return None if found is None else found[1]
 
 
 def is_cpu_backend() -> bool:
@@ -73,6 +95,24 @@ def is_cpu_backend() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
+
+
+def check(found: tuple[str, str] | None | bool = True) -> list[str]:
+    """Refuse a vLLM the CPU glue was not written for (``found``: (distribution, version), default the installed
+    one) in one line naming the installed and the supported versions; then look at the names the glue patches
+    (`PATCHED`) and wraps (TRL's `trl_internals.VLLM_LLM`). Returns their dotted names."""
+    found = installed() if found is True else found
+    if not found:
+        raise VllmCpuError(f"use_vllm on CPU: vLLM is not installed; install vllm-cpu=={WRITTEN_FOR}")
+    dist, version = found
+    if version not in SUPPORTED:
+        raise VllmCpuError(
+            f"use_vllm on CPU: {dist} {version} is installed; tokendyn's CPU glue supports vllm-cpu "
+            f"{', '.join(SUPPORTED)} (install vllm-cpu=={WRITTEN_FOR})"
+        )
+    _layer_utils()
+    trl_internals.vllm_builder()
+    return [PATCHED, ".".join(trl_internals.VLLM_LLM)]
 
 
 def _layer_utils():
@@ -117,7 +157,65 @@ def keep_plain_weights() -> Iterator[None]:
         utils.dispatch_cpu_unquantized_gemm = original
 
 
+@contextmanager
+def engine_env() -> Iterator[None]:
+    """The block builds a CPU engine: `ENGINE_ENV` set where unset, and afterwards the whole environment as it
+    was on entry (what the glue set, and what vLLM's CPU platform writes while building: ``LD_PRELOAD``,
+    ``LOCAL_WORLD_SIZE``, ``NUMEXPR_MAX_THREADS``, ...; vLLM caches what it read once its engine core is up)."""
+    before = dict(os.environ)
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+        os.environ.update({k: v for k, v in before.items() if os.environ.get(k) != v})
+
+
+def verify_engine(llm: Any, requested: str, cpu: bool) -> list[str]:
+    """One line when the built engine is not the one asked for: its dtype other than ``requested`` (unless
+    "auto"); on the CPU, no layer computing from its plain weight (`keep_plain_weights` not reached), a plain
+    layer without its weight, or a 2-D weight left to vLLM's packed kernels. Returns the plain layers' names."""
+    built = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    if requested != "auto" and built != requested:
+        raise VllmCpuError(f"vllm_dtype: {requested} was asked for, the engine was built in {built}")
+    if not cpu:
+        return []
+    dispatched = [(n, m) for n, m in engine_model(llm).named_modules() if hasattr(m, "cpu_linear")]
+    plain = [n for n, m in dispatched if m.cpu_linear is _plain_linear]
+    # vLLM's own kernels on a 2-D weight (kept, as the embedding's, or dropped after packing: empty)
+    packed = [n for n, m in dispatched if m.cpu_linear is not _plain_linear and _weight_ndim(m) in (0, 2)]
+    empty = [n for n, m in dispatched if m.cpu_linear is _plain_linear and not _weight_ndim(m)]
+    said = (
+        "no layer of the engine computes from its plain weight"
+        if not plain
+        else f"{', '.join(packed[:3])} of the engine compute with vLLM's packed kernels"
+        if packed
+        else f"{', '.join(empty[:3])} of the engine have no weight left to compute from"
+        if empty
+        else None
+    )
+    if said:
+        raise VllmCpuError(
+            f"use_vllm on CPU: {said} ({PATCHED} not replaced while it was built): TRL's weight sync would not "
+            "reach the sampler"
+        )
+    return plain
+
+
+def _weight_ndim(module: torch.nn.Module) -> int:
+    weight = getattr(module, "weight", None)
+    return weight.ndim if isinstance(weight, torch.Tensor) and weight.numel() > 0 else 0
+
+
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the CPU engines built here and not yet released
+
+
+def own_engine(llm: Any) -> Any:
+    """Release ``llm`` (a CPU engine built outside TRL) as the engines built here are (`release_engines`)."""
+    _LIVE.add(llm)
+    return llm
 
 
 def release_engine(llm: Any) -> None:
@@ -143,27 +241,48 @@ def release_engines() -> None:
 
 
 @contextmanager
-def _trl_engine_kwargs(track: bool = False, **extra: Any) -> Iterator[None]:
-    """TRL's colocated `vllm.LLM` built with ``extra`` keyword arguments as well (TRL has no field for dtype or
-    eager mode), and kept in `_LIVE` when ``track``; restored after. Nothing changes when neither is asked."""
-    if not extra and not track:
+def _trl_engine_kwargs(requested: str, cpu: bool, extra: dict[str, Any]) -> Iterator[None]:
+    """TRL's colocated `vllm.LLM` (`trl_internals.VLLM_LLM`) built with ``extra`` keyword arguments as well (TRL
+    has no field for dtype or eager mode; one TRL passes itself with another value is refused, not overridden),
+    checked once built (`verify_engine`), and on the CPU built in `engine_env` and kept in `_LIVE`; restored after.
+    A block in which TRL built no engine by that name fails. Nothing changes when there is nothing to add or
+    check."""
+    if not extra and not cpu:
         yield
         return
-    from trl.generation import vllm_generation
-
-    original = vllm_generation.LLM
+    module = trl_internals.vllm_builder()
+    original = module.LLM
+    built: list[Any] = []
 
     def build(*args: Any, **kwargs: Any):
-        llm = original(*args, **{**kwargs, **extra})
-        if track:
+        clash = {k: (kwargs[k], v) for k, v in extra.items() if k in kwargs and kwargs[k] != v}
+        if clash:
+            said = ", ".join(f"{k}={a!r} (tokendyn's {b!r})" for k, (a, b) in clash.items())
+            raise VllmCpuError(
+                f"use_vllm: TRL now passes {said} to vllm.LLM itself; tokendyn's glue needs updating"
+            )
+        with engine_env() if cpu else nullcontext():
+            llm = original(*args, **kwargs, **{k: v for k, v in extra.items() if k not in kwargs})
+        if cpu:
             _LIVE.add(llm)
+        built.append(llm)
+        try:
+            verify_engine(llm, requested, cpu)
+        except VllmCpuError:
+            release_engine(llm)
+            raise
         return llm
 
-    vllm_generation.LLM = build
+    module.LLM = build
     try:
         yield
     finally:
-        vllm_generation.LLM = original
+        module.LLM = original
+    if not built:
+        raise VllmCpuError(
+            f"use_vllm: TRL built no engine through {'.'.join(trl_internals.VLLM_LLM)} (the name tokendyn wraps); "
+            "tokendyn's glue needs updating"
+        )
 
 
 @contextmanager
@@ -176,15 +295,14 @@ def colocated_engine(
     45-65 s for SmolLM2-135M and generates 5-50 % slower, `bench/vllm_generation.py`)."""
     if sampler_dtype not in SAMPLER_DTYPES:
         raise ValueError(f"vllm_dtype: must be one of {', '.join(SAMPLER_DTYPES)}, got {sampler_dtype!r}")
+    trl_internals.vllm_builder()  # one line where TRL sees no vLLM (TOKENDYN_NO_VLLM=1)
     extra: dict[str, Any] = {"dtype": sampler_dtype} if sampler_dtype != "auto" else {}
     if enforce_eager:
         extra["enforce_eager"] = True
     if not _cpu_requested():
-        with _trl_engine_kwargs(**extra):
+        with _trl_engine_kwargs(sampler_dtype, False, extra):
             yield
         return
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
     release_engines()  # one engine at a time
     n_threads = threads or torch.get_num_threads()
     set_num_threads = torch.set_num_threads
@@ -194,7 +312,7 @@ def colocated_engine(
         # the ports TRL tries first (29500, 23456: torchrun's defaults), may be another process's
         os.environ["MASTER_PORT"] = str(_free_port())
     try:
-        with keep_plain_weights(), _trl_engine_kwargs(track=True, **extra):
+        with keep_plain_weights(), _trl_engine_kwargs(sampler_dtype, True, extra):
             yield
     finally:
         torch.set_num_threads = set_num_threads  # the CPU worker's no-op replaced it for the whole process
@@ -213,16 +331,17 @@ def _free_port() -> int:
 
 
 def _cpu_requested() -> bool:
-    """The engine will run on vLLM's CPU backend: no CUDA device here and the CPU build installed."""
+    """The engine will run on vLLM's CPU backend: no CUDA device here and the CPU build installed (`check`: one
+    line when it is not a supported one)."""
     if torch.cuda.is_available():
         return False
-    _layer_utils()  # one line when vLLM is missing or its dispatch is gone
+    check()
     return is_cpu_backend()
 
 
 def engine_info(llm: Any) -> dict[str, Any]:
     """What sampled: the engine, its version, the dtype it computes in and whether the CPU weights are plain
-    (synced weights sampled from), read from the built `vllm.LLM`."""
+    (synced weights sampled from; `verify_engine` refused the engine otherwise), read from the built `vllm.LLM`."""
     config = llm.llm_engine.model_config
     info: dict[str, Any] = {
         "engine": "vllm",
@@ -232,7 +351,8 @@ def engine_info(llm: Any) -> dict[str, Any]:
         "device": "cpu" if is_cpu_backend() else "gpu",
     }
     if info["device"] == "cpu":
-        info["plain_weights"] = all(m.weight.numel() > 0 for m in _linear_layers(llm))
+        layers = _linear_layers(llm)
+        info["plain_weights"] = bool(layers) and all(m.weight.numel() > 0 for m in layers)
     return info
 
 

@@ -1,7 +1,8 @@
 """`TokendynGRPOTrainer`: TRL's `GRPOTrainer` with Advantage Reweighting, Lopti and REINFORCE++ advantages.
 
-This is the one module that touches TRL internals (pinned to trl 1.16). The math is in `functional.py`; here is
-only where it plugs into TRL's loop:
+This module plugs the remedies into TRL's loop (trl 1.16; every TRL internal it and the rest of tokendyn lean on is
+named in `tokendyn.integrations.trl_internals`, whose ``check()`` runs before the first trainer is built). The math
+is in `functional.py`; here is only where it plugs in:
 
 * ``__init__``: TRL's colocated vLLM engine (``use_vllm``, ``vllm_mode="colocate"``) is built inside
   `tokendyn.trainers.sampler.sampling_engine` (on vLLM's CPU build: weights the sync reaches; ``vllm_dtype``,
@@ -50,6 +51,7 @@ import torch
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
+from ..integrations import trl_internals
 from ..probe.forward import completion_proxy_logp
 from ..probe.tokenloss import Objective, ProbeBatch, loss_terms
 from ..remedies import (
@@ -80,6 +82,7 @@ class TokendynGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args, **kwargs):
+        trl_internals.check_once()  # one line when a TRL name tokendyn leans on moved
         with sampling_engine(kwargs["args"] if "args" in kwargs else args[2] if len(args) > 2 else None):
             super().__init__(*args, **kwargs)
         cfg = self.args
