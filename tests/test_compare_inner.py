@@ -179,7 +179,7 @@ def test_a_rule_that_diverges_is_null_and_leaves_the_others_and_the_model_as_the
     # (3) off the equal norm
     dppo = [make_rule("base", BASE), make_rule("dppo_tv", BASE)]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("tokendyn.effects.compare.NORM_PASSES", 1)
+        mp.setattr("tokendyn.effects.compare_norm.NORM_PASSES", 1)
         with pytest.warns(DivergedStepWarning, match="rule dppo_tv.*the equal norm after the lr search"):
             once = compare_rules(model, batch, dppo, lr=LR, inner_steps=3, shares=False)
     assert once[("dppo_tv", "equal_norm")].diverged and once[("dppo_tv", "equal_norm")].norm_ratio < 0.5

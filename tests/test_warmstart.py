@@ -148,7 +148,7 @@ def test_a_run_through_the_alias_records_the_version(tmp_path, monkeypatch):
     import json
 
     from tokendyn.policy import MARKER
-    from tokendyn.trainers import warmstart as ws
+    from tokendyn.trainers import warmstart_presets as ws
 
     monkeypatch.setattr(ws, "DEFAULT_CPU_PRESET", "tiny")
     monkeypatch.setitem(ws.PRESETS, "cpu", ws.PRESETS["tiny"])

@@ -16,6 +16,18 @@ under-estimated lands in a low mu bin and shows a positive log rho for that reas
                            (the last three over the tokens whose weight is known; null where none is: the offline
                            probe's records, whose rollouts carried no weights)
 
+A truncated or penalised sampler (top_p < 1, top_k > 0, min_p > 0, a penalty: the `sampler` records' ``log_kept``
+and ``log_rho_precision``, `tokendyn.hooks.kept_mass`) splits the total log rho into the processing's shift and the
+precision part, over the tokens where ``log_kept`` is recorded (``kept_count`` of them; all null where none is):
+
+    mean_log_kept        = mean_t log S_t                        (<= 0; the truncation's part is -mean log S)
+    mean_log_rho_prec    = mean_t log rho_precision_t            (= log rho - log S + the penalty's own change)
+    abs_mean_prec        = mean_t |log rho_precision_t|
+
+The statistics above stay those of the total log rho: the value TRL 1.16's correction exponentiates
+(``importance_sampling_ratio`` = exp of old_per_token_logps - sampling_per_token_logps, the processed log-probs,
+summed over the sequence in the sequence modes), so ``mean_weight`` and the masks are what the total did.
+
 Bin ``-1`` is every token. The edges are the paper's fixed intervals unless given; the last bin is closed.
 """
 
@@ -27,6 +39,7 @@ import polars as pl
 
 EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
 SIDES = {"pi_old": "logp_old", "mu": "logp_sampler"}
+PRECISION = ("mean_log_kept", "mean_log_rho_prec", "abs_mean_prec")  # the truncation split (module docstring)
 
 
 def _bin_expr(prob: pl.Expr, edges: Sequence[float]) -> pl.Expr:
@@ -54,6 +67,22 @@ def _stats(group: pl.DataFrame) -> dict:
         "mean_weight": w.mean() if w.len() else None,
         "frac_masked": float((w == 0.0).sum()) / w.len() if w.len() else None,
         "frac_seq_masked": float(m.sum()) / m.len() if m.len() else None,
+        **_precision(group),
+    }
+
+
+def _precision(group: pl.DataFrame) -> dict:
+    """The truncation split of the module docstring over the rows with ``log_kept`` (all null without any)."""
+    if "log_kept" not in group.columns or "log_rho_precision" not in group.columns:
+        kept = group.clear()
+    else:
+        kept = group.filter(pl.col("log_kept").is_not_null() & pl.col("log_rho_precision").is_not_null())
+    n = kept.height
+    return {
+        "kept_count": n,
+        "mean_log_kept": kept["log_kept"].mean() if n else None,
+        "mean_log_rho_prec": kept["log_rho_precision"].mean() if n else None,
+        "abs_mean_prec": kept["log_rho_precision"].abs().mean() if n else None,
     }
 
 
@@ -76,6 +105,8 @@ def mismatch_table(sampler: pl.LazyFrame | pl.DataFrame, edges: Sequence[float] 
                 continue
             lo, hi = (edges[0], edges[-1]) if b < 0 else (edges[b], edges[b + 1])
             rows.append({"side": side, "bin": b, "bin_lo": float(lo), "bin_hi": float(hi), **_stats(group)})
-    table = pl.DataFrame(rows)
+    table = pl.DataFrame(rows, infer_schema_length=None).with_columns(
+        pl.col("kept_count").cast(pl.Int64), *(pl.col(c).cast(pl.Float64) for c in PRECISION)
+    )
     total = df.height
     return table.with_columns((pl.col("count") / total).alias("token_share"))

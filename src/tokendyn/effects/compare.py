@@ -48,7 +48,6 @@ shares' JVPs (``shares=False`` drops them).
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -56,28 +55,25 @@ import torch
 from torch import nn
 
 from tokendyn.effects.change import (
-    HostSnapshot,
     InPlaceUpdate,
     Resolution,
     fix_pi_old,
     swaps_steps,
     warn_unresolved,
 )
+from tokendyn.effects.compare_norm import NORM_RATIO_RANGE, DivergedStepWarning, _to_norm, warn_diverged
 from tokendyn.effects.compare_optim import NormalizedSGD, _set_lr, optimizer_copy
+from tokendyn.effects.compare_reuse import FullUpdate, given_first_stage, reuses
+from tokendyn.effects.compare_rule import SURROGATE_RULES, Rule, _apply, make_rule, rule_batch, rule_stages
 from tokendyn.effects.distributions import measure
-from tokendyn.effects.influence import SourceSum
 from tokendyn.effects.paired_records import paired_frame
-from tokendyn.effects.shares import dot64, same_forward, token_shares_many
+from tokendyn.effects.shares import dot64, token_shares_many
 from tokendyn.probe.forward import completion_proxy_logp
 from tokendyn.probe.parallel import is_fully_sharded, local
-from tokendyn.probe.rules import SURROGATES
 from tokendyn.probe.tokenloss import (
-    PPO_FAMILY,
-    Objective,
     ProbeBatch,
     analysis_forward,
 )
-from tokendyn.remedies import logp_reweight_advantages, lopti_masks, w_reinforce_advantages
 from tokendyn.vocab import COMPARE_MODES, COMPARE_RULES, FLOAT64, FLOAT64_STEP
 
 RULES, MODES = COMPARE_RULES, COMPARE_MODES
@@ -85,222 +81,18 @@ __all__ = [
     "NormalizedSGD",
     "optimizer_copy",
     "paired_frame",
-]  # (re-exported: their homes are compare_optim, paired_records)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One update rule: its objective, Reweight's alpha (0: off), the Delta-log-p reweight's c (0: off),
-    W-REINFORCE's lambda (None: the batch's advantages) and Lopti's eta (None: one stage); ``sweep``: the point
-    (kind "c" / "eta", value) of the comparison's sweep it is (`tokendyn.effects.axis`), None for a named rule."""
-
-    name: str
-    objective: Objective
-    alpha: float = 0.0
-    eta: float | None = None
-    order: str = "low_first"
-    logp_c: float = 0.0
-    w_lambda: float | None = None
-    sweep: tuple[str, float] | None = None
-
-
-# the rules that replace PPO's surrogate (`tokendyn.probe.rules`), compared by their registered defaults
-SURROGATE_RULES = ("clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "aspo", "ce_gppo", "lp_reg")
-
-
-def make_rule(
-    name: str,
-    base: Objective,
-    *,
-    alpha: float = 0.3,
-    eta: float = 0.5,
-    seed: int = 0,
-    c: float = 0.1,
-    lam: float = 0.1,
-) -> Rule:
-    """The rule ``name`` on top of the run's loss ``base``: reweight (A <- (alpha pi_old + 1 - alpha) A), lopti (two
-    stages at eta, low first), reweight_lopti, logp_reweight (A <- (1 + c - c pi_old) A), w_reinforce (A = lam on
-    reward 1, -1 on reward 0: needs batch.rewards), a rule replacing PPO's surrogate (`SURROGATE_RULES`:
-    `Objective.policy_loss` with its registered defaults: clip_cov / kl_cov verl's, dppo_tv, dppo_kl, aspo, ce_gppo,
-    lp_reg their authors'), 80_20 (top 20 % entropy tokens), gspo (sequence ratio, clip 3e-4 / 4e-4). Clip-Cov
-    draws on a generator seeded with ``seed`` (never torch's global one: the comparison must not move the run's
-    random stream). no_correction: the base loss without the sampler's importance weights (TRL's correction; the
-    base must have it), so the comparison shows what the correction does to each bin. A rule the base loss cannot
-    take raises ValueError naming it."""
-    if name not in RULES:
-        raise ValueError(f"compare: rule must be one of {', '.join(RULES)}, got {name!r}")
-    if name == "no_correction":
-        if not base.is_correction:
-            raise ValueError(
-                "compare: rule no_correction needs the sampler's importance-sampling correction in the run's loss "
-                "(use_vllm with vllm_importance_sampling_correction), got a loss without it"
-            )
-        return Rule(name, replace(base, is_correction=False))
-    if name in SURROGATE_RULES:
-        needs_clip = SURROGATES[name].needs_clip
-        if (
-            base.loss_type not in PPO_FAMILY
-            or base.importance_sampling_level != "token"
-            or (needs_clip and base.eps_low is None)
-        ):
-            raise ValueError(
-                f"compare: rule {name} needs a{' clipped' if needs_clip else ''} PPO-family base loss (loss_type one of "
-                f"{', '.join(PPO_FAMILY)}, token ratios), got loss_type={base.loss_type!r}"
-            )
-        seed = base.cov_seed if base.cov_seed is not None else seed
-        return Rule(name, replace(base, policy_loss=name, delta=None, entropy_coef=0.0, cov_seed=seed))
-    if name == "80_20":
-        return Rule(name, replace(base, top_entropy_quantile=0.2))
-    if name == "gspo":
-        return Rule(
-            name,
-            replace(
-                base,
-                importance_sampling_level="sequence",
-                loss_type="grpo",
-                eps_low=3e-4,
-                eps_high=4e-4,
-                delta=None,
-            ),
-        )
-    if name == "logp_reweight":
-        return Rule(name, base, logp_c=c)
-    if name == "w_reinforce":
-        return Rule(name, base, w_lambda=lam)
-    return Rule(
-        name,
-        base,
-        alpha=alpha if name in ("reweight", "reweight_lopti") else 0.0,
-        eta=eta if name in ("lopti", "reweight_lopti") else None,
-    )
-
-
-def rule_batch(rule: Rule, batch: ProbeBatch) -> ProbeBatch:
-    """The batch the rule trains on: W-REINFORCE's advantages from batch.rewards, then Reweight's A_t (alpha
-    pi_old,t + 1 - alpha) or the Delta-log-p reweight's A_t (1 + c - c pi_old,t) (pi_old fixed)."""
-    if rule.w_lambda is not None:
-        if batch.rewards is None:
-            raise ValueError(f"compare: rule {rule.name} needs the batch's rewards (ProbeBatch.rewards)")
-        adv = w_reinforce_advantages(batch.rewards.to(torch.float64), rule.w_lambda)
-        batch = replace(batch, advantages=adv.to(batch.advantages.device))
-    if rule.alpha:
-        weight = rule.alpha * torch.exp(batch.old_logp.to(torch.float64)) + 1.0 - rule.alpha
-        batch = replace(batch, advantages=batch.advantages * weight.to(batch.advantages.device))
-    if rule.logp_c:
-        adv = logp_reweight_advantages(batch.advantages, batch.old_logp.to(torch.float64), rule.logp_c)
-        batch = replace(batch, advantages=adv.to(batch.advantages.device))
-    return batch
-
-
-def rule_stages(rule: Rule, batch: ProbeBatch) -> list[torch.Tensor | None]:
-    """The rule's update stages as token masks (None: every token): Lopti's two groups of pi_old, in its order."""
-    if rule.eta is None:
-        return [None]
-    first, second = lopti_masks(batch.old_logp, batch.completion_mask, eta=rule.eta, order=rule.order)
-    return [first, second]
-
-
-def _apply(
-    update: InPlaceUpdate,
-    batch: ProbeBatch,
-    objective: Objective,
-    stages,
-    *,
-    first=None,
-    keep=False,
-    repeats=1,
-):
-    """The rule's stages, each ``repeats`` updates on the same batch (pi_old fixed), in place. ``keep``: the first
-    update's gradient at theta_0 is kept in ``update.last_gradient``; ``first``: such a gradient from an earlier pass
-    (that update's forward and backward skipped)."""
-    update.objective = objective
-    for i, mask in enumerate(stages):
-        for j in range(repeats):
-            if i == 0 and j == 0:
-                update.step(batch, mask, gradient=first, keep_gradient=keep)
-            else:
-                update.step(batch, mask)
-
-
-@dataclass(frozen=True)
-class FullUpdate:
-    """The analyses' full counterfactual step of one batch (plain SGD at ``lr`` on the whole loss from theta_0,
-    pi_old fixed: `tokendyn.effects.rebalance.analyze_update`), which is also the base rule's equal_norm update:
-    the batch with pi_old fixed, pi at theta_0 (B, C) float64, dpi of every token after the step (B, C) float64,
-    ||g|| (float64) and the per-token shares s_t = <grad l_t, g> / ||g||^2 (B, C); ``signal``: whether the step
-    carried a policy-gradient signal (else it was no update, `tokendyn.effects.resolution`); ``first_stage``: the
-    gradient of a Lopti rule's first stage at theta_0, from the influence matrix's sources (`given_first_stage`),
-    or None; ``precision``: the step precision that made it (`reuses` only in the same)."""
-
-    batch: ProbeBatch
-    objective: Objective
-    lr: float
-    pi0: torch.Tensor
-    delta: torch.Tensor
-    grad_norm: float
-    shares: torch.Tensor | None
-    signal: bool = True
-    first_stage: SourceSum | None = None
-    precision: str | None = (
-        None  # the steps' precision it was made in (None: not said; `reuses` then trusts it)
-    )
-
-
-def reuses(full: FullUpdate, rule: Rule, batch: ProbeBatch, lr: float) -> bool:
-    """Whether ``full`` is ``rule``'s equal_norm update on ``batch`` at ``lr``: one stage, no Reweight, the same
-    objective, the same completions, mask and advantages, the same lr."""
-    b = full.batch
-    same_rule = (
-        rule.eta is None
-        and not rule.alpha
-        and not rule.logp_c
-        and rule.w_lambda is None
-        and rule.objective == full.objective
-    )
-    if not (same_rule and float(lr) == float(full.lr) and full.grad_norm > 0):
-        return False
-    # (pi_old None: fixed by the analyses)
-    return _same_batch(b, batch) and (batch.old_logp is None or _same(b.old_logp, batch.old_logp))
-
-
-def _same_batch(a: ProbeBatch, b: ProbeBatch) -> bool:
-    """The same forward (`same_forward`), advantages, sampling terms and normalizer (pi_old apart)."""
-    if a.normalizer != b.normalizer or not same_forward(a, b):
-        return False
-    return all(
-        _same(getattr(a, n), getattr(b, n)) for n in ("advantages", "ref_logp", "sampling_logp", "is_ratio")
-    )
-
-
-def given_first_stage(
-    full: FullUpdate | None, rule: Rule, batch: ProbeBatch, stages: list, update: InPlaceUpdate
-) -> HostSnapshot | None:
-    """The analyses' gradient of the rule's first stage at theta_0 (``full.first_stage``: a sum of the influence
-    matrix's sources, `tokendyn.effects.influence.influence_and_shares`), when it is that gradient: the same
-    objective, the same batch and pi_old, the stage's token mask exactly the sources' union, every tensor the
-    shape and dtype of the parameter it steps (the same step precision); else None (the rule makes it)."""
-    given = full.first_stage if full is not None else None
-    if given is None or stages[0] is None or rule.objective != full.objective:
-        return None
-    if not (_same_batch(full.batch, batch) and _same(full.batch.old_logp, batch.old_logp)):
-        return None
-    if not torch.equal(given.mask.to(stages[0].device), stages[0].bool() & batch.completion_mask.bool()):
-        return None
-    params = {n: local(p) for n, p in update.params.items()}
-    if given.gradient.keys() != params.keys() or any(
-        (g.shape, g.dtype, g.device) != (params[n].shape, params[n].dtype, params[n].device)
-        for n, g in given.gradient.items()
-    ):
-        return None
-    snap = HostSnapshot.borrowed(given.gradient)
-    snap.signal = given.signal
-    return snap
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return a.shape == b.shape and torch.equal(a, b.to(a.device))
+    "Rule",
+    "SURROGATE_RULES",
+    "make_rule",
+    "rule_batch",
+    "rule_stages",
+    "FullUpdate",
+    "given_first_stage",
+    "reuses",
+    "DivergedStepWarning",
+    "NORM_RATIO_RANGE",
+    "warn_diverged",
+]  # (re-exported: their homes are compare_optim, paired_records, compare_rule, compare_reuse, compare_norm)
 
 
 @dataclass
@@ -537,121 +329,3 @@ class _Shares:
                 total = float(s.sum())
                 out[key].shares = s / total if total != 0 else None
         self.items, self.stack = [], None
-
-
-# equal_norm, several steps: after the first correction the lr is searched until ||dtheta|| is within this factor of
-# the target, in at most NORM_PASSES passes in all (one pass: the rule's every step again from theta_0), each moving
-# the lr by at most MAX_LOG_STEP in log
-NORM_TOLERANCE, NORM_PASSES, MAX_LOG_STEP = 1.05, 8, math.log(10.0)
-
-
-def _to_norm(update, batch, objective, stages, k, lr, achieved, target, theta0) -> float:
-    """Redo the rule's steps from theta_0 at the lr that makes ||dtheta|| = ``target`` (``achieved`` at ``lr``: the
-    steps just made), in place; returns that lr, the model left at its steps. Nothing to scale (``achieved`` or
-    ``target`` not finite, ``achieved`` 0): the steps are kept as made. The first correction is lr T / achieved,
-    exactly as before the search (a one-stage update at k = 1 scales so; Lopti's two stages at k = 1 land within 1e-4
-    of T on SmolLM2-135M). While the norm is more than `NORM_TOLERANCE` off T (T > 0): the next lr is the secant of
-    log ||dtheta|| over log lr through the last two finite passes (slope 1 with one; clamped to [1/4, 4] and a move of
-    at most `MAX_LOG_STEP` until T is bracketed, then bisection in log lr where the secant leaves the bracket); a
-    pass that is not finite bounds the bracket from above; a norm that falls as the lr grows, or a bracket the
-    passes invert, ends the search. At most `NORM_PASSES` passes, then the best pass is made again if the last was
-    not it. (k > 1 updates start where the first left the ratios, so the norm need not be linear in the lr: DPPO-TV
-    at k = 3 on the tiny test model grows as lr^5 near T, and one correction ended at 0.0013 of it.) Stage 1's
-    gradient at theta_0 is computed once (``update.last_gradient``)."""
-    if not (math.isfinite(achieved) and achieved > 0 and math.isfinite(target)):
-        return lr
-    first = update.last_gradient  # stage 1 from theta_0 again: the same gradient
-
-    def run(rate: float) -> float:
-        update.load(update.initial())
-        _set_lr(update, rate)
-        _apply(update, batch, objective, stages, first=first, repeats=k)
-        return update.relative_step() * theta0
-
-    lr = lr * target / achieved
-    achieved = run(lr)
-    if not target > 0:
-        return lr
-    goal, tol = math.log(target), math.log(NORM_TOLERANCE)
-    points: list[tuple[float, float]] = []  # (log lr, log ||dtheta||) of the finite passes
-    # log lr of the largest finite pass short of T, and of the smallest beyond it (or not finite)
-    below = above = None
-    best: tuple[float, float] | None = None  # (|log ||dtheta|| - log T|, log lr)
-    for _ in range(NORM_PASSES - 1):
-        x = math.log(lr)
-        if math.isfinite(achieved) and achieved > 0:
-            y = math.log(achieved)
-            if best is None or abs(y - goal) < best[0]:
-                best = (abs(y - goal), x)
-            if abs(y - goal) <= tol:
-                return lr
-            points.append((x, y))
-            if y < goal:
-                below = x if below is None else max(below, x)
-            else:
-                above = x if above is None else min(above, x)
-        else:
-            above = x if above is None else min(above, x)
-        slope = None
-        if len(points) > 1 and points[-1][0] != points[-2][0]:
-            slope = (points[-1][1] - points[-2][1]) / (points[-1][0] - points[-2][0])
-        if below is not None and above is not None:
-            if not below < above:
-                break  # (the passes invert the bracket: the norm is not monotone here)
-            nxt = points[-1][0] + (goal - points[-1][1]) / slope if slope is not None and slope > 0 else None
-            if nxt is None or not below < nxt < above:
-                nxt = (below + above) / 2
-        elif points and points[-1][0] == x:
-            if slope is not None and slope <= 0:
-                break  # (the norm falls as the lr grows)
-            p = 1.0 if slope is None else min(max(slope, 0.25), 4.0)
-            nxt = x + max(-MAX_LOG_STEP, min(MAX_LOG_STEP, (goal - points[-1][1]) / p))
-        else:  # this pass was not finite and nothing is short of T yet: back off
-            nxt = x - MAX_LOG_STEP
-        lr = math.exp(nxt)
-        achieved = run(lr)
-    last = math.log(achieved) if math.isfinite(achieved) and achieved > 0 else None
-    if last is not None and abs(last - goal) <= tol:
-        return lr
-    if best is not None and best[1] != math.log(lr) and (last is None or abs(last - goal) > best[0]):
-        lr = math.exp(best[1])
-        run(lr)
-    return lr
-
-
-class DivergedStepWarning(UserWarning):
-    """A compared rule's update left the finite numbers, or (equal_norm) ended off the equal norm by more than
-    `NORM_RATIO_RANGE` allows (`compare_rules`): its rows' measurements are null, `diverged`."""
-
-
-# equal_norm: a rule whose ||dtheta|| is off the target by more than this factor after the lr corrections (`_to_norm`)
-# left the local regime: its rows are not a comparison at equal norm
-NORM_RATIO_RANGE = (0.5, 2.0)
-
-
-def warn_diverged(rule: str, mode: str, lr: float | None, k: int, ratio: float | None) -> None:
-    """The loud flag of a rule whose k updates made a parameter or a probability non-finite (``ratio`` None) or, in
-    equal_norm mode (at ``lr``), ended off the equal norm by more than `NORM_RATIO_RANGE` allows after the lr
-    search; the advice names what can change it (optimizer mode: the run's own optimizer made the steps)."""
-    what = (
-        "a parameter or a probability not finite"
-        if ratio is None
-        else f"its ||dtheta|| {ratio:.3g}x the equal norm after the lr search"
-    )
-    if mode == "optimizer":
-        how = "a copy of the run's optimizer"
-        fix = "fewer updates (--probe_compare_inner_steps) keep its steps local"
-    else:
-        how = f"SGD at lr {lr:.3g}" if lr is not None else "SGD"
-        fix = (
-            "the later updates start where the first left the ratios r = pi / pi_old: a smaller step "
-            "(--probe_compare_lr) keeps them in the local regime"
-            if k > 1
-            else "a smaller step (--probe_compare_lr) keeps it in the local regime"
-        )
-    warnings.warn(
-        f"compare (rule {rule}, mode {mode}): its {k} update(s) per stage ({how}) diverged ({what}): its rows' "
-        f"measurements are null (paired column diverged); {fix}",
-        DivergedStepWarning,
-        stacklevel=3,
-    )

@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import polars as pl
 import torch
 from torch import nn
 
-from tokendyn.config import TOKEN_SHARES_PER_BIN
 from tokendyn.effects.change import (
     Resolution,
     change_frame,
     counterfactual_change,
     fix_pi_old,
-    real_change,
     swaps_steps,
     warn_unresolved,
 )
@@ -40,70 +37,20 @@ from tokendyn.effects.compare import FullUpdate
 from tokendyn.effects.influence import influence, influence_and_shares
 from tokendyn.effects.limit import limit_change, limit_refusal
 from tokendyn.effects.precision import MeasuredPrecision, measured_analysis
-from tokendyn.effects.shares import METHODS, as_edges, gradient_shares
+from tokendyn.effects.rebalance_options import RebalanceOptions
+from tokendyn.effects.shares import as_edges, gradient_shares
 from tokendyn.effects.token_sample import token_shares_frame
 from tokendyn.effects.token_view import head_ratios, token_view_frame, view_rows
+from tokendyn.effects.update_frames import real_change_frame, stage_shares_frame
 from tokendyn.probe.parallel import is_fully_sharded
 from tokendyn.probe.tokenloss import Objective, ProbeBatch, analysis_forward, bin_index, trainable_parameters
 from tokendyn.records import process_rank, to_frame
 from tokendyn.remedies import lopti_masks
-from tokendyn.vocab import HIGH, LOPTI, LOW, MEASURED, PROBE_STEP_PRECISIONS, TRAIN, stage_name
+from tokendyn.vocab import HIGH, LOPTI, LOW, MEASURED, TRAIN, stage_name
 
-
-@dataclass(frozen=True)
-class RebalanceOptions:
-    """Which analyses run. shares: per-bin gradients, norms per layer, projection shares (one forward, one
-    backward for g and one per bin, streamed: `tokendyn.effects.shares.gradient_shares`; ``share_method`` "loop" or
-    "batched" hold every per-bin gradient at once instead); token_shares: tokens per bin kept from the per-token
-    JVP shares (0: no JVP); prob_change: the counterfactual update (lr, plain SGD); influence: one counterfactual
-    update per source bin (and per Lopti stage); lr_sweep: further step sizes of the counterfactual update (with
-    prob_change), recorded as update "sweep" with the update's ||delta theta|| / ||theta||, to see where the
-    first-order picture of the paper's lr = 1e-3 step stops holding (list the main lr too to have it on the same
-    curve), and before them its lr -> 0 limit (lr 0, ``limit`` true: d pi / d lr at lr = 0, `tokendyn.effects.limit`;
-    skipped with a warning on FSDP2-sharded parameters or an attention kernel forward-mode AD refuses);
-    view_sequences: sequences of the sample whose every token is recorded (`token_view`: its share, its
-    counterfactual dpi, its own-gradient ratio; 0 = off); step_precision: the counterfactual steps' (influence
-    sources, prob_change, the sweep; `tokendyn.effects.change.InPlaceUpdate`): "float64" (default: a float64 copy of
-    the model for the analysis, so a step below the float32 rounding of theta is made whole), "float64_step" (the
-    gradient in the model's dtype, the step and pi after it in float64: the memory of the model's own backward),
-    "model" (the parameters' own dtype; each record's step_rounding says how much of the step that can lose) or
-    "measured" (float64 steps and the model's dtype, compared, and the model's dtype kept while they agree:
-    `tokendyn.effects.precision`; `analyze_update` then checks on every call unless it is given the run's
-    `MeasuredPrecision`)."""
-
-    shares: bool = True
-    token_shares: int = TOKEN_SHARES_PER_BIN
-    prob_change: bool = True
-    influence: bool = True
-    lr: float = 1e-3
-    lr_sweep: tuple[float, ...] = ()
-    share_method: str = "stream"
-    seed: int = 0
-    view_sequences: int = 0
-    step_precision: str = "float64"
-
-    def __post_init__(self) -> None:
-        sweep = tuple(float(x) for x in (self.lr_sweep or ()))
-        if any(not x > 0 for x in sweep):
-            raise ValueError(f"rebalance: every lr_sweep value must be > 0, got {list(self.lr_sweep)!r}")
-        object.__setattr__(self, "lr_sweep", tuple(sorted(set(sweep))))
-        if self.share_method not in METHODS:
-            raise ValueError(
-                f"rebalance: share_method must be one of {', '.join(METHODS)}, got {self.share_method!r}"
-            )
-        if not isinstance(self.token_shares, int) or self.token_shares < 0:
-            raise ValueError(f"rebalance: token_shares must be an integer >= 0, got {self.token_shares!r}")
-        if not isinstance(self.view_sequences, int) or self.view_sequences < 0:
-            raise ValueError(
-                f"rebalance: view_sequences must be an integer >= 0, got {self.view_sequences!r}"
-            )
-        if not float(self.lr) > 0:
-            raise ValueError(f"rebalance: lr must be > 0, got {self.lr!r}")
-        if self.step_precision not in PROBE_STEP_PRECISIONS:
-            raise ValueError(
-                f"rebalance: step_precision must be one of {', '.join(PROBE_STEP_PRECISIONS)}, "
-                f"got {self.step_precision!r}"
-            )
+# the options (`tokendyn.effects.rebalance_options`) and the frames of the real update
+# (`tokendyn.effects.update_frames`), re-exported
+__all__ = ["RebalanceOptions", "real_change_frame", "stage_shares_frame"]
 
 
 def _stages(stage_masks: Sequence[torch.Tensor] | None, order: str) -> list[tuple[str, torch.Tensor | None]]:
@@ -375,56 +322,3 @@ def _no_update_notes(step: int, sources: dict, stages: dict, sweep: dict) -> pl.
         "message": [message],
     }
     return to_frame("notes", columns)
-
-
-@analysis_forward
-def stage_shares_frame(
-    model: nn.Module,
-    batch: ProbeBatch,
-    token_mask: torch.Tensor,
-    *,
-    step: int,
-    stage: str,
-    edges: torch.Tensor | Sequence[float] | None = None,
-    objective: Objective | None = None,
-    method: str = "stream",
-) -> pl.DataFrame:
-    """The `shares` record of one Lopti stage at the model's current parameters: g_b = grad sum_{t in b and stage}
-    l_t, s_b = <g_b, g_stage> / ||g_stage||^2 (bins outside the stage have g_b = 0). Called at the start of each
-    stage (stage 2: after the real stage-1 optimizer steps), it decomposes the stage loss's gradient on this batch at
-    the parameters the stage starts from: the direction of the stage's first step on that batch (the later steps of
-    the stage, on other micro-batches, with AdamW's scaling, are not decomposed)."""
-    edges_t = as_edges(edges)
-    res = gradient_shares(
-        model, batch, edges_t, objective=objective, method=method, per_token=False, token_mask=token_mask
-    )
-    return res.bins.to_frame(step, stage)
-
-
-@analysis_forward
-def real_change_frame(
-    pi_before: torch.Tensor | nn.Module,
-    model_after: nn.Module,
-    batch: ProbeBatch,
-    *,
-    step: int,
-    stage: str = "train",
-    edges: torch.Tensor | Sequence[float] | None = None,
-    pi_old: torch.Tensor | None = None,
-    delta: torch.Tensor | None = None,
-) -> pl.DataFrame:
-    """The `prob_change` record (update "real") of a real training update: pi_before measured before the optimizer
-    step (`tokendyn.effects.change.completion_probs`) or the model before; bins over pi_old (default:
-    exp(batch.old_logp), else pi_before). ``delta``: the real change already measured (`real_change`)."""
-    edges_t = as_edges(edges)
-    if delta is None:
-        delta = real_change(pi_before, model_after, batch)
-    if pi_old is None:
-        if batch.old_logp is not None:
-            pi_old = torch.exp(batch.old_logp.to(torch.float64))
-        elif torch.is_tensor(pi_before):
-            pi_old = pi_before
-        else:
-            raise ValueError("rebalance: give pi_old (or a batch with old_logp) to bin the real change")
-    bins = bin_index(pi_old.to(torch.float64), batch.completion_mask, edges_t)
-    return change_frame(delta, batch, bins, edges_t, step=step, stage=stage, update="real")

@@ -23,6 +23,13 @@ kernel difference, the part of a sampler's log rho (a sampler draws no dropout) 
 With the correction off and the rollout's steps aligned (one optimizer step per generation, no iterations) TRL keeps
 no ``old_per_token_logps``: its loss takes the current log-probs, detached, as log pi_old. The probe then passes its
 own per-token log-probs of the micro-batch (`needs_logp_old`, ``logp_old=``): the same forward the loss used.
+
+Truncated sampling (top_p < 1, top_k > 0, min_p > 0, or a repetition / frequency / presence penalty, read from the
+trainer's args as TRL passes them to vLLM): vLLM's processed log-prob is renormalised over the kept tokens, so log rho
+carries log S besides the precision mismatch. `kept_logps` recomputes the trainer's full logits of the micro-batch
+(one no-grad forward, a `side_pass`) and gives each token log S and the precision part
+log rho_precision = log rho - log S + (log q(o) - log pi(o)) (`tokendyn.hooks.kept_mass`); both null without any
+processing, and null (with a `notes` row) when ``generation_kwargs`` hold a logit change that is not modelled.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import polars as pl
 import torch
 from torch import nn
 
+from tokendyn.hooks.kept_mass import Processing, history, kept_mass, processing_from_args
 from tokendyn.probe.forward import eval_mode
 
 SAMPLER_KEY = "sampling_per_token_logps"
@@ -47,10 +55,17 @@ def needs_logp_old(inputs: dict) -> bool:
 
 
 def sampler_frame(
-    inputs: dict, step: int, stage: str, micro: int, rank: int, logp_old: torch.Tensor | None = None
+    inputs: dict,
+    step: int,
+    stage: str,
+    micro: int,
+    rank: int,
+    logp_old: torch.Tensor | None = None,
+    kept: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> pl.DataFrame | None:
     """The `sampler` rows of one micro-batch (every valid completion token), None when the batch carries no
-    sampler log-probs (TRL's own ``generate``) or no log pi_old (TRL's, else ``logp_old`` [B, C])."""
+    sampler log-probs (TRL's own ``generate``) or no log pi_old (TRL's, else ``logp_old`` [B, C]); ``kept``: log S
+    and delta [B, C] (`kept_logps`), None: no truncation (the two columns null)."""
     logp_mu = inputs.get(SAMPLER_KEY)
     if logp_old is None:
         logp_old = inputs.get("old_per_token_logps")
@@ -59,7 +74,7 @@ def sampler_frame(
     mask = inputs["completion_mask"].bool()
     if "tool_mask" in inputs:
         mask = mask & inputs["tool_mask"].bool()
-    return token_frame(logp_old, logp_mu, mask, inputs.get(WEIGHT_KEY), step, stage, micro, rank)
+    return token_frame(logp_old, logp_mu, mask, inputs.get(WEIGHT_KEY), step, stage, micro, rank, kept)
 
 
 def token_frame(
@@ -71,9 +86,12 @@ def token_frame(
     stage: str,
     micro: int,
     rank: int,
+    kept: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> pl.DataFrame:
     """The `sampler` rows of the tokens where ``mask`` [B, C] is true: log pi_old, log mu [B, C], and the weight
-    the loss multiplied in ([B, C], or [B, 1] for a sequence's; None: 1), whichever framework read them."""
+    the loss multiplied in ([B, C], or [B, 1] for a sequence's; None: 1), whichever framework read them. ``kept``
+    = (log S, delta) [B, C] of a truncated sampler (`tokendyn.hooks.kept_mass`): ``log_kept`` = log S and
+    ``log_rho_precision`` = log rho + delta (= log rho - log S without a penalty); None: both null."""
     mask = mask.bool()
     weight = torch.ones_like(logp_old) if weight is None else weight.expand_as(logp_old)
     weight = weight.double()
@@ -81,6 +99,11 @@ def token_frame(
     rows, pos = mask.nonzero(as_tuple=True)
     old, mu = logp_old.double()[mask], logp_mu.double()[mask]
     n = int(rows.numel())
+    if kept is None:
+        log_kept = precision = [None] * n
+    else:
+        log_kept = kept[0].double()[mask].tolist()
+        precision = (old - mu + kept[1].double()[mask].to(old.device)).tolist()
     return pl.DataFrame(
         {
             "step": [int(step)] * n,
@@ -94,7 +117,10 @@ def token_frame(
             "log_rho": (old - mu).tolist(),
             "is_weight": weight[mask].tolist(),
             "seq_masked": seq_masked[mask].tolist(),
-        }
+            "log_kept": log_kept,
+            "log_rho_precision": precision,
+        },
+        schema_overrides={"log_kept": pl.Float64, "log_rho_precision": pl.Float64},
     )
 
 
@@ -124,6 +150,31 @@ def split_logps(trainer, inputs: dict, rows: int = FLOOR_ROWS) -> torch.Tensor |
             )
             out[part, :cut] = logps.detach().float()
     return out
+
+
+def kept_logps(trainer, inputs: dict, proc: Processing) -> tuple[torch.Tensor, torch.Tensor]:
+    """log S and delta(o) [B, C] (float64, `tokendyn.hooks.kept_mass.kept_mass`) of every completion token of the
+    micro-batch, from the trainer's full logits at the token's position: one no-grad forward of the micro-batch as
+    the loss sees it (prompt and completion, the same attention mask), as a `side_pass` (eval mode; the RNG
+    untouched). Row by row in float64; a penalty's history is the row's real prompt ids and its completion so far.
+    At the parameters of this forward: theta_old at a rollout's first optimizer step (TRL's default: one optimizer
+    step per rollout); at a later step of the same rollout (``num_iterations`` > 1, ``steps_per_generation`` >
+    ``gradient_accumulation_steps``, Lopti's second stage) log S carries the drift of the updates since."""
+    prompt, completion = inputs["prompt_ids"], inputs["completion_ids"]
+    c = completion.size(1)
+    ids = torch.cat([prompt, completion], dim=1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad(), side_pass(trainer.model):
+        logits = trainer.model(input_ids=ids, attention_mask=attn, logits_to_keep=c + 1).logits[:, :-1]
+        out = torch.zeros(2, *completion.shape, dtype=torch.float64, device=completion.device)
+        for b in range(completion.size(0)):
+            seen = counts = None
+            if proc.penalises:
+                real = prompt[b][inputs["prompt_mask"][b].bool()]
+                seen, counts = history(real, completion[b], logits.size(-1))
+            kept = kept_mass(logits[b], completion[b], proc, seen, counts)
+            out[0, b], out[1, b] = kept.log_kept, kept.shift
+    return out[0], out[1]
 
 
 @contextmanager
@@ -157,16 +208,36 @@ class SamplerSide:
 
     def __init__(self, trainer, write: Callable[[dict], None], quiet: Callable, floor: bool) -> None:
         self.trainer, self.write, self.quiet, self.floor = trainer, write, quiet, floor
-        self._sampler = None  # (inputs, key): sampler rows waiting for the forward's log-probs
+        self._sampler = None  # (inputs, key, kept): sampler rows waiting for the forward's log-probs
         self._floor = None  # (inputs, log-probs in halves, key): the floor, waiting for the same
+        self.processing, self._unmodelled = processing_from_args(trainer.args)
+        self._noted = False
+
+    def _kept(self, inputs: dict, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """log S and delta of the micro-batch's tokens (`kept_logps`), None without processing or when the
+        processing is not modelled (noted once)."""
+        if not self.processing.active:
+            return None
+        if self._unmodelled is not None:
+            if not self._noted:
+                self._noted = True
+                message = (f"sampler: generation_kwargs {self._unmodelled} change the engine's logits in a way "
+                           "tokendyn does not model; log_kept and log_rho_precision are null")  # fmt: skip
+                self.write({"notes": {"step": [None], "rank": [key[3]], "code": ["kept_mass_unmodelled"],
+                                      "message": [message]}})  # fmt: skip
+            return None
+        with self.quiet():
+            return kept_logps(self.trainer, inputs, self.processing)
 
     def begin(self, inputs: dict, *key) -> None:
         """``key`` = (step, stage, micro, rank) of the micro-batch; the floor at micro 0 (a step's first)."""
-        sampler = sampler_frame(inputs, *key)
+        has_mu = inputs.get(SAMPLER_KEY) is not None
+        kept = self._kept(inputs, key) if has_mu else None
+        sampler = sampler_frame(inputs, *key, kept=kept)
         if sampler is not None:  # vLLM sampled: its log-probs beside the trainer's, and the weight applied
             self.write({"sampler": sampler})
         elif needs_logp_old(inputs):  # TRL's loss takes this forward's log-probs as pi_old: read at the end
-            self._sampler = (inputs, key)
+            self._sampler = (inputs, key, kept)
         if (
             self.floor and key[2] == 0
         ):  # the trainer against itself, before the loss's forward: a step's first
@@ -182,8 +253,8 @@ class SamplerSide:
         if logp is None:
             return
         if pending is not None:
-            inputs, key = pending
-            self.write({"sampler": sampler_frame(inputs, *key, logp_old=logp)})
+            inputs, key, kept = pending
+            self.write({"sampler": sampler_frame(inputs, *key, logp_old=logp, kept=kept)})
         if floor is not None:
             inputs, split, key = floor
             self.write({"floor": floor_frame(inputs, logp, split.to(logp.device), *key)})

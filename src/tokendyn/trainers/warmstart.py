@@ -8,158 +8,47 @@ statement structure equals a held-out (evaluation) puzzle's removed.
 from __future__ import annotations
 
 import math
-import platform
 import random
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..policy import EOS, ModelPreset
-
-
-@dataclass(frozen=True)
-class WarmstartPreset:
-    model: ModelPreset
-    people: tuple[int, ...]
-    people_weights: tuple[float, ...]
-    steps: int
-    batch_size: int
-    lr: float
-    puzzles_per_size: int
-    eval_n: int
-    warmup_frac: float = 0.05
-    # curriculum: the first name_pool_frac of the steps draw every puzzle's names from a small pool
-    # (name_pool names), which makes name copying (what a from-scratch policy learns last) emerge early
-    name_pool: int = 0
-    name_pool_frac: float = 0.0
-    # phase 1: copy_steps of repeating random word sequences, where content-based copying (an induction
-    # circuit) forms in a few hundred steps; K&K needs it to copy the puzzle's names (measured: without this
-    # phase, 8M tokens of K&K alone never learned to copy names)
-    copy_steps: int = 0
-    weight_decay: float = 0.01
-    tokenizer_corpus: int = 300  # puzzles per size used to train the BPE
-    reasoning: str = "v1"  # reference reasoning style (trainers.completions.STYLES)
-
-
-PRESETS: dict[str, WarmstartPreset] = {
-    # seconds: for tests (trains, saves, reloads and generates; learns little)
-    "tiny": WarmstartPreset(
-        model=ModelPreset(
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            intermediate_size=64,
-        ),
-        people=(3,),
-        people_weights=(1.0,),
-        steps=6,
-        batch_size=4,
-        lr=3e-3,
-        puzzles_per_size=40,
-        copy_steps=2,
-        eval_n=4,
-        tokenizer_corpus=40,
-    ),
-    # the first embedded default (v1): conclusions about 1-3 people, 1,200 steps (docs/warmstart_v1/seed0.json)
-    "cpu_v1": WarmstartPreset(
-        model=ModelPreset(
-            hidden_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=512,
-        ),
-        people=(3, 4, 5, 6, 7),
-        people_weights=(0.4, 0.25, 0.15, 0.1, 0.1),
-        steps=1200,
-        batch_size=32,
-        lr=2e-3,
-        puzzles_per_size=5000,
-        eval_n=100,
-        copy_steps=600,
-    ),
-    # one modern GPU: a wider, deeper model trained longer
-    "gpu": WarmstartPreset(
-        model=ModelPreset(
-            hidden_size=512,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            intermediate_size=1536,
-        ),
-        people=(3, 4, 5, 6, 7),
-        people_weights=(0.2, 0.2, 0.2, 0.2, 0.2),
-        steps=20000,
-        batch_size=64,
-        lr=6e-4,
-        puzzles_per_size=50000,
-        copy_steps=2000,
-        eval_n=100,
-    ),
-}
-
-
-# second version (docs/warmstart_v2/): reasoning about 2..N people in varied orders with varied openers, a
-# 3-person-heavier mix, 700 steps; closer to an LLM's probability histogram but less accurate (not shipped)
-PRESETS["cpu_v2"] = replace(
-    PRESETS["cpu_v1"],
-    people_weights=(0.5, 0.2, 0.1, 0.1, 0.1),
-    steps=700,
-    puzzles_per_size=10000,
-    copy_steps=500,
-    reasoning="v2",
+from ..policy import EOS
+from .warmstart_presets import (
+    DEFAULT_CPU_PRESET,
+    PRESETS,
+    WarmstartPreset,
+    canonical_preset,
+    check_preset,
+    eval_sizes,
+)
+from .warmstart_report import (
+    CHECK_SLICE,
+    TARGETS,
+    _threads,
+    _versions,
+    check_slice,
+    check_targets,
+    target_values,
+    with_seed_checks,
 )
 
-
-# third version: the reasoning restates claims and decides no role before the answer (style v3), 2-person puzzles
-# join the mix (the smallest logic first), 3 people weighted most; evaluated on 3..7 people as the others
-PRESETS["cpu_v3"] = replace(
-    PRESETS["cpu_v1"],
-    people=(2, 3, 4, 5, 6, 7),
-    people_weights=(0.15, 0.4, 0.2, 0.1, 0.075, 0.075),
-    steps=1800,
-    puzzles_per_size=10000,
-    copy_steps=500,
-    reasoning="v3",
-)
-
-
-# fourth version: v3 with interjections (more free choices per token), trained longer
-PRESETS["cpu_v4"] = replace(PRESETS["cpu_v3"], steps=2000, reasoning="v4")
-# fifth version: twice v4's interjections, trained longer still
-PRESETS["cpu_v5"] = replace(PRESETS["cpu_v3"], steps=2400, reasoning="v5")
-# sixth version: v5 with more 3-person puzzles in the mix, trained longer (v5's loss was still falling)
-PRESETS["cpu_v6"] = replace(PRESETS["cpu_v5"], people_weights=(0.1, 0.5, 0.15, 0.1, 0.075, 0.075), steps=2750)
-# seventh version: v6's data on a deeper model (6 layers: 1.6 M parameters), for the logic the answer needs
-PRESETS["cpu_v7"] = replace(
-    PRESETS["cpu_v6"], model=replace(PRESETS["cpu_v6"].model, num_hidden_layers=6), steps=1900
-)
-
-# eighth version: v6's mix and steps, interjections ending in ".", "!" or "..." (reasoning style v6): the token after
-# an interjection becomes a free choice too
-PRESETS["cpu_v8"] = replace(PRESETS["cpu_v6"], reasoning="v6")
-# the embedded default (shipped in tokendyn/default_policy/: seed 1 of the three trained; warmstart.json there holds its
-# numbers and the target table of every seed trained)
-DEFAULT_CPU_PRESET = "cpu_v8"
-PRESETS["cpu"] = PRESETS[DEFAULT_CPU_PRESET]
-
-
-def canonical_preset(name: str) -> str:
-    """The versioned name of a preset: ``cpu`` is an alias of the current default's version, and records name the
-    version (they still name their recipe after the default moves on)."""
-    return DEFAULT_CPU_PRESET if name == "cpu" else name
-
-
-def eval_sizes(preset: WarmstartPreset) -> list[int]:
-    """The sizes a warm start is evaluated on: its training sizes from 3 people up (the official test sets)."""
-    return [n for n in preset.people if n >= 3] or list(preset.people)
-
-
-def check_preset(name: str) -> WarmstartPreset:
-    if name not in PRESETS:
-        raise ValueError(f"preset: must be one of {sorted(PRESETS)}, got {name!r}")
-    return PRESETS[name]
+# the recipes (`tokendyn.trainers.warmstart_presets`) and the report's checks (`tokendyn.trainers.warmstart_report`),
+# re-exported
+__all__ = [
+    "DEFAULT_CPU_PRESET",
+    "PRESETS",
+    "WarmstartPreset",
+    "canonical_preset",
+    "check_preset",
+    "eval_sizes",
+    "CHECK_SLICE",
+    "TARGETS",
+    "check_slice",
+    "check_targets",
+    "target_values",
+    "with_seed_checks",
+]
 
 
 def _lr_at(step: int, total: int, base: float, warmup_frac: float, hold_frac: float = 0.6) -> float:
@@ -465,53 +354,6 @@ def warmstart(
     return report
 
 
-CHECK_SLICE = (3, 20)  # the first 20 official 3-person test puzzles, greedy
-
-
-def check_slice(model, tokenizer) -> dict:
-    """Greedy rewards on a fixed slice: recorded in ``warmstart.json``, re-checked by the tests."""
-    from ..tasks.kk.datasets import heldout
-    from ..tasks.kk.prompts import render_prompt
-    from ..tasks.kk.reward import compute_score
-    from .evaluate import generate, max_new_tokens_for
-
-    people, n = CHECK_SLICE
-    items = list(heldout(people))[:n]
-    prompts = [render_prompt(p.quiz) for p in items]
-    texts, _ = generate(model, tokenizer, prompts, max_new_tokens_for(people), temperature=None)
-    rewards = [
-        compute_score(pr + t, p.solution_text_format).total
-        for pr, t, p in zip(prompts, texts, items, strict=True)
-    ]
-    return {"people": people, "n": n, "rewards": rewards, "accuracy": sum(r == 3 for r in rewards) / n}
-
-
-def _threads() -> dict:
-    """The CPU threads torch trained with, the machine's cores, and its load (the machine may be shared)."""
-    import os
-
-    import torch
-
-    return {
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg(),
-    }
-
-
-def _versions() -> dict:
-    import tokenizers
-    import torch
-    import transformers
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-    }
-
-
 class _progress:
     """A rich progress bar (or nothing)."""
 
@@ -538,56 +380,3 @@ class _progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-
-
-# the embedded default's targets (issue "A default policy closer to an LLM"), checked on its own measurements
-TARGETS = {
-    "accuracy_3ppl_T0.7": (0.25, 0.80),  # official 3-person test puzzles, sampled at T = 0.7
-    "tokens_below_0.5_3ppl": (0.20, 1.0),  # share of sampled tokens with pi < 0.5 (3 people, T = 0.7)
-    "tokens_in_top_bin_3ppl": (0.0, 0.75),  # share with pi in [.75, 1]
-    "format_valid_min": (0.95, 1.0),  # lowest format-valid rate over every evaluated size and mode
-    "train_cpu_s": (0.0, 3600.0),  # 30 minutes on 2 cores = 3600 CPU seconds
-    "package_mb": (0.0, 8.0),  # size of the saved policy folder
-}
-
-
-def target_values(report: dict, folder: str | Path | None = None) -> dict:
-    """The measured value of each target from a warmstart.json's own numbers (and the folder's size)."""
-    rows = report["evaluation"]
-    acc3 = [r["accuracy"] for r in rows if r["people"] == 3 and r["mode"] != "greedy"]
-    shares3 = report["bin_shares_T0.7"].get("people_3")
-    values = {
-        "accuracy_3ppl_T0.7": acc3[0] if acc3 else None,
-        "tokens_below_0.5_3ppl": report["tokens_below_0.5_T0.7"].get("people_3"),
-        "tokens_in_top_bin_3ppl": shares3[-1] if shares3 else None,
-        "format_valid_min": min(r["format_valid"] for r in rows) if rows else None,
-        "train_cpu_s": report["training"].get("train_cpu_s"),
-    }
-    if folder is not None:
-        files = [p for p in Path(folder).iterdir() if p.is_file() and p.name != "warmstart.json"]
-        values["package_mb"] = round(sum(p.stat().st_size for p in files) / 1e6, 2)
-    return values
-
-
-def check_targets(values: dict) -> dict:
-    """{target: {"value", "range", "met"}} for every target with a measured value."""
-    return {
-        k: {"value": v, "range": list(TARGETS[k]), "met": TARGETS[k][0] <= v <= TARGETS[k][1]}
-        for k, v in values.items()
-        if v is not None
-    }
-
-
-def with_seed_checks(report: dict, others: list[dict]) -> dict:
-    """``report`` (the shipped seed's warmstart.json) with ``seed_checks``: for it and every other seed's report of
-    the same preset, the seed and its target table (`check_targets` of `target_values`; the package size is the
-    shipped folder's, the same architecture), so one file says whether the targets hold on every seed trained."""
-    for r in others:
-        if r["preset"] != report["preset"]:
-            raise ValueError(f"others: preset {r['preset']!r} differs from the shipped {report['preset']!r}")
-    checks = [{"seed": report["seed"], "targets": report["targets"]}]
-    for r in sorted(others, key=lambda r: r["seed"]):
-        values = target_values(r)
-        values["package_mb"] = report["targets"]["package_mb"]["value"]
-        checks.append({"seed": r["seed"], "targets": check_targets(values)})
-    return {**report, "seed_checks": checks}
