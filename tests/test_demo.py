@@ -35,6 +35,7 @@ def test_demo_writes_three_runs_and_the_report(tiny_model_dir, tmp_path):
 def test_llm_demo_trains_on_sums_and_analyses_the_same_rollouts(tmp_path):
     """The real LLM's demo: the arithmetic task in every run, the paired comparison in GRPO's run only, and the
     analyses on the same rollouts in every run although Lopti takes two optimizer steps per rollout."""
+    from tokendyn.analysis.schedule import probed_rollout
     from tokendyn.commands.demo import LLM, POLICIES, _configs
     from tokendyn.trainers.runner import optimizer_steps_per_rollout
 
@@ -45,11 +46,10 @@ def test_llm_demo_trains_on_sums_and_analyses_the_same_rollouts(tmp_path):
         assert run.task == "arith" and run.arith_digits == [1, 2] and run.arith_eval_digits == [2]
         assert run.model_name_or_path == "smollm2-135m" and run.eval_n == 200
         assert cfg.learning_rate == 1e-5 and cfg.max_completion_length == 16
-        analysed = [
-            s for s in range(LLM.rollouts * optimizer_steps_per_rollout(cfg)) if s % cfg.probe_every == 0
-        ]
-        rollouts = [s // optimizer_steps_per_rollout(cfg) for s in analysed]
-        assert rollouts == [0, 3, 6], name
+        per = optimizer_steps_per_rollout(cfg)
+        probed = [s for s in range(LLM.rollouts * per) if probed_rollout(s, cfg.probe_every, per)]
+        assert sorted({s // per for s in probed}) == [0, 3, 6], name  # probe_every counts rollouts
+        assert len(probed) == 3 * per, name  # every optimizer step of a probed rollout
         assert bool(cfg.probe_compare_rules) == (name == "grpo")
 
 

@@ -38,14 +38,14 @@ class DemoSize:
     eval_people: tuple[int, ...]  # puzzle sizes evaluated (held-out accuracy per size)
     eval_n: int  # held-out puzzles per size per evaluation
     eval_every: int  # evaluation every this many rollouts
-    probe_every: int  # optimizer steps between probed steps (analyses run on probed rollout starts)
+    probe_every: int  # rollouts between probed rollouts (every step of a probed rollout, both Lopti stages)
     probe_sample_sequences: int  # sequences of a probed rollout the rebalancing analyses use
     lr_sweep: tuple[float, ...] = ()  # step sizes of the counterfactual SGD sweep (probe_lr_sweep)
     task: str = "kk"  # kk (people, eval_people) or arith (arith_digits, arith_eval_digits)
     arith_digits: tuple[int, ...] = ()  # arith: operand digits trained on
     arith_eval_digits: tuple[int, ...] = ()  # arith: held-out difficulties evaluated (eval_n sums each)
-    # probe_every counts rollouts (every method analysed on the same rollouts) and the GRPO run compares Reweight's
-    # and Lopti's update with its own from the same states (the Fig. 2b paired rows); False: optimizer steps
+    # the GRPO run compares Reweight's and Lopti's update with its own from the same states (the Fig. 2b paired
+    # rows); probe_every counts rollouts either way, so every method is probed and analysed on the same rollouts
     probe_in_rollouts: bool = False
     trainer: tuple[tuple[str, object], ...] = ()  # trainer fields of this size (the policy's own settings)
     # K&K 3-person test puzzles sampled twice at T = 0.7 for the starting policy's Fig. 1a histogram (0: off)
@@ -95,7 +95,7 @@ def _configs(out: Path, size: DemoSize, model: str | None, overrides: dict):
 
     from tokendyn.analysis.study import PAIRED_MODE, PAIRED_RULES
     from tokendyn.trainers.config import TokendynGRPOConfig
-    from tokendyn.trainers.runner import EMBEDDED_DEFAULTS, RunArguments, optimizer_steps_per_rollout
+    from tokendyn.trainers.runner import EMBEDDED_DEFAULTS, RunArguments
 
     runs = []
     for name, method in METHODS:
@@ -129,9 +129,7 @@ def _configs(out: Path, size: DemoSize, model: str | None, overrides: dict):
                 if size.eta_sweep:
                     fields.update(probe_compare_eta_sweep=list(size.eta_sweep))
         fields.update(overrides)
-        cfg = TokendynGRPOConfig(**fields)
-        if size.probe_in_rollouts:  # the same rollouts analysed in every run (Lopti: two steps a rollout)
-            cfg.probe_every = size.probe_every * optimizer_steps_per_rollout(cfg)
+        cfg = TokendynGRPOConfig(**fields)  # probe_every counts rollouts: the same ones probed in every run
         runs.append((name, run, cfg))
     return runs
 
@@ -210,7 +208,7 @@ def demo(
     return result.path
 
 
-# the paper's Fig. 1a (Qwen2.5-7B-Instruct-1M in GRPO on K&K; PAPER.md §5.1): shares of [0, .25) / [.25, .5) / [.5, .75) / [.75, 1]
+# the paper's Fig. 1a (Qwen2.5-7B-Instruct-1M in GRPO on K&K; docs/paper.md §5): shares of [0, .25) / [.25, .5) / [.5, .75) / [.75, 1]
 PAPER_HISTOGRAM = (0.1922, 0.1015, 0.1009, 0.6054)
 
 

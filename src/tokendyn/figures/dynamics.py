@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from tokendyn.figures.data import MissingRecords, bin_label, need, optional, run_order
+from tokendyn.figures.stages import titled
 from tokendyn.figures.style import new_figure, offsets, run_colors, run_markers, shade_bins, themed
 from tokendyn.vocab import FULL_UPDATES, HIGH, LOW, TRAIN
 
@@ -143,9 +144,8 @@ def prob_change_by_bin(prob_change: pl.DataFrame | None, token_shares: pl.DataFr
         shade_bins(ax, edges)
         ax.set_xlabel("probability interval of the sampled token, π_old")
         ax.set_ylabel("probability change Δπ = π_after − π_before")
-        ax.set_title(
-            f"Probability change after one update with all tokens\n({_update_note(pooled)})", fontsize=11
-        )
+        title = f"Probability change after one update with all tokens\n({_update_note(pooled)})"
+        ax.set_title(titled(title, pooled, pc, column="update_stage"), fontsize=11)
         handles = [Patch(color=colors[r], label=r) for r in runs]
         if ts is not None:
             handles.append(Patch(color="0.6", alpha=0.3, label="violin: sampled tokens"))
@@ -382,7 +382,6 @@ def correct_ratio(prob_change: pl.DataFrame | None, *, update: str | None = "cou
         fig.legend(
             handles, labels, loc="outside lower center", ncol=min(4, len(runs)), fontsize=9, frameon=False
         )
-        fig.suptitle(
-            f"Tokens moved in the direction of their advantage ({_update_note(pooled)})", fontweight="bold"
-        )
+        title = f"Tokens moved in the direction of their advantage ({_update_note(pooled)})"
+        fig.suptitle(titled(title, pooled, pc, column="update_stage"), fontweight="bold")
     return fig

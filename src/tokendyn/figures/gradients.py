@@ -2,7 +2,7 @@
 layer-by-bin heatmap, and the update shares s_b per layer and over training steps (Lopti's stages apart).
 
 From the ``shares`` records (g_b = gradient of the loss with the advantages zeroed outside bin b, over the
-parameters; DESIGN.md "Gradient of a bin") when present; (d) and the heatmap fall back to the per-token
+parameters; docs/definitions.md) when present; (d) and the heatmap fall back to the per-token
 activation-gradient norms of ``binstats``.
 """
 
@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from tokendyn.figures.data import MissingRecords, bin_label, first_stage, full_loss, need, optional, run_order
+from tokendyn.figures.stages import titled
 from tokendyn.figures.style import (
     bin_colors,
     new_figure,
@@ -114,8 +115,8 @@ def _norm_from_shares(shares: pl.DataFrame) -> Figure:
         axes[0, 0].set_title("norm of each interval's gradient", fontsize=10)
         axes[0, 1].set_title("relative to the all-token gradient", fontsize=10)
         steps = int(per["steps"].max())
-        fig.suptitle(f"Gradient norm of each interval's loss (mean ± s.e. over {steps} step{'s' * (steps > 1)})",
-                     fontweight="bold")  # fmt: skip
+        title = f"Gradient norm of each interval's loss (mean ± s.e. over {steps} step{'s' * (steps > 1)})"
+        fig.suptitle(titled(title, sh, shares), fontweight="bold")
         _legend_below(fig, axes[0, 0])
     return fig
 
@@ -167,7 +168,9 @@ def _norm_from_binstats(binstats: pl.DataFrame) -> Figure:
         shade_bins(ax, edges)
         ax.set_xlabel("probability interval, π_old")
         ax.set_ylabel(f"mean ‖∂L/∂h‖ per token\n({short_point(point)})")
-        ax.set_title("Per-token gradient norm per interval", fontsize=11)
+        ax.set_title(
+            titled("Per-token gradient norm per interval", binstats, why="summed over stages"), fontsize=11
+        )
         _legend_below(fig, ax)
     return fig
 
@@ -230,7 +233,10 @@ def layer_bin_heatmap(shares: pl.DataFrame | None = None, binstats: pl.DataFrame
             ax.tick_params(axis="y", rotation=0, labelsize=8)
         for k in range(len(panels), nrows * ncols):
             axes[k // ncols, k % ncols].set_axis_off()
-        fig.suptitle("Gradient per layer and interval", fontweight="bold")
+        fig.suptitle(
+            titled("Gradient per layer and interval", rel, shares if shares is not None else binstats),
+            fontweight="bold",
+        )
     return fig
 
 

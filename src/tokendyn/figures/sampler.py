@@ -12,6 +12,7 @@ from matplotlib.figure import Figure
 
 from tokendyn.analysis.mismatch import mismatch_table
 from tokendyn.figures.data import MissingRecords, ensure_run, run_order
+from tokendyn.figures.stages import titled
 from tokendyn.figures.style import new_figure, offsets, run_colors, themed
 
 HINT = (
@@ -100,6 +101,8 @@ def mismatch_by_bin(sampler, floor=None) -> Figure:
             ax.set_xlim(0, 1)
             ax.set_xlabel("π_old interval")
         axes[0, 0].legend(fontsize=8)
+        drawn = [d.select("run", "stage") for d in (_frame(sampler), _frame(floor)) if d is not None]
+        fig.suptitle(titled("The sampling engine against the trainer", pl.concat(drawn)), fontweight="bold")
     return fig
 
 

@@ -23,6 +23,7 @@ from tokendyn.figures.data import (
     optional,
     run_order,
 )
+from tokendyn.figures.stages import titled
 from tokendyn.figures.style import (
     bin_colors,
     new_figure,
@@ -108,7 +109,8 @@ def token_share(
         elif handles:
             ax.legend(handles=handles, loc="upper center", fontsize=8, framealpha=0.9)
         vary = " (quantile bins: mean edges)" if edges_vary(counts) else ""
-        ax.set_title(f"Tokens per probability interval{vary}")
+        why = "each token counted once: the stage recorded first"
+        ax.set_title(titled(f"Tokens per probability interval{vary}", first_stage(bs), bs, why=why))
     return fig
 
 
@@ -155,7 +157,9 @@ def advantage_by_bin(
         ax.axhline(0, color="0.4", lw=0.8)
         ax.set_xlabel("probability interval of the sampled token, π_old")
         ax.set_ylabel("advantage Â (as used in the loss)")
-        ax.set_title("Advantage per probability interval")
+        ax.set_title(
+            titled("Advantage per probability interval", tk, tokens, why="each token in its own stage")
+        )
     return fig
 
 
@@ -352,7 +356,9 @@ def bound(
         order = [k for k in ("tokens", "direct", "measured", "theory") if k in handles]
         fig.legend([handles[k] for k in order], [handles[k].get_label() for k in order], loc="outside lower center",
                    ncol=2, fontsize=8, frameon=False)  # fmt: skip
-        fig.suptitle("Per-token gradient against probability: the (1 − π) bound", fontweight="bold")
+        fig.suptitle(
+            titled("Per-token gradient against probability: the (1 − π) bound", tk, tokens), fontweight="bold"
+        )
     return fig
 
 

@@ -2,12 +2,13 @@
 
 The trainer calls three methods: `begin(inputs, stage)` at the top of its loss (after the Lopti
 stage masking, with exactly the tensors the loss uses), `end()` after the micro-step's backward,
-and `close()` at the end of training. A probed optimizer step records every micro-batch of it;
-Lopti's stages are recorded apart (stage "low" / "high", `tokendyn.vocab.stage_name`); plain GRPO is stage "train". No extra
-forward or backward pass is made for these statistics: they are read from the training backward.
+and `close()` at the end of training. ``probe_every`` counts rollouts (`tokendyn.analysis.schedule`): every
+micro-batch of every optimizer step of a probed rollout is recorded, Lopti's two stages apart (stage "low" / "high",
+`tokendyn.vocab.stage_name`); plain GRPO is stage "train". No extra forward or backward pass is made for these
+statistics: they are read from the training backward.
 
-The rebalancing analyses (`tokendyn.effects.rebalance`) are the one deliberate extra cost: on probed
-steps, at the first micro-step of each rollout batch, `analyze(inputs)` runs them on the first
+The rebalancing analyses (`tokendyn.effects.rebalance`) are the one deliberate extra cost: once per probed
+rollout, at its first micro-step, `analyze(inputs)` runs them on the first
 ``probe_sample_sequences`` sequences of the global rollout batch (before any update of that batch; the model is not
 modified), and after the batch's last optimizer step the same sequences are re-scored for the real change. The
 global rollout batch is the ranks' generation batches concatenated in rank order, in the sampler's order, before
@@ -33,12 +34,14 @@ import polars as pl
 import torch
 from transformers import TrainerCallback
 
+from tokendyn.analysis.schedule import probed_rollout, steps_per_rollout
 from tokendyn.effects.change import completion_probs, fix_pi_old, real_change
 from tokendyn.effects.precision import MeasuredPrecision
 from tokendyn.effects.rebalance import analyze_update, real_change_frame, stage_shares_frame
 from tokendyn.effects.shares import FSDP_NO_TOKEN_SHARES
 from tokendyn.effects.token_view import token_rules_frame, with_real_change
 from tokendyn.hooks.options import rebalance_options
+from tokendyn.hooks.paired_step import paired_comparison
 from tokendyn.hooks.rollouts import dump_rollouts
 from tokendyn.hooks.sampler import SamplerSide
 from tokendyn.probe.batch import signal_first, signal_rows
@@ -80,12 +83,6 @@ def step_objective(objective: Objective, trainer) -> Objective:
     if objective.policy_loss == "clip_cov":
         objective = replace(objective, cov_seed=trainer.cov_seed())
     return objective
-
-
-FSDP_NO_OPTIMIZER_COMPARE = (
-    "the paired comparison's optimizer mode is off under FSDP2 (a copy of a sharded optimizer's state is not "
-    "made); equal_norm runs"
-)
 
 
 class TrainerProbe(TrainerCallback):
@@ -131,7 +128,12 @@ class TrainerProbe(TrainerCallback):
             self.edges = list(edges) if edges is not None else None  # quantile bins: the paper's edges here
 
     def _generate_every(self) -> int:
+        """Micro-steps of one rollout batch (both Lopti stages: TRL's ``num_iterations`` is doubled then)."""
         return self.trainer.args.steps_per_generation * self.trainer.num_iterations
+
+    def _in_rollout(self) -> int:
+        """The micro-step about to run, counted from its rollout batch's first (0: the rollout's start)."""
+        return self.trainer._step % self._generate_every()
 
     def rollout(self, output: dict) -> None:
         """Called by the trainer with each rollout batch it generates (this rank's rows, before TRL's shuffle): on a
@@ -139,7 +141,7 @@ class TrainerProbe(TrainerCallback):
         carry a signal (some scored token with A != 0; `tokendyn.probe.batch.signal_rows`), fewer when the batch
         has fewer, none when it has none (a collective: every rank calls it)."""
         t = self.trainer
-        if not self.analyses or not self.due() or t._step % self._generate_every():
+        if not self.analyses or not self.due() or self._in_rollout():
             return
         acc = t.accelerator
         mask = output["completion_mask"]
@@ -184,9 +186,9 @@ class TrainerProbe(TrainerCallback):
         t = self.trainer
         if not t.model.training:
             return
-        if self._pending_stage2 is not None and t._step % self._generate_every() == self._stage2_start():
+        if self._pending_stage2 is not None and self._in_rollout() == self._stage2_start():
             self._stage2_shares()
-        if not self.due() or t._step % self._generate_every():
+        if not self.due() or self._in_rollout():  # once per probed rollout, at its start
             return
         if t.args.probe_dump_rollouts and t.accelerator.is_main_process:
             dump_rollouts(
@@ -255,7 +257,7 @@ class TrainerProbe(TrainerCallback):
                 else None,
             )
             if self.config.compare_rules:
-                frames["paired"], results = self._paired(model, batch, sample, step, full)
+                frames["paired"], results = paired_comparison(self, model, batch, sample, step, full)
                 if "token_view" in frames:
                     named = {key: r for key, r in results.items() if r.sweep is None}  # sweep points apart
                     frames["token_view_rules"] = token_rules_frame(named, frames["token_view"])
@@ -268,50 +270,6 @@ class TrainerProbe(TrainerCallback):
                 frames["shares"] = pl.concat([frames["shares"], self._stage_shares(batch, stage_masks[0], 1)])
                 self._pending_stage2 = (batch, stage_masks[1])
         self._write(frames)
-
-    def _paired(self, model, batch: ProbeBatch, sample: dict, step: int, full=None):
-        """The paired comparison of ``compare_rules`` on the analysis sample (`tokendyn.effects.compare`), as its
-        `paired` frame and the rules' results: the base rule
-        is the run's loss on the advantages before Reweight; Reweight's alpha and Lopti's eta are the run's, else the
-        paper's 0.3 and 0.5; the optimizer mode steps a copy of the run's optimizer (not under FSDP2). ``full``: the
-        analyses' full step of the batch (`analyze_update`), reused as the base rule's equal_norm update when it is
-        that update (a GRPO run's; not Reweight's, whose analyses train on the reweighted advantages). The sweeps'
-        points (``compare_c_sweep``, ``compare_eta_sweep``: `tokendyn.effects.axis`) follow the named rules; every rule
-        makes ``compare_inner_steps`` updates per stage."""
-        from dataclasses import replace
-
-        from tokendyn.effects.axis import axis_rules
-        from tokendyn.effects.compare import compare_rules, make_rule, paired_frame
-        from tokendyn.effects.shares import as_edges
-        from tokendyn.probe.tokenloss import pi_old
-
-        t, cfg = self.trainer, self.config
-        if sample.get("raw_advantages") is not None:
-            batch = replace(batch, advantages=sample["raw_advantages"])
-        alpha = float(getattr(t.args, "advantage_reweight_alpha", 0.0) or 0.3)
-        eta = self._compare_eta()
-        seed = t.cov_seed() if hasattr(t, "cov_seed") else int(t.args.seed)
-        rules = [
-            make_rule(name, self.objective, alpha=alpha, eta=eta, seed=seed) for name in cfg.compare_rules
-        ] + axis_rules(self.objective, cfg.compare_c_sweep, cfg.compare_eta_sweep)
-        modes = cfg.compare_modes
-        if is_fully_sharded(model) and "optimizer" in modes:
-            modes = tuple(m for m in modes if m != "optimizer")
-            self.probe.note("fsdp_no_optimizer_compare", FSDP_NO_OPTIMIZER_COMPARE, step=step)
-        with MeasuredPrecision.quiet(self.precision):  # (model-dtype steps a check agreed to)
-            results = compare_rules(
-                model,
-                batch,
-                rules,
-                modes=modes,
-                lr=cfg.comparison_lr,
-                optimizer=t.optimizer,
-                full=full,
-                precision=MeasuredPrecision.used(cfg.step_precision, self.precision),
-                inner_steps=cfg.compare_inner_steps,
-            )
-        frame = paired_frame(results, batch, pi_old(model, batch), as_edges(self.edges), step=step)
-        return frame, results
 
     def _compare_eta(self) -> float:
         """Lopti's eta in the paired comparison: the run's, else the paper's 0.5."""
@@ -344,7 +302,7 @@ class TrainerProbe(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         """After the rollout batch's last optimizer step: the real probability change of the sample."""
-        if self._pending_real is None or self.trainer._step % self._generate_every():
+        if self._pending_real is None or self._in_rollout():
             return
         pi_before, batch, step, view = self._pending_real
         self._pending_real = None
@@ -370,7 +328,14 @@ class TrainerProbe(TrainerCallback):
             self.probe.enabled = True
 
     def due(self) -> bool:
-        return self.every > 0 and self.trainer.state.global_step % self.every == 0
+        """Whether the current optimizer step is probed: it updates on a probed rollout (every ``probe_every``-th),
+        so every step of that rollout is, both Lopti stages included."""
+        t = self.trainer
+        stages = t.num_iterations // t.passes_per_stage  # 2 with Lopti (or random halves), else 1
+        per = steps_per_rollout(
+            t.args.steps_per_generation, t.passes_per_stage, t.args.gradient_accumulation_steps, stages
+        )
+        return probed_rollout(t.state.global_step, self.every, per)
 
     def begin(self, inputs: dict, stage: int) -> None:
         if not self.due() or not self.trainer.model.training:

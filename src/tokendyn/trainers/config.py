@@ -53,7 +53,7 @@ class TokendynGRPOConfig(GRPOConfig):
             Group-normalised advantages (r - mean) / (std + eps) with this eps and the unbiased std (the paper's
             code: 1e-6); `None` keeps TRL's (1e-4).
 
-    The paper's K&K setting (PAPER.md §1.2) is `PRESETS["ar_lopti"]` (`tokendyn train --preset ar_lopti`,
+    The paper's K&K setting (docs/paper.md §1.2) is `PRESETS["ar_lopti"]` (`tokendyn train --preset ar_lopti`,
     `TokendynGRPOConfig.from_preset("ar_lopti", ...)`): `loss_type="bnpo"` (the token mean of each micro-batch),
     `advantage_std_eps=1e-6`, `delta=10.0` (TRL's ratio cap on the unclipped branch equals the official dual clip
     min(., -10 A) for A < 0 and never binds for A > 0, where the clipped branch is at most 1 + eps_high),
@@ -188,7 +188,10 @@ class TokendynGRPOConfig(GRPOConfig):
         default=0,
         metadata={
             "help": "Record per-token activation-gradient statistics (binned by pi_old) from the real training "
-            "backward every this many optimizer steps into OUTPUT_DIR/records; 0 (default) = off. The probe's "
+            "backward into OUTPUT_DIR/records on every K-th rollout (K = this value; it counts rollout batches, "
+            "not optimizer steps): rollouts 0, K, 2K, ... are probed in every optimizer step of their update, both "
+            "Lopti stages included, and the rebalancing analyses run once on each, at its start; 0 (default) = "
+            "off. The probe's "
             "options are the probe_<field> flags, one per `tokendyn.ProbeConfig` field."
         },
     )

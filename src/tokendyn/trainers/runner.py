@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..analysis.schedule import SCHEDULE_KEY, schedule_entry, steps_per_rollout
 from ..probe.rules import SURROGATES
 from ..tasks.arith.generator import HELDOUT_SIZE, MAX_DIGITS, MIN_DIGITS
 from ..tasks.kk.generator import MAX_PEOPLE, MIN_PEOPLE
@@ -228,9 +229,11 @@ def method_name(cfg) -> str:
 
 def optimizer_steps_per_rollout(cfg) -> int:
     """Optimizer steps TRL takes on one generation batch (x2 with Lopti's two stages)."""
-    per = cfg.steps_per_generation * cfg.num_iterations // cfg.gradient_accumulation_steps
     lopti = getattr(cfg, "lopti_eta", None) is not None or getattr(cfg, "lopti_quantile", None) is not None
-    return max(1, per) * (2 if lopti or getattr(cfg, "random_halves", False) else 1)
+    stages = 2 if lopti or getattr(cfg, "random_halves", False) else 1
+    return steps_per_rollout(
+        cfg.steps_per_generation, cfg.num_iterations, cfg.gradient_accumulation_steps, stages
+    )
 
 
 def apply_rollouts(run: RunArguments, cfg) -> None:
@@ -457,6 +460,7 @@ def train(
         "seed": cfg.seed,
         "run": asdict(run),
         "config": cfg.to_dict(),
+        SCHEDULE_KEY: schedule_entry(cfg.probe_every, optimizer_steps_per_rollout(cfg)),  # probe_every's unit
         "versions": versions(),
         "sampler": trainer.sampler_info,  # which engine sampled, in which dtype
         "status": "running",
