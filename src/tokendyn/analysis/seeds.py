@@ -93,13 +93,19 @@ def seed_spread(x) -> dict[str, float]:
 # START at rollout 0 (one policy, greedy: one seed's worth of outcomes, shared by every run)
 START = "start"
 VERDICT_TEXT = (
-    "Each difference is the method's held-out accuracy minus GRPO's at the same training seed and problem, with a "
-    "95 % two-stage bootstrap interval (seeds, then problems within each seed). For the paper's remedies: "
-    "reproduced if the interval lies above 0, reversed if below; paper's effect excluded, sign not resolved if it "
-    "holds 0 but lies wholly below the paper's effect (+0.14 Reweight, +0.15 Lopti: 3B on K&K); not resolved at this "
-    "size only if it holds both 0 and the paper's effect. For the other methods: better / worse than GRPO, or not "
-    "resolved at this size. With one training seed the interval is over the problems alone and says nothing about "
-    "training: such a row reads 'one seed', whatever its interval."
+    "Each difference is the method's held-out accuracy minus the base's at the same training seed and problem, over "
+    "the seeds both have (a seed only one of them has is left out and listed under unpaired). Four checks: the 95 % "
+    "two-stage bootstrap interval (lo, hi: seeds, then problems within each seed); the seed-level paired "
+    "t-interval (t_lo, t_hi: per seed the mean over problems of method minus base, t on seeds - 1 degrees of "
+    "freedom); the seeds whose difference has the sign of the mean (agree); the paired t-test's p, Holm-Bonferroni "
+    "adjusted (p_holm) across the family of the holm_m rows of this table that share the base at the same rollout. "
+    "A row is resolved only when all four put it on one side of 0 (both intervals exclude 0, p_holm < 0.05, every "
+    "seed agrees); a row some checks resolve and others do not reads 'not resolved', naming which. Resolved, for "
+    "the paper's remedies: reproduced above 0, reversed below; for the other methods: better / worse than the base. "
+    "Paper's effect excluded, sign not resolved: both intervals hold 0 but lie wholly below the paper's effect "
+    "(+0.14 Reweight, +0.15 Lopti: 3B on K&K); not resolved at this size: no check resolves. With one training "
+    "seed the interval is over the problems alone and says nothing about training: such a row reads 'one seed', "
+    "whatever its interval."
 )
 # the paper's accuracy gains over GRPO (its Fig. 3 table: Qwen2.5-3B on K&K, mean over 3..7 people)
 PAPER_EFFECTS = {"reweight": 0.53 - 0.39, "lopti": 0.54 - 0.39}
@@ -139,19 +145,56 @@ def accuracy_over_seeds(evals, n_boot: int = N_BOOT):
     return pl.DataFrame(rows).sort("method", "rollout") if rows else pl.DataFrame()
 
 
-def paired_difference(evals, method: str, reference: str, rollout: int, n_boot: int = N_BOOT):
-    """(difference, lo, hi, seeds): accuracy of ``method`` minus ``reference`` after ``rollout`` rollouts, paired
-    by training seed and problem over the seeds both have; NaNs and 0 seeds when they share none."""
+def _paired(evals, method: str, reference: str, rollout: int):
+    """(shared seeds, a, b, seeds of ``method`` only, seeds of ``reference`` only): the outcome matrices of the two
+    methods over the seeds both have, rows in the same seed order."""
     sa, _ = outcome_matrix(evals, method, rollout)
     sb, _ = outcome_matrix(evals, reference, rollout)
     shared = sorted(set(sa) & set(sb))
+    only_a, only_b = sorted(set(sa) - set(sb)), sorted(set(sb) - set(sa))
     if not shared:
-        return float("nan"), float("nan"), float("nan"), 0
+        return shared, None, None, only_a, only_b
     _, a = outcome_matrix(evals, method, rollout, shared)
     _, b = outcome_matrix(evals, reference, rollout, shared)
     if a.shape != b.shape:
         raise ValueError(f"{method} and {reference}: different problems at rollout {rollout}")
+    return shared, a, b, only_a, only_b
+
+
+def paired_difference(evals, method: str, reference: str, rollout: int, n_boot: int = N_BOOT):
+    """(difference, lo, hi, seeds): accuracy of ``method`` minus ``reference`` after ``rollout`` rollouts, paired
+    by training seed and problem over the seeds both have; NaNs and 0 seeds when they share none."""
+    shared, a, b, _, _ = _paired(evals, method, reference, rollout)
+    if not shared:
+        return float("nan"), float("nan"), float("nan"), 0
     return (*hierarchical_interval(a - b, n_boot), len(shared))
+
+
+def seed_accuracy_table(evals, rollout: int, order=()):
+    """Each method's accuracy per training seed after ``rollout`` rollouts: one row per method (those of ``order``
+    first, in its order, then the others sorted), a column s{seed} per seed (null where the method has no run of
+    that seed), and the mean over its seeds."""
+    import polars as pl
+
+    df = evals.filter(pl.col("rollout") == rollout)
+    if df.height == 0:
+        return pl.DataFrame()
+    per = df.group_by("method", "seed").agg(pl.col("correct").cast(pl.Float64).mean().alias("acc"))
+    seeds = sorted(per["seed"].unique().to_list())
+    methods = sorted(per["method"].unique().to_list())
+    methods = [m for m in order if m in methods] + [m for m in methods if m not in order]
+    rows = []
+    for m in methods:
+        got = dict(per.filter(pl.col("method") == m).select("seed", "acc").iter_rows())
+        rows.append({"method": m, **{f"s{s}": got.get(s) for s in seeds}, "seeds": len(got),
+                     "mean": float(np.mean(list(got.values())))})  # fmt: skip
+    schema = {
+        "method": pl.String,
+        **{f"s{s}": pl.Float64 for s in seeds},
+        "seeds": pl.Int64,
+        "mean": pl.Float64,
+    }
+    return pl.DataFrame(rows, schema=schema)
 
 
 def verdict(method: str, lo: float, hi: float, paper_methods=("reweight", "lopti"), effects=None) -> str:
@@ -169,23 +212,62 @@ def verdict(method: str, lo: float, hi: float, paper_methods=("reweight", "lopti
 
 
 def differences_table(evals, pairs, rollout: int, n_boot: int = N_BOOT, paper_methods=("reweight", "lopti"),
-                      baseline: str = "grpo", effects=None):  # fmt: skip
-    """One row per (method, reference) of ``pairs``: the paired difference after ``rollout`` rollouts, its interval,
-    the seeds it pairs and the verdict (against ``baseline``, GRPO; ``effects`` as in `verdict`) or the side of 0 it
-    lies on (other references)."""
+                      baseline: str | None = "grpo", effects=None):  # fmt: skip
+    """One row per (method, reference) of ``pairs`` after ``rollout`` rollouts: the paired difference with its
+    two-stage bootstrap interval, the seed-level paired t-interval, the seeds that agree in sign, the paired t-test's
+    p and its Holm adjustment across the rows sharing a reference (`tokendyn.analysis.seed_tests`), and the verdict
+    (VERDICT_TEXT: against ``baseline``, GRPO, with ``effects`` as in `verdict`; other references: the side of 0 it
+    lies on, "holds 0" when no check resolves it). Seeds only one method has are left out and listed (unpaired)."""
     import polars as pl
+
+    from tokendyn.analysis import seed_tests as T
 
     rows = []
     for method, reference in pairs:
-        d, lo, hi, n = paired_difference(evals, method, reference, rollout, n_boot)
-        if n == 0:
+        shared, a, b, only_a, only_b = _paired(evals, method, reference, rollout)
+        if not shared:
             continue
-        if n < 2:  # an interval over the problems of one training run says nothing about training
-            word = ONE_SEED
-        elif reference == baseline:
-            word = verdict(method, lo, hi, paper_methods, effects)
-        else:
-            word = "above 0" if lo > 0 else "below 0" if hi < 0 else "holds 0"
+        d, lo, hi = hierarchical_interval(a - b, n_boot)
+        per_seed = (a - b).mean(axis=1)
+        t = T.paired_t(per_seed)
+        k, n = T.sign_agreement(per_seed)
+        unpaired = "; ".join(f"{m}: {', '.join(map(str, ss))}" for m, ss in ((method, only_a), (reference, only_b))
+                             if ss)  # fmt: skip
         rows.append({"method": method, "minus": reference, "rollout": rollout, "seeds": n, "difference": d,
-                     "lo": lo, "hi": hi, "verdict": word})  # fmt: skip
-    return pl.DataFrame(rows) if rows else pl.DataFrame()
+                     "lo": lo, "hi": hi, "t_lo": t["lo"], "t_hi": t["hi"], "agree": f"{k}/{n}", "k": k,
+                     "p": t["p"], "unpaired": unpaired or None})  # fmt: skip
+    for reference in {r["minus"] for r in rows}:
+        family = [r for r in rows if r["minus"] == reference]
+        for r, p_holm in zip(family, T.holm([r["p"] for r in family]), strict=True):
+            r.update(p_holm=p_holm, holm_m=sum(np.isfinite(f["p"]) for f in family))
+    for r in rows:
+        r["verdict"] = _row_verdict(r, baseline, paper_methods, effects)
+        del r["k"]
+    if not rows:
+        return pl.DataFrame()
+    cols = ["method", "minus", "rollout", "seeds", "difference", "lo", "hi", "t_lo", "t_hi", "agree", "p", "p_holm",
+            "holm_m", "verdict", "unpaired"]  # fmt: skip
+    return pl.DataFrame(rows, schema_overrides={"unpaired": pl.String}).select(cols)
+
+
+def _row_verdict(r: dict, baseline, paper_methods, effects) -> str:
+    """A row's verdict from its four checks (VERDICT_TEXT)."""
+    from tokendyn.analysis import seed_tests as T
+
+    n = r["seeds"]
+    if n < 2:  # an interval over the problems of one training run says nothing about training
+        return ONE_SEED
+    sides = T.check_sides(r["lo"], r["hi"], r["t_lo"], r["t_hi"], r["difference"], r["p_holm"], r["k"], n)
+    s = T.agreed_side(sides)
+    if s is None:
+        return T.disagreement(sides, r["p_holm"], r["k"], n)
+    if r["minus"] != baseline:
+        return {1: "above 0", -1: "below 0", 0: "holds 0"}[s]
+    word = verdict(r["method"], r["lo"], r["hi"], paper_methods, effects)
+    if word == "paper's effect excluded; sign not resolved":
+        both = verdict(r["method"], r["t_lo"], r["t_hi"], paper_methods, effects)
+        if both != word:
+            return (
+                "not resolved at this size (the paper's effect excluded by the bootstrap, not the t-interval)"
+            )
+    return word

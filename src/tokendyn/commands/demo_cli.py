@@ -9,20 +9,25 @@ import argparse
 
 def register(sub) -> None:
     from .demo import POLICIES
+    from .vllm_flag import add_use_vllm
 
     p = sub.add_parser(
         "demo",
-        help="GRPO vs +Reweight vs +Lopti with the probes on (the embedded default on K&K, or a real LLM on sums), "
-        "then every figure and report.html",
+        help="start here: GRPO vs +Reweight vs +Lopti with the probes on (the embedded default on K&K, or a real "
+        "LLM on sums), then every figure and report.html (--quick: a smoke size)",
+        description="Start here. GRPO, +Reweight and +Lopti from one policy with the probes on, then every figure "
+        "and the report: OUT/figures/report.html (default runs/demo/figures/report.html), whose path it prints.",
     )
     p.add_argument(
         "--policy",
         default="default",
         choices=list(POLICIES),
-        help="default: the embedded policy on K&K (about 8 min here); smollm2-135m: SmolLM2-135M-Instruct from its "
+        help="default: the embedded policy on K&K (what `make demo` runs); smollm2-135m: SmolLM2-135M-Instruct from its "
         "package on sums of one- and two-digit numbers (docs/results.md gives its time)",
     )
-    p.add_argument("--out", default="runs/demo", help="output directory (three run directories and figures/)")
+    p.add_argument(
+        "--out", default="runs/demo", help="output directory (three run directories and figures/report.html)"
+    )
     p.add_argument(
         "--quick", action="store_true", help="a few minutes: fewer rollouts, sizes and evaluations"
     )
@@ -31,11 +36,10 @@ def register(sub) -> None:
         default=None,
         help="another policy directory or hub id, on K&K (default: the embedded default)",
     )
-    p.add_argument(
-        "--use_vllm",
-        action="store_true",
-        help="sample the rollouts with TRL's colocated vLLM engine (vLLM's CPU build on a CPU; eager, no "
-        "torch.compile) instead of the trainer's generate; each run.json's `sampler` says which engine, which dtype",
+    add_use_vllm(
+        p,
+        "sample the rollouts with TRL's colocated vLLM engine (vLLM's CPU build on a CPU; eager, no torch.compile) "
+        "instead of the trainer's generate; each run.json's `sampler` says which engine, which dtype",
     )
     p.add_argument(
         "--vllm_dtype",

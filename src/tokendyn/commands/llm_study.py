@@ -19,7 +19,7 @@ policy once: greedy decoding of one policy is one result). The methods:
 
 Each run is probed every ``probe_every`` rollouts (the recorder, and ``analyses`` on the first
 ``probe_sample_sequences`` sequences with a signal, counterfactual steps in the model's dtype: on this model they
-agree with float64 steps to 1.5e-3 of a bin's mean |dpi|, every sign equal, issue 42's measurement); the GRPO runs
+agree with float64 steps to 1.5e-3 of a bin's mean |dpi|, every sign equal, as measured); the GRPO runs
 also compare, from their own states, Reweight's and Lopti's update with theirs and (``both_camps``) every rule of
 both camps and the c / eta sweeps.
 
@@ -69,6 +69,7 @@ SAMPLER_METHODS: dict[str, dict] = {
     "grpo_vllm_bf16": {**VLLM, "vllm_dtype": "bfloat16"},
     "grpo_vllm_bf16_raw": {**VLLM, "vllm_dtype": "bfloat16", "vllm_importance_sampling_correction": False},
     "grpo_vllm_fp32": {**VLLM, "vllm_dtype": "float32"},
+    "grpo_vllm_fp16": {**VLLM, "vllm_dtype": "float16"},  # the FP16 paper's sampler dtype (arXiv 2510.26788)
     "reweight_vllm_bf16": {**VLLM, "vllm_dtype": "bfloat16", "advantage_reweight_alpha": 0.3},
     "lopti_vllm_bf16": {**VLLM, "vllm_dtype": "bfloat16", "lopti_eta": 0.5},
 }
@@ -86,6 +87,7 @@ CAMP = {
     "grpo_vllm_bf16": "baseline under the sampler: vLLM bf16, TRL's sequence_mask",
     "grpo_vllm_bf16_raw": "vLLM bf16, no correction",
     "grpo_vllm_fp32": "control: vLLM float32 (no mismatch to speak of)",
+    "grpo_vllm_fp16": "vLLM float16 (the FP16 paper's dtype), float32 trainer, sequence_mask",
     "reweight_vllm_bf16": "tames (the paper), vLLM bf16, sequence_mask",
     "lopti_vllm_bf16": "tames (the paper), vLLM bf16, sequence_mask",
 }
@@ -137,7 +139,7 @@ SAMPLER_ORDER = tuple(SAMPLER_METHODS)
 SAMPLER_BASELINE = "grpo_vllm_bf16"
 # GRPO's own runs and the runs that retrain it for the sweep: the same training, so not a method to compare
 SAME_AS_GRPO = ("grpo_camps",)
-# budget (measured here, one thread, two runs at a time): a GRPO rollout ~57 s, a two-step rollout (Lopti, its
+# budget (measured on one CPU thread, two runs at a time): a GRPO rollout ~57 s, a two-step rollout (Lopti, its
 # controls, DPPO-TV) ~110-140 s, the analyses of a probed rollout on 8 sequences ~130 s, an evaluation of the 200
 # sums ~48 s: a GRPO run ~13 min, a two-step run ~20 min, the 32 runs ~9 h of one thread (~4.5 h on two)
 FULL = LLMStudySize(methods=ORDER, seeds=(0, 1, 2, 3), rollouts=8, eval_every=4, eval_n=200, probe_every=4,
@@ -163,6 +165,29 @@ def _check(size: LLMStudySize) -> None:
         raise UsageError(f"analyses: names from {', '.join(ANALYSES)}, got {list(size.analyses)}")
     if size.step_precision not in STEP_PRECISIONS:
         raise UsageError(f"step_precision: one of {', '.join(STEP_PRECISIONS)}, got {size.step_precision!r}")
+
+
+def _check_generate(size: LLMStudySize) -> None:
+    """The study sampled by ``generate``: no method of the sampler mode (they would train vLLM runs into this
+    study's folder)."""
+    _check(size)
+    vllm = [m for m in size.methods if m in SAMPLER_METHODS]
+    if vllm:
+        raise UsageError(
+            f"methods: {', '.join(vllm)} sample with vLLM: give --use_vllm (without it: one of "
+            f"{', '.join(m for m in METHODS if m not in SAMPLER_METHODS)})"
+        )
+
+
+def _check_sampler(size: LLMStudySize) -> None:
+    """The sampler mode: its own methods only (the generate-sampled ones are its reference study's)."""
+    _check(size)
+    plain = [m for m in size.methods if m not in SAMPLER_METHODS]
+    if plain:
+        raise UsageError(
+            f"methods: with --use_vllm one of {', '.join(SAMPLER_METHODS)}, got {', '.join(plain)} (a "
+            "generate-sampled method: leave out --use_vllm)"
+        )
 
 
 def _settings(size: LLMStudySize) -> tuple[dict, dict]:
@@ -214,7 +239,7 @@ LLM = StudySpec(
     full=FULL,
     quick=QUICK,
     settings=_settings,
-    check=_check,
+    check=_check_generate,
     evaluate=_evaluate,
     evaluate_start=_evaluate_start,
     order=(*ORDER, *SAMPLER_ORDER),
@@ -230,7 +255,9 @@ LLM = StudySpec(
     default_work="runs/llm-study-work",
 )
 # the sampler mode: the same runs, its own sizes (every sampler method), folder and report
-SAMPLER = replace(LLM, full=SAMPLER_FULL, quick=SAMPLER_QUICK, default_out="runs/study-llm-vllm")
+SAMPLER = replace(
+    LLM, full=SAMPLER_FULL, quick=SAMPLER_QUICK, check=_check_sampler, default_out="runs/study-llm-vllm"
+)
 
 
 def llm_study(

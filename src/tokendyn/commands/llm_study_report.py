@@ -16,8 +16,11 @@ import numpy as np
 
 from .llm_study import CAMP, METHODS, ORDER, PAPER_METHODS, SAME_AS_GRPO, LLMStudySize
 from .study_engine import DONE, START, finished_runs, read_marker
-from .study_report import section, with_interval
+from .study_report import batch_words, run_records, section, with_interval
 
+# verdicts (`tokendyn.analysis.seeds.differences_table`) of a row every check puts above / below 0
+RESOLVED_ABOVE = ("reproduced", "better than GRPO", "above 0")
+RESOLVED_BELOW = ("reversed", "worse than GRPO", "below 0")
 CONTROL_PAIRS = (
     ("lopti", "grpo"),
     ("random_halves", "grpo"),
@@ -66,10 +69,10 @@ def control_reading(diff) -> str:
 
     def row(m, ref):
         r = diff.filter((diff["method"] == m) & (diff["minus"] == ref)) if diff.height else diff
-        return None if not r.height else (r["difference"][0], r["lo"][0], r["hi"][0])
+        return None if not r.height else (r["difference"][0], r["lo"][0], r["hi"][0], r["verdict"][0])
 
-    def side(x):
-        return 0 if x is None or (x[1] <= 0 <= x[2]) else (1 if x[1] > 0 else -1)
+    def side(x):  # resolved only where the row's four checks agree (its verdict)
+        return 0 if x is None else 1 if x[3] in RESOLVED_ABOVE else -1 if x[3] in RESOLVED_BELOW else 0
 
     lopti = row("lopti", "grpo")
     if lopti is None:
@@ -187,8 +190,10 @@ def write_llm_study(out: str | Path, size: LLMStudySize) -> Path:
         {s: d for (m, s), d in sorted(runs.items()) if m == sweep_from}
     )
     same = same_training(evals, runs)
+    per_seed = S.seed_accuracy_table(evals, final, ORDER)
     tables = {"evaluations": evals, "accuracy": acc, "differences": diffs, "controls": controls,
-              "mechanism": mech, "reproduces": repro, "both_camps": camps, "guidance": guide}  # fmt: skip
+              "mechanism": mech, "reproduces": repro, "both_camps": camps, "guidance": guide,
+              "seed_accuracy": per_seed}  # fmt: skip
 
     def draw(figs: Path) -> list[Path]:
         written = [accuracy_curve_figure(acc, figs / "accuracy.png")]
@@ -199,8 +204,10 @@ def write_llm_study(out: str | Path, size: LLMStudySize) -> Path:
         return written + [f(figs) for f in camp_figs]
 
     markers = {k: read_marker(d) for k, d in runs.items()}
+    budget = batch_words(run_records(runs))
     return save_report(out, tables, draw, lambda figs: _markdown(size, markers, acc, diffs, controls, mech, repro,
-                                                                 camps, guide, final, figs, same, sweep_from))  # fmt: skip
+                                                                 camps, guide, final, figs, same, sweep_from, budget,
+                                                                 per_seed))  # fmt: skip
 
 
 def same_training(evals, runs: dict) -> list[tuple[int, bool]]:
@@ -217,19 +224,19 @@ def same_training(evals, runs: dict) -> list[tuple[int, bool]]:
 
 
 def _markdown(size, markers, acc, diffs, controls, mech, repro, camps, guide, final, figures, same=(),
-              sweep_from="grpo") -> str:  # fmt: skip
+              sweep_from="grpo", budget="", per_seed=None) -> str:  # fmt: skip
     import polars as pl
 
     from tokendyn.analysis.seeds import VERDICT_TEXT
     from tokendyn.analysis.study import VERDICT_RULE
 
-    from .study_report import cost_section, document, guidance_section
+    from .study_report import cost_section, document, guidance_section, seed_section
 
     lines = [
         "# Does it help? The seeded study on SmolLM2-135M-Instruct",
         "",
-        f"Sums of {', '.join(map(str, size.digits))}-digit numbers; every method {size.rollouts} rollouts of 8 "
-        f"prompts x 4 samples, lr 1e-5 (Lopti at half: 5e-6); greedy held-out accuracy on the first {size.eval_n} "
+        f"Sums of {', '.join(map(str, size.digits))}-digit numbers; every method {size.rollouts} rollouts of "
+        f"{budget} (as the runs' run.json recorded them); greedy held-out accuracy on the first {size.eval_n} "
         f"two-digit held-out sums every {size.eval_every} rollouts (the starting policy once). Probe every "
         f"{size.probe_every} rollouts, analyses on {size.probe_sample_sequences} sequences with a signal "
         f"(counterfactual steps in the {size.step_precision} dtype). Intervals: 95 %, {size.n_boot} two-stage "
@@ -237,6 +244,7 @@ def _markdown(size, markers, acc, diffs, controls, mech, repro, camps, guide, fi
         "",
         *cost_section(markers, ORDER, CAMP, note=" Per method: seeds finished, mean wall time per run."),
         *heldout_section(acc),
+        *seed_section(per_seed, final),
     ]
     grpo = acc.filter((pl.col("method") == "grpo") & (pl.col("rollout") == final)) if acc.height else acc
     if grpo.height and grpo["seeds"][0] < 2:
@@ -253,10 +261,13 @@ def _markdown(size, markers, acc, diffs, controls, mech, repro, camps, guide, fi
         for r in diffs.filter(pl.col("rollout") == final).iter_rows(named=True):
             lines.append(
                 f"- **{r['method']}** − GRPO after {final} rollouts: {r['difference']:+.3f} [{r['lo']:+.3f}, "
-                f"{r['hi']:+.3f}] over {r['seeds']} seeds: {r['verdict']}."
+                f"{r['hi']:+.3f}] (seed-level t-interval [{r['t_lo']:+.3f}, {r['t_hi']:+.3f}], {r['agree']} seeds "
+                f"agree, Holm p {r['p_holm']:.2g} in a family of {r['holm_m']}) over {r['seeds']} seeds: {r['verdict']}."
             )
         lines.append("")
-    lines += section("Lopti's controls: its split, or its two steps per batch?", table=controls,
+    lines += section("Lopti's controls: its split, or its two steps per batch?",
+                     "Columns and checks as in the table above; the Holm families here: the rows minus GRPO, and "
+                     "each other base's own row.", table=controls,
                      empty="Lopti's and its controls' runs are not finished yet.")  # fmt: skip
     if controls.height:
         lines += [control_reading(controls), ""]

@@ -148,8 +148,9 @@ def write_study(out: Path, size: StudySize) -> Path:
     paired = A.paired_bins_table(units, size.n_boot)
     grpo = {s: out / "runs" / f"grpo-s{s}" for s in size.seeds} if "grpo" in size.methods else {}
     camps, guide, camp_figs = both_camps_section(grpo)
+    diffs, per_seed = greedy_differences(evals, size)
     tables = {"evaluations": evals, "accuracy": acc, "bins": bins, "reproduces": repro, "paired_bins": paired,
-              "both_camps": camps, "guidance": guide}  # fmt: skip
+              "both_camps": camps, "guidance": guide, "differences": diffs, "seed_accuracy": per_seed}  # fmt: skip
 
     def draw(figs: Path) -> list[Path]:
         written = [f(figs) for f in camp_figs]
@@ -164,8 +165,28 @@ def write_study(out: Path, size: StudySize) -> Path:
         out,
         tables,
         draw,
-        lambda figs: study_markdown(size, acc, bins, repro, figs, wall, paired, camps, guide),
+        lambda figs: study_markdown(
+            size, acc, bins, repro, figs, wall, paired, camps, guide, diffs, per_seed
+        ),
     )
+
+
+def greedy_differences(evals, size: StudySize):
+    """(each method minus GRPO, accuracy per seed): the greedy outcomes, puzzle sizes pooled, as the seeded
+    studies' rows (`tokendyn.analysis.seeds.differences_table`: two-stage bootstrap, seed-level t-interval, seeds
+    agreeing in sign, Holm across the rows minus GRPO)."""
+    import polars as pl
+
+    from tokendyn.analysis import seeds as S
+
+    g = evals.filter((pl.col("mode") == "greedy") & (pl.col("method") != "start"))
+    if not g.height:
+        return pl.DataFrame(), pl.DataFrame()
+    g = g.select("method", pl.col("seed").cast(pl.Int64), pl.lit(size.rollouts).alias("rollout"),
+                 pl.col("people").alias("digits"), pl.col("puzzle").alias("problem"), "correct")  # fmt: skip
+    pairs = [(m, "grpo") for m in size.methods if m != "grpo"] if "grpo" in size.methods else []
+    diffs = S.differences_table(g, pairs, size.rollouts, size.n_boot) if pairs else pl.DataFrame()
+    return diffs, S.seed_accuracy_table(g, size.rollouts, size.methods)
 
 
 def study_markdown(
@@ -178,6 +199,8 @@ def study_markdown(
     paired=None,
     camps=None,
     guide=None,
+    diffs=None,
+    per_seed=None,
 ) -> str:
     from tokendyn.analysis.study import VERDICT_RULE, markdown
 
@@ -202,6 +225,13 @@ def study_markdown(
     lines += section(
         "Per bin: token share, update share, ||g_b||/||g||, correct ratio (A > 0; ties apart)", table=bins
     )
+    if diffs is not None and diffs.height:
+        from tokendyn.analysis.seeds import VERDICT_TEXT
+
+        from .study_report import seed_section
+
+        lines += seed_section(per_seed, size.rollouts)
+        lines += section("Each method minus GRPO (greedy, sizes pooled)", VERDICT_TEXT, table=diffs)
     lines += section("What reproduces", VERDICT_RULE) + [markdown(repro), ""]  # (its table even with no rows)
     if paired is not None and paired.height:
         lines += section(

@@ -1,5 +1,6 @@
-"""``tokendyn study [--quick] [--out DIR] [--methods grpo,reweight,lopti] [--seeds 0,1,2] [--rollouts R]
-[--both-camps]``."""
+"""``tokendyn study [--quick] [--out DIR] [--policy NAME [--use_vllm]] [--methods grpo,reweight,lopti] [--seeds
+0,1,2] [--rollouts R] [--both-camps]``: each kind of study (--policy, --use_vllm) has its own defaults, and ``--help``
+lists each kind's."""
 
 from __future__ import annotations
 
@@ -20,21 +21,53 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def register(sub) -> None:
-    from .study import FULL, METHODS
+def _kinds():
+    """(label, spec) of each study kind, as `--help` names them."""
+    from .llm_study import LLM, SAMPLER
+    from .study import KK
 
+    return (("K&K", KK), ("smollm2-135m", LLM), ("smollm2-135m --use_vllm", SAMPLER))
+
+
+def _each(name: str, kinds) -> str:
+    """Each kind's full-size default of the size field ``name``: "default K&K: 60; smollm2-135m: 8; ..." (a kind
+    without the field is left out)."""
+
+    def text(value) -> str:
+        return ", ".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+    found = [
+        f"{label}: {text(getattr(spec.full, name))}" for label, spec in kinds if hasattr(spec.full, name)
+    ]
+    return "default " + "; ".join(found)
+
+
+def register(sub) -> None:
+    from .study import METHODS
+    from .vllm_flag import add_sampler_alias, add_use_vllm
+
+    kinds = _kinds()
     p = sub.add_parser(
         "study",
         help="methods x seeds x R rollouts from one policy: accuracy with 95 %% intervals, per-bin tables, the "
         "paper's Fig. 3 analogue and what reproduces (resumable)",
+        description="Three kinds of study, each with its own defaults (listed per kind below): --policy default, the "
+        "K&K study on the embedded default; --policy smollm2-135m, the seeded study on the real LLM on sums; and "
+        "--policy smollm2-135m --use_vllm, that study with vLLM sampling.",
     )
     p.add_argument(
-        "--out", default="runs/study", help="output directory (runs/, start-s*/, tables/, figures/, study.md)"
+        "--out",
+        default=None,
+        help="output directory (runs/, start-s*/, tables/, figures/, study.md), used as given (default "
+        + "; ".join(f"{label}: {spec.default_out}" for label, spec in kinds)
+        + ")",
     )
     p.add_argument(
         "--quick", action="store_true", help="a smoke-test size (seconds to minutes), as the test suite runs"
     )
-    p.add_argument("--model", default=None, help="policy directory or hub id (default: the embedded default)")
+    p.add_argument(
+        "--model", default=None, help="K&K only: policy directory or hub id (default: the embedded default)"
+    )
     p.add_argument(
         "--policy",
         choices=["default", "smollm2-135m"],
@@ -43,18 +76,17 @@ def register(sub) -> None:
         "real LLM on sums (GRPO, Reweight, Lopti, Lopti's two controls, the protecting camp; >= 4 training seeds; "
         "docs/study/llm)",
     )
-    p.add_argument(
-        "--sampler",
-        choices=["generate", "vllm"],
-        default="generate",
-        help="--policy smollm2-135m: what samples the rollouts. generate: the trainer's own float32 model; vllm: "
-        "TRL's colocated vLLM engine (GRPO in bf16 with TRL's correction, without it, in float32; Reweight and "
-        "Lopti in bf16; default --out runs/study-llm-vllm)",
+    add_use_vllm(
+        p,
+        "--policy smollm2-135m: sample the rollouts with TRL's colocated vLLM engine (GRPO in bf16 with TRL's "
+        "correction, without it, in float32; Reweight and Lopti in bf16) instead of the trainer's own float32 "
+        "generate",
     )
+    add_sampler_alias(p)  # the old spelling, `--sampler vllm`
     p.add_argument(
         "--reference",
         default=None,
-        help="--sampler vllm: the study whose generate-sampled GRPO / Reweight / Lopti runs the report compares with "
+        help="--use_vllm: the study whose generate-sampled GRPO / Reweight / Lopti runs the report compares with "
         "at the same seeds (the committed one: docs/study/llm)",
     )
     p.add_argument(
@@ -68,19 +100,26 @@ def register(sub) -> None:
         help="train the missing runs, write no report (a worker of a study)",
     )
     p.add_argument("--work", default=None, help="--policy smollm2-135m: where runs train (weights; default "
-                   "runs/llm-study-work), removed as each run ends")  # fmt: skip
+                   f"{kinds[1][1].default_work}), removed as each run ends")  # fmt: skip
     p.add_argument("--methods", type=_names, default=None,
-                   help=f"comma-separated from {', '.join(METHODS)} (default {','.join(FULL.methods)})")  # fmt: skip
-    p.add_argument("--seeds", type=_ints("seeds"), default=None, help="comma-separated seeds (default 0,1,2)")
+                   help=f"comma-separated method names (K&K: from {', '.join(METHODS)}; a name the kind does not "
+                   f"run is an error listing those it does; {_each('methods', kinds)})")  # fmt: skip
     p.add_argument(
-        "--rollouts", type=int, default=None, help=f"rollout batches per run (default {FULL.rollouts})"
-    )
-    p.add_argument("--people", type=_ints("people"), default=None, help="training sizes (default 3,4,5)")
-    p.add_argument(
-        "--eval-people", type=_ints("eval-people"), default=None, help="held-out sizes (default 3..7)"
+        "--seeds", type=_ints("seeds"), default=None, help=f"comma-separated seeds ({_each('seeds', kinds)})"
     )
     p.add_argument(
-        "--eval-n", type=int, default=None, help=f"held-out puzzles per size, 1..100 (default {FULL.eval_n})"
+        "--rollouts", type=int, default=None, help=f"rollout batches per run ({_each('rollouts', kinds)})"
+    )
+    p.add_argument(
+        "--people",
+        type=_ints("people"),
+        default=None,
+        help=f"K&K only: training sizes ({_each('people', kinds)})",
+    )
+    p.add_argument("--eval-people", type=_ints("eval-people"), default=None,
+                   help=f"K&K only: held-out sizes ({_each('eval_people', kinds)})")  # fmt: skip
+    p.add_argument(
+        "--eval-n", type=int, default=None, help=f"held-out problems per size ({_each('eval_n', kinds)})"
     )
     p.add_argument(
         "--both-camps",
@@ -109,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         "both_camps": args.both_camps or None,
     }
     size = check_size(spec, with_size(size, **{k: v for k, v in changes.items() if v is not None}))
-    out = Path(args.out if args.out != "runs/study" else spec.default_out)
+    out = Path(args.out if args.out is not None else spec.default_out)  # an explicit --out, as given
     if not args.report_only:
         run_study(spec, out, size, model=model, work_dir=args.work)
     if args.report_only or not args.no_report:
@@ -120,15 +159,15 @@ def run(args: argparse.Namespace) -> int:
 def _kind(args: argparse.Namespace):
     """(spec, model, report writer) of the study the flags name; a one-line UsageError for a flag it does not
     take. --policy default: the K&K study (`tokendyn.commands.study`); smollm2-135m: the seeded study on the real LLM
-    (`tokendyn.commands.llm_study`), its rollouts sampled by the trainer's ``generate`` or by vLLM (--sampler)."""
+    (`tokendyn.commands.llm_study`), its rollouts sampled by the trainer's ``generate`` or by vLLM (--use_vllm)."""
     from tokendyn.common import UsageError
 
     if args.policy == "default":
         if args.reference is not None:
-            raise UsageError("--reference: an option of --policy smollm2-135m --sampler vllm only")
-        if args.sampler != "generate":
+            raise UsageError("--reference: an option of --policy smollm2-135m --use_vllm only")
+        if args.use_vllm:
             raise UsageError(
-                f"--sampler: {args.sampler} is a mode of --policy smollm2-135m only; allowed here: generate"
+                "--use_vllm: a mode of --policy smollm2-135m only; allowed here: --use_vllm false"
             )
         from .study import KK, write_study
 
@@ -140,13 +179,13 @@ def _kind(args: argparse.Namespace):
     ):
         if value is not None:
             raise UsageError(f"{flag}: not an option of --policy {args.policy} (sums on the packaged model)")
-    if args.sampler == "vllm":
+    if args.use_vllm:
         from .llm_study import SAMPLER
         from .sampler_study_report import write_sampler_study
 
         return SAMPLER, args.policy, lambda out, size: write_sampler_study(out, size, args.reference)
     if args.reference is not None:
-        raise UsageError(f"--reference: an option of --sampler vllm only, got --sampler {args.sampler}")
+        raise UsageError("--reference: an option of --use_vllm only, got --use_vllm false")
     from .llm_study import LLM
     from .llm_study_report import write_llm_study
 

@@ -14,19 +14,20 @@ name and renamed into place (a reader sees all of a folder or nothing).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tokendyn.common import UsageError
 from tokendyn.vocab import RULE_CAMPS
 
-DONE = "study_done.json"
+# re-exported: the reports and tests read a run's marker and identity from the engine
+from .study_identity import DONE, check_run, identity, is_done, read_marker  # noqa: F401
+
 START = "start"
 # what a results_only run's folder copies from where it trained (beside its eval.parquet and its probe's records/)
 RESULT_FILES = ("run.json", "metrics.parquet")
@@ -104,19 +105,6 @@ def check_size(spec: StudySpec, size):
     return size
 
 
-def identity(spec: StudySpec, size, model: str | None, overrides: dict | None = None) -> dict:
-    """What a finished run must share with this study to be reused: the size less the method and seed lists and
-    n_boot, the model, the config overrides (keys of ``spec.optional`` only when set), as read back from json."""
-    d = asdict(size)
-    for k in ("methods", "seeds", "n_boot"):
-        d.pop(k)
-    d.update(model=model, overrides=dict(overrides or {}))
-    for k in spec.optional:
-        if not d[k]:
-            d.pop(k)
-    return json.loads(json.dumps(d))
-
-
 def run_config(spec: StudySpec, path: Path, method: str, seed: int, size, model: str | None, overrides=None):
     """(RunArguments, TokendynGRPOConfig) of one run trained in ``path``: the embedded defaults, the task's
     settings, the probe's, the method's fields, on a baseline the paired comparison from its own states (and both
@@ -125,7 +113,7 @@ def run_config(spec: StudySpec, path: Path, method: str, seed: int, size, model:
 
     from tokendyn.analysis.study import PAIRED_MODE, PAIRED_RULES
     from tokendyn.trainers.config import TokendynGRPOConfig
-    from tokendyn.trainers.runner import EMBEDDED_DEFAULTS, RunArguments, optimizer_steps_per_rollout
+    from tokendyn.trainers.runner import EMBEDDED_DEFAULTS, RunArguments
 
     run_fields, task_fields = spec.settings(size)
     run = RunArguments(model_name_or_path=model, rollouts=size.rollouts, **run_fields)
@@ -147,7 +135,6 @@ def run_config(spec: StudySpec, path: Path, method: str, seed: int, size, model:
             fields.update(spec.camps_fields)
     fields.update(overrides or {})
     cfg = TokendynGRPOConfig(**fields)
-    cfg.probe_every = size.probe_every * optimizer_steps_per_rollout(cfg)
     return run, cfg
 
 
@@ -167,10 +154,6 @@ def start_folders(spec: StudySpec, out: Path, seeds) -> list[tuple[str, int, Pat
     return [("starting policy", 0, out / START)]
 
 
-def read_marker(folder: Path) -> dict:
-    return json.loads((folder / DONE).read_text())
-
-
 def finished_runs(out: Path, methods=None) -> dict[tuple[str, int], Path]:
     """(method, seed) -> folder of every finished run under OUT/runs (its done marker present), of ``methods``
     only where given."""
@@ -182,27 +165,6 @@ def finished_runs(out: Path, methods=None) -> dict[tuple[str, int], Path]:
         if (methods is None or method in methods) and seed.isdigit():
             found[(method, int(seed))] = d
     return found
-
-
-def is_done(folder: Path, ident: dict) -> bool:
-    """Whether ``folder`` holds a finished run of this study; a finished run of another study is a UsageError."""
-    marker = folder / DONE
-    if not marker.is_file():
-        return False
-    found = json.loads(marker.read_text()).get("study")
-    if found != ident:
-        raise UsageError(
-            f"out: {str(folder)!r} holds a finished run of a different study ({_diff(found, ident)}); "
-            "give a new --out or the same settings"
-        )
-    return True
-
-
-def _diff(found: dict | None, want: dict) -> str:
-    if not isinstance(found, dict):
-        return "no settings recorded"
-    keys = [k for k in want if found.get(k) != want[k]]
-    return ", ".join(f"{k} {found.get(k)!r} vs {want[k]!r}" for k in keys) or "settings differ"
 
 
 def _mark(folder: Path, ident: dict, extra: dict) -> None:
@@ -235,7 +197,11 @@ def _keep(spec: StudySpec, method: str, trained: Path, final: Path, ident: dict,
     if not spec.results_only:  # it trained in its result folder: its outcomes beside the rest
         write_parquet(evals, final / "eval.parquet")
         wall = round(time.time() - t0, 1)
-        _mark(final, ident, {"train_wall_time_s": train_s, "wall_time_s": wall})
+        _mark(
+            final,
+            ident,
+            {"train_wall_time_s": train_s, "wall_time_s": wall, "method_fields": spec.methods[method]},
+        )
         return wall
     staging = _staging(final)
     write_parquet(evals, staging / "eval.parquet")
@@ -290,8 +256,13 @@ def run_study(
     configs = {(m, s): run_config(spec, work / f"{m}-s{s}", m, s, size, model, overrides) for m, s in plan}
     starts = start_folders(spec, out, size.seeds)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    for folder in [*(out / "runs" / f"{m}-s{s}" for m, s in plan), *(p for _, _, p in starts)]:
-        is_done(folder, ident)  # a finished run of another study is an error now, not after hours
+    for (m, s), (
+        run,
+        cfg,
+    ) in configs.items():  # a finished run of another study is an error now, not after hours
+        check_run(out / "runs" / f"{m}-s{s}", ident, run, cfg, spec.methods[m])
+    for _, _, folder in starts:
+        is_done(folder, ident)
     t0 = time.time()
     for label, seed, folder in starts:
         if is_done(folder, ident):
@@ -305,10 +276,10 @@ def run_study(
     for i, (method, seed) in enumerate(plan, 1):
         final = out / "runs" / f"{method}-s{seed}"
         head = f"[{i}/{len(plan)}] {method} seed {seed}"
-        if is_done(final, ident):
+        run, cfg = configs[(method, seed)]
+        if check_run(final, ident, run, cfg, spec.methods[method]):
             say(f"{head}: done earlier ({final})")
             continue
-        run, cfg = configs[(method, seed)]
         trained = Path(cfg.output_dir)
         if trained.exists():
             say(f"{head}: unfinished earlier run in {trained}: starting it over")

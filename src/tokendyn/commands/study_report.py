@@ -66,22 +66,24 @@ def cost_section(
     order,
     what: dict[str, str],
     column: str = "camp",
-    at_once: str = "",
     note: str = "",
 ) -> list[str]:
     """ "What ran and what it cost": the finished runs (``markers``: (method, seed) -> its done marker), their wall
-    time in all and the threads per run, then per method (in ``order``) what it is, its finished seeds and its mean
-    wall time per run."""
+    time in all, the threads per run and how many ran at a time (as the markers recorded them: "not recorded"
+    where none did), then per method (in ``order``) what it is, its finished seeds and its mean wall time per run."""
     per_method: dict[str, list] = {}
     for (m, s), w in markers.items():
         per_method.setdefault(m, []).append((s, w))
     total = sum(w.get("wall_time_s", 0.0) for w in markers.values())
     threads = sorted({w.get("threads") for w in markers.values() if w.get("threads")})
+    at_once = sorted({w.get("runs_at_once") for w in markers.values() if w.get("runs_at_once")})
     lines = [
         "## What ran and what it cost",
         "",
-        f"{len(markers)} finished runs, {total:,.0f} s of wall time in all"
-        + (f" ({', '.join(map(str, threads))} thread(s) per run{at_once})" if threads else "")
+        f"{len(markers)} finished runs, {total:,.0f} s of wall time in all; threads per run: "
+        + (", ".join(map(str, threads)) if threads else NOT_RECORDED)
+        + "; runs at a time: "
+        + (", ".join(map(str, at_once)) if at_once else NOT_RECORDED)
         + f".{note}",
         "",
         f"| method | {column} | seeds | wall s / run |",
@@ -142,3 +144,87 @@ def both_camps_section(folders: dict[int, Path]):
     except MissingRecords:
         pass
     return camps, guide, figs
+
+
+# ---------------------------------------------------------------- the setup as the runs recorded it
+NOT_RECORDED = "not recorded"
+
+
+def run_records(runs: dict[tuple[str, int], Path]) -> dict[tuple[str, int], dict]:
+    """(method, seed) -> the run's run.json ({} where the folder has none: its values read as not recorded)."""
+    import json
+
+    return {k: json.loads((d / "run.json").read_text()) if (d / "run.json").is_file() else {}
+            for k, d in runs.items()}  # fmt: skip
+
+
+def recorded(records: dict[tuple[str, int], dict], *path: str, methods=None) -> dict:
+    """value -> the methods whose runs recorded it at ``path`` in run.json (e.g. "config", "learning_rate"), over
+    the runs of ``methods`` (all if None); a run without the key counts under None."""
+    found: dict = {}
+    for (m, _), meta in sorted(records.items()):
+        if methods is not None and m not in methods:
+            continue
+        v = meta
+        for key in path:
+            v = v.get(key) if isinstance(v, dict) else None
+        found.setdefault(v if not isinstance(v, list | dict) else str(v), set()).add(m)
+    return {v: sorted(ms) for v, ms in found.items()}
+
+
+def say_recorded(values: dict, fmt=str) -> str:
+    """One value's words: the value every run recorded, else the value of most methods followed by each other one
+    with its methods ("a; b in m1, m2"); a value no run recorded reads "not recorded"."""
+
+    def word(v):
+        return NOT_RECORDED if v is None else fmt(v)
+
+    if not values:
+        return NOT_RECORDED
+    ranked = sorted(values.items(), key=lambda kv: -len(kv[1]))
+    return "; ".join([word(ranked[0][0]), *(f"{word(v)} in {', '.join(ms)}" for v, ms in ranked[1:])])
+
+
+def trainer_dtype(records: dict[tuple[str, int], dict], methods=None) -> str:
+    """The trainer's dtype as its config recorded it: bf16 / fp16 / float32 (neither flag set)."""
+
+    def of(meta: dict):
+        c = meta.get("config") or {}
+        if "bf16" not in c or "fp16" not in c:
+            return None
+        return "bf16" if c["bf16"] else "fp16" if c["fp16"] else "float32"
+
+    found: dict = {}
+    for (m, _), meta in sorted(records.items()):
+        if methods is None or m in methods:
+            found.setdefault(of(meta), set()).add(m)
+    return say_recorded({v: sorted(ms) for v, ms in found.items()})
+
+
+def batch_words(records: dict[tuple[str, int], dict]) -> str:
+    """ "P prompts x G samples, lr L" from the runs' configs (generation_batch_size / num_generations prompts)."""
+
+    def batch(meta: dict):
+        c = meta.get("config") or {}
+        g, n = c.get("num_generations"), c.get("generation_batch_size")
+        return f"{n // g} prompts x {g} samples" if g and n else None
+
+    found: dict = {}
+    for (m, _), meta in sorted(records.items()):
+        found.setdefault(batch(meta), set()).add(m)
+    sizes = say_recorded({v: sorted(ms) for v, ms in found.items()})
+    return f"{sizes}, lr {say_recorded(recorded(records, 'config', 'learning_rate'), lambda v: f'{v:g}')}"
+
+
+def seed_section(per_seed, final) -> list[str]:
+    """Each method's held-out accuracy per training seed at the last rollout (`seeds.seed_accuracy_table`): a low
+    baseline seed shows here before it moves every row that subtracts it."""
+    if per_seed is None or not per_seed.height:
+        return []
+    return section(
+        f"Accuracy per training seed after {final} rollouts",
+        "Each method's held-out accuracy at each seed (– where it has no finished run of that seed) and the mean "
+        "over its seeds. Every row below that subtracts a base subtracts these seeds of it; rows pair only the "
+        "seeds both methods have.",
+        table=per_seed,
+    )
