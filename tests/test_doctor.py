@@ -239,7 +239,7 @@ def test_no_records_every_family_listed_not_measured(tmp_path):
     doc = diagnose([run])
     validate(doc)
     families = {f["family"] for f in doc["runs"][0]["findings"]}
-    assert families == {"dominance", "bound", "sampler", "concentration", "remedies", "health"}
+    assert families == {"dominance", "bound", "sampler", "concentration", "remedies", "health", "spikes"}
     for f in doc["runs"][0]["findings"]:
         assert f["status"] == "not measured" and f["verdict"] is None and f["reason"], f["name"]
     assert "not measured" in render_text(doc)

@@ -14,6 +14,7 @@ from tokendyn.analysis.diagnosis.finding import ACT, FAMILIES, NOT_MEASURED, VER
 from tokendyn.analysis.diagnosis.health import health_findings
 from tokendyn.analysis.diagnosis.remedies import remedy_findings
 from tokendyn.analysis.diagnosis.sampler import sampler_findings
+from tokendyn.analysis.diagnosis.spikes import spike_findings
 from tokendyn.analysis.run import load_run
 from tokendyn.version import __version__
 
@@ -29,6 +30,7 @@ def run_findings(ctx: RunContext) -> list[Finding]:
         *concentration_findings(ctx),
         *remedy_findings(ctx, whole.verdict),
         *health_findings(ctx),
+        *spike_findings(ctx),
     ]
     return sorted(found, key=lambda f: FAMILIES.index(f.family))
 

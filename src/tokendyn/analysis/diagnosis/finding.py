@@ -13,7 +13,7 @@ from tokendyn.analysis.diagnosis.thresholds import THRESHOLDS, Threshold
 FINE, WATCH, ACT = "fine", "watch", "act"
 VERDICTS = (FINE, WATCH, ACT)
 MEASURED, NOT_MEASURED = "measured", "not measured"
-FAMILIES = ("dominance", "bound", "sampler", "concentration", "remedies", "health")
+FAMILIES = ("dominance", "bound", "sampler", "concentration", "remedies", "health", "spikes")
 
 
 @dataclass

@@ -24,7 +24,9 @@ FINDING = {
     ],  # fmt: skip
     "additionalProperties": False,
     "properties": {
-        "family": {"enum": ["dominance", "bound", "sampler", "concentration", "remedies", "health"]},
+        "family": {
+            "enum": ["dominance", "bound", "sampler", "concentration", "remedies", "health", "spikes"]
+        },
         "name": {"type": "string"},
         "title": {"type": "string"},
         "status": {"enum": ["measured", "not measured"]},

@@ -184,6 +184,15 @@ THRESHOLDS: dict[str, Threshold] = {
             "the check budget (--probe_check_budget) skips micro-batches by design; none checked at all is "
             "reported as not measured",
         ),
+        Threshold(
+            "spikes",
+            "probed steps whose gradient norm, loss or importance weight exceeded k x its running median",
+            1.0,
+            None,
+            True,
+            "tool's choice: one spiking step is worth a look at its tokens (a gradient-norm spike is what GradLoc "
+            "searches culprit tokens for); a spike alone never asks to act",
+        ),
     )
 }
 

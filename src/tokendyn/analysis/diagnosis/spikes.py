@@ -1,0 +1,90 @@
+"""Spikes: the probed steps whose gradient norm, loss or importance weight exceeded k x the running median of the
+earlier probed steps' values, and the tokens behind each (the `spikes` records, `tokendyn.effects.spike`).
+
+    value = #spiking probed steps;  verdict watch from one on (never act on its own: a spike is a step to look at)
+
+The text lists, for the latest spiking steps, the trigger (quantity, ratio to its running median) and the top tokens
+by update share with their text, pi_old, advantage, log rho (where a sampler), bin, sequence and position.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from tokendyn.analysis.diagnosis.context import RunContext
+from tokendyn.analysis.diagnosis.finding import Finding, finite, measured, not_measured
+from tokendyn.analysis.diagnosis.thresholds import try_flag
+
+FAMILY = "spikes"
+NAME, TITLE = (
+    "spikes.tokens",
+    "Spikes: probed steps k x above their running median, and the tokens behind them",
+)
+SHOWN_STEPS = 3  # spiking steps listed in the text (the latest)
+SHOWN_TOKENS = 3  # tokens per spiking step listed in the text
+TRIGGER_KEY = "probe_spike_k"  # the run's config key that turns the trigger on
+
+
+def _num(x) -> str:
+    return "-" if not finite(x) else (f"{x:.1e}" if abs(x) < 1e-2 else f"{x:.3g}")
+
+
+def token_text(row: dict) -> str:
+    """``'text' pi 1.0e-04 A 3 log rho 0.1 share 0.38 (bin 0, seq 3, pos 17)``."""
+    rho = f" log rho {_num(row['log_rho'])}" if row.get("log_rho") is not None else ""
+    return (
+        f"{row['text']!r} pi {_num(row['pi_old'])} A {_num(row['advantage'])}{rho} share {_num(row['share'])} "
+        f"(bin {row['bin']}, seq {row['seq']}, pos {row['pos']})"
+    )
+
+
+def spike_steps(df: pl.DataFrame) -> list[dict]:
+    """One entry per spiking (step, stage), latest first: the trigger and the tokens by rank."""
+    out = []
+    for (step, stage), g in df.sort("rank").group_by(["step", "stage"], maintain_order=True):
+        first = g.row(0, named=True)
+        out.append(
+            {
+                "step": step,
+                "stage": stage,
+                "trigger": first["trigger"],
+                "ratio": first["trigger_ratio"],
+                "k": first["k"],
+                "tokens": g.select(
+                    "rank", "text", "pi_old", "advantage", "log_rho", "bin", "seq", "pos", "share"
+                ).to_dicts(),
+            }
+        )
+    return sorted(out, key=lambda s: (s["step"], s["stage"] or ""), reverse=True)
+
+
+def spike_findings(ctx: RunContext) -> list[Finding]:
+    if not ctx.has("spikes"):
+        if ctx.config.get(TRIGGER_KEY):
+            return [measured(FAMILY, NAME, TITLE, "spikes", 0.0, details={"steps": []})]
+        return [
+            not_measured(
+                FAMILY, NAME, TITLE, "no `spikes` records: the spike trigger was off", threshold="spikes"
+            )
+        ]
+    steps = spike_steps(ctx.frame("spikes"))
+    parts = []
+    for s in steps[:SHOWN_STEPS]:
+        how = f"{s['trigger']} {_num(s['ratio'])}x its median" if s["trigger"] else "no trigger recorded"
+        toks = "; ".join(token_text(t) for t in s["tokens"][:SHOWN_TOKENS])
+        parts.append(f"step {s['step']} ({how}): {toks}")
+    more = f" (and {len(steps) - SHOWN_STEPS} earlier)" if len(steps) > SHOWN_STEPS else ""
+    low = sum(s["tokens"][0]["bin"] == 0 for s in steps if s["tokens"])
+    flag = try_flag("remedy_reweight", ctx.stack) if 2 * low > len(steps) else None
+    return [
+        measured(
+            FAMILY,
+            NAME,
+            TITLE,
+            "spikes",
+            float(len(steps)),
+            try_flag=flag,
+            reason=" | ".join(parts) + more,
+            details={"steps": steps, "top_token_in_lowest_bin": low},
+        )  # fmt: skip
+    ]
