@@ -178,7 +178,8 @@ def predict(args) -> None:
 
 
 def analyze(args) -> None:
-    """`tokendyn analyze RUN` without the CLI's other commands (the figures need seaborn, not carried)."""
+    """`tokendyn analyze RUN` without the CLI's other commands (the figures need seaborn, which the GPU check does
+    not install)."""
     from tokendyn.analysis import cli
 
     ap = argparse.ArgumentParser(prog="tokendyn")

@@ -2,7 +2,7 @@
 
 Every variant trains the embedded default on the same rollouts (8 prompts x 8 samples, GRPO, probed every rollout,
 analyses on 8 sequences), each in its own process; the ratios are measured in this one run (this machine is noisy:
-compare ratios, not seconds). Targets (issue 25): the whole step with every analysis and three compared rules <= 1.7x,
+compare ratios, not seconds). Targets: the whole step with every analysis and three compared rules <= 1.7x,
 each compared rule <= +0.15x of the whole step.
 
     python bench/compare_cost.py [--rollouts 3] [--modes equal_norm optimizer]

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Download, here (where a registry is reachable), the wheels that bench/gpu_check.sh installs on the lent GPU machine,
-# whose image has torch and transformers but not trl, datasets, polars or captum and reaches no registry.
+# Download, on a machine that reaches a package registry, the wheels that bench/gpu_check.sh installs on an
+# offline GPU machine whose image has torch and transformers but not trl, datasets, polars or captum.
 #
 #   bash bench/fetch_wheels.sh            # -> bench/wheels/{big,polars,rest}/*.whl (ignored by git), prints the sizes
 #
 # What is fetched is what tokendyn's `train` / `analyze` path imports beyond torch + transformers and their own
 # dependencies, resolved by pip in a scratch venv that holds only those two (as the image does), for CPython 3.11
-# manylinux x86_64. captum is left out: only the tests import it. The device tool carries at most 64 MiB of ignored
-# paths per call, and pyarrow (datasets imports it) is ~55 MB by itself, and polars' runtime ~54 MB, so the wheels are split
-# in three folders, each under 64 MiB, carried by three calls (ignored files already on the machine are kept between calls).
+# manylinux x86_64. captum is left out: only the tests import it. pyarrow (datasets imports it) is ~55 MB by
+# itself and polars' runtime ~54 MB, so the wheels are split in three folders, each under 64 MiB, for a copy to
+# the GPU machine that takes at most 64 MiB at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

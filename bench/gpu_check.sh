@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check of issue 11 (item 5), one script for a lent machine; DEVICE=cpu runs the whole flow here, tiny.
+# The GPU check, one script for a GPU machine; DEVICE=cpu runs the whole flow on the CPU, tiny.
 #
-#   bash bench/gpu_check.sh                 # on the GPU machine; three device calls carry bench/wheels/big,
-#                                           # bench/wheels/polars and bench/wheels/rest (each < 64 MiB, see
-#                                           # bench/fetch_wheels.sh); the last one runs this script
+#   bash bench/gpu_check.sh                 # on the GPU machine, after bench/wheels/big, bench/wheels/polars
+#                                           # and bench/wheels/rest (each < 64 MiB, see bench/fetch_wheels.sh)
+#                                           # were copied there
 #   DEVICE=cpu bash bench/gpu_check.sh      # the same steps on CPU with tiny settings (a few minutes)
 #
-# 1. installs the carried wheels (no registry there) and uses src/ from the working tree;
+# 1. installs the copied wheels (no registry there) and uses src/ from the working tree;
 # 2. warm start: the gpu preset's architecture and recipe, shortened (WS_STEPS), on the device;
 # 3. GRPO / +Reweight / +Lopti, each with the probe off, on every step, and on with the analyses (the README's GPU
 #    settings: probe_sample_sequences 8, every analysis), ROLLOUTS rollouts after one warm-up rollout;

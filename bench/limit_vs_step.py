@@ -1,4 +1,4 @@
-"""The lr -> 0 limit against the paper's finite step (issue 42 item 3): per bin of pi_old, the correct ratio and the
+"""The lr -> 0 limit against the paper's finite step: per bin of pi_old, the correct ratio and the
 mean |delta pi| per unit lr at the limit (d pi / d lr at lr = 0, `tokendyn.effects.limit`) and after the counterfactual
 SGD step at each `--lrs` (the paper's lr 1e-3 by default; float64 steps, as the analyses make them), on a batch of
 the policy's own samples.

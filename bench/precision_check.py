@@ -1,4 +1,4 @@
-"""Float64 steps against the model's own dtype, measured (issue 42 items 2 and 4): the check `step_precision`
+"""Float64 steps against the model's own dtype, measured: the check `step_precision`
 "measured" makes in a run (`tokendyn.effects.precision`), here on a batch of the policy's own samples, for
 
   * float32 weights, one process (what the check of a float32 run compares);
@@ -55,7 +55,7 @@ def _analyse(model, batch, lr: float, precision: str) -> tuple[dict[str, pl.Data
 
     t0 = time.perf_counter()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the model-dtype steps' rounding bound: what is measured here)
+        warnings.simplefilter("ignore")  # (the model-dtype steps' rounding bound: what this script measures)
         frames = analyze_batch(model, batch, step=0, options=_options(lr, precision),
                                objective=Objective(eps_low=0.2, eps_high=0.2))  # fmt: skip
     return frames, time.perf_counter() - t0

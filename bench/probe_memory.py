@@ -1,5 +1,5 @@
 """Peak extra memory of the probe and of each rebalancing analysis, fitted as a memory model and extrapolated to
-Qwen2.5-7B on 8 GPUs (issue 11, item 4).
+Qwen2.5-7B on 8 GPUs.
 
 What is measured: the CPU allocator's own peak of a region (not RSS), checked to the byte by a self-check at the
 start (bench/memory/measure.py says how).

@@ -33,8 +33,8 @@ on one thread, ~1 s in the small shape below).
 
     python bench/verl_probe_overhead.py                 # ~6 min on 2 cores
     python bench/verl_probe_overhead.py --hidden 256 --intermediate 768 --layers 4 --heads 4 --kv-heads 2 --steps 20
-                                                        # ~3 min: 0.24 s micro-batches, where the probe's fixed
-                                                        # ~10 ms of bookkeeping per micro-batch shows
+                                                        # ~3 min on 2 cores: 0.24 s micro-batches, where the fixed
+                                                        # ~10 ms of the probe's bookkeeping per micro-batch shows
 """
 
 from __future__ import annotations

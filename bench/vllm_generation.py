@@ -1,5 +1,5 @@
-"""What vLLM costs here: its generation against Hugging Face ``generate`` (tokens per second, float32 and bf16, 16 and
-128 sequences), and the probe's overhead on a training step whose rollouts vLLM samples, all measured in this run.
+"""What vLLM costs on a CPU: its generation against Hugging Face ``generate`` (tokens per second, float32 and bf16,
+16 and 128 sequences), and the probe's overhead on a training step whose rollouts vLLM samples, all measured in this run.
 
 Generation: SmolLM2-135M-Instruct (`--model smollm2-135m`; any directory works), one prompt, n sampled completions
 of exactly ``--tokens`` tokens each (EOS ignored, so every engine makes the same number of tokens), temperature 1.

@@ -1,8 +1,9 @@
-"""The rules that protect low-probability tokens (REMEDIES_BOTH_CAMPS.md), each against an independent reference on the
-same tensors: verl 0.9.1's registered ``dppo_tv`` / ``dppo_kl`` (loss and gradient), and for ASPO, CE-GPPO, Lp-Reg,
-W-REINFORCE and the Delta-log-p reweight the closed-form per-token gradient dL/dlog pi written here from the formula
-(``log_prob`` a leaf tensor), with the quirks the reference names. tokendyn's side is `loss_terms` with the rule's
-`Objective`: what the trainer's loss (`TokendynGRPOTrainer._rule_loss`), the analyses and the paired comparison use.
+"""The rules that protect low-probability tokens (docs/remedies.md), each against an independent reference on the same
+tensors: verl 0.9.1's registered ``dppo_tv`` / ``dppo_kl`` (loss and gradient), and for ASPO, CE-GPPO, Lp-Reg,
+W-REINFORCE and the Delta-log-p reweight the closed-form per-token gradient dL/dlog pi written here from the
+formula (``log_prob`` a leaf tensor), with the quirks docs/objectives.md lists. tokendyn's side is `loss_terms`
+with the rule's `Objective`: what the trainer's loss (`TokendynGRPOTrainer._rule_loss`), the analyses and the
+paired comparison use.
 """
 
 from __future__ import annotations
@@ -91,9 +92,9 @@ def verl_dppo(mode, old, logp, adv, mask, delta, cap):
 
 
 def worked_examples():
-    """The reference's worked examples: pi_old = 0.001 with A > 0 (TV keeps it up to pi = 0.151, KL up to ~0.054)
-    and pi_old = 0.99 with A < 0 (TV masks below 0.84, KL below ~0.922), each just inside and just outside; a token
-    with r > C; A = 0; pi -> 1 in the KL's log(1 - pi)."""
+    """Worked examples, by hand from the masks' definitions: pi_old = 0.001 with A > 0 (TV keeps it up to
+    pi = 0.151, KL up to ~0.054) and pi_old = 0.99 with A < 0 (TV masks below 0.84, KL below ~0.922), each just
+    inside and just outside; a token with r > C; A = 0; pi -> 1 in the KL's log(1 - pi)."""
     pi_old = torch.tensor([[1e-3] * 6 + [0.99] * 6 + [0.5, 0.5, 0.999999, 1e-3]], dtype=torch.float64)
     pi = torch.tensor(
         [

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 
 # --------------------------------------------------------------------------------------------- GRPO advantages
 def test_grpo_advantages_match_paper_extreme_value():
-    # G = 8, one correct answer: |A|max = 2.475 (PAPER.md §1.2, the ±2.47 extremes of Fig. 1b)
+    # G = 8, one correct answer: |A|max = 2.475 (docs/paper.md §1.2; the ±2.47 extremes of Fig. 1b, §5)
     rewards = torch.tensor([3.0] + [-0.5] * 7 + [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
     adv = grpo_advantages(rewards, group_size=8)
     assert adv.shape == (16,)

@@ -1,4 +1,4 @@
-"""The LM-head checks' cost at real vocabulary sizes (issue "Right on every model, dtype and adapter", item 5):
+"""The LM-head checks' cost at real vocabulary sizes (docs/results.md, "The probe's cost at a real vocabulary"):
 sigma_max from the H x H Gram matrix against torch.linalg.matrix_norm (also where power iteration crawls: a random
 head's top singular values lie close together), and the number of passes over the head a probed step makes (one
 per check, whatever the spectrum), counted on the real `HeadShard.chunks`."""

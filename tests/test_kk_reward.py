@@ -1,4 +1,4 @@
-"""The reward, rule for rule as the official scorer: the edge cases of KK.md §3.4."""
+"""The reward, rule for rule as the official scorer: the edge cases of docs/kk.md §3."""
 
 import json
 

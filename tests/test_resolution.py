@@ -1,4 +1,5 @@
-"""Probability changes resolved near pi = 1 (DESIGN.md: "Its sign must be resolved at every pi").
+"""Probability changes resolved near pi = 1 (docs/definitions.md, "Probability change and correct ratios": the sign
+is right near pi = 1).
 
 The reference is independent of the code under test: the same network in float64 end to end (``model.double()``),
 and, for the real change, an update whose direction is known analytically (scaling the final norm's weight by

@@ -18,7 +18,7 @@ from tokendyn.trainers.train_cli import parse
 
 torch.set_num_threads(1)
 
-# wall-clock columns, and the final row's train_loss (transformers averages it over the steps of this session)
+# wall-clock columns, and the final row's train_loss (transformers averages it over the steps this process ran)
 TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss")
 
 

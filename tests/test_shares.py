@@ -143,7 +143,7 @@ def test_bin_shares_sum_to_one_and_norms(model32, batch32):
 
 @pytest.fixture(scope="module")
 def model64():
-    # fp64 needs sdpa (eager + fp64 + padding gives NaN, STACK_NOTES pitfall); the JVP uses the math kernel
+    # fp64 needs sdpa (eager's float32 softmax turns padded rows NaN in fp64); the JVP uses the math kernel
     return tiny_model(attn="sdpa", dtype=torch.float64)
 
 

@@ -1,5 +1,4 @@
-"""Counterfactual steps resolved on the float32 default policy (issue 35, item 1), and a float64 forward that is
-float64 at every op (item 3).
+"""Counterfactual steps resolved on the float32 default policy, and a float64 forward that is float64 at every op.
 
 The reference of every comparison is independent of the precision machinery under test: the same code run on a
 float64 copy of the model (``copy.deepcopy(model).double()``, every op float64 through `exact_float64`, steps in the
@@ -29,7 +28,7 @@ from tokendyn.probe.tokenloss import Objective, ProbeBatch
 from tokendyn.tasks.kk.datasets import puzzles, trl_rows
 
 torch.set_num_threads(1)
-TOL = 0.01  # the issue's bound: per bin within 1 % of the float64 run
+TOL = 0.01  # the bound asked of a resolved step: per bin within 1 % of the float64 run
 
 
 @pytest.fixture(scope="module")

@@ -456,7 +456,8 @@ def test_two_processes_share_the_batch_statistics(tiny_model_dir, tmp_path):
         [*cmd, str(tiny_model_dir), str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path
     )
     # gloo can abort a process at exit under heavy CPU load ("terminate called without an active exception", seen
-    # here 2 times in ~20 runs) after the results are written: accept only that, and only with the results on disk
+    # 2 times in ~20 runs on 2 CPU cores) after the results are written: accept only that, and only with the results
+    # on disk
     teardown_abort = "terminate called without an active exception" in proc.stderr
     ok = proc.returncode == 0 or (teardown_abort and (tmp_path / "result.json").is_file())
     assert ok, (proc.stdout + proc.stderr)[-4000:]

@@ -73,8 +73,8 @@ def cached_decoding_log_probs(
 def test_the_hf_rollout_in_bf16_samples_and_scores_with_the_bf16_model():
     """``rollout.dtype=bfloat16``: the server holds the model in bf16 (also after a weight sync of float32
     tensors), and its log-probs are the bf16 model's own at T (its cached decoding: exactly), not the float32
-    model's: a mean |difference| from a float32 forward like a bf16 engine's (MISMATCH.md: 3.8e-2 on
-    SmolLM2-135M), where float32 on both sides gives ~1e-7."""
+    model's: a mean |difference| from a float32 forward like a bf16 engine's (docs/results.md, the
+    sampler's mismatch per probability bin: about 4e-2 on SmolLM2-135M), where float32 on both sides gives ~1e-7."""
     from transformers import AutoModelForCausalLM
 
     path = str(default_policy_dir())

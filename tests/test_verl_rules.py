@@ -1,7 +1,7 @@
 """Every per-token rule of tokendyn's verl loss against an independent reference on the same tensors (r != 1, every
 branch hit): verl's own registered function for the modes verl has (DPPO-TV / -KL, delegated), else the closed-form
-per-token gradient dL/dlog pi written here from the formula (ASPO, CE-GPPO: `../shared/reference/
-REMEDIES_BOTH_CAMPS.md`); the Delta-log-p reweight against verl's loss on advantages rewritten by hand (and its mirror
+per-token gradient dL/dlog pi written here from the formula (ASPO, CE-GPPO: the tables of
+docs/remedies.md); the Delta-log-p reweight against verl's loss on advantages rewritten by hand (and its mirror
 identity with Advantage Reweighting); W-REINFORCE through verl's own `compute_advantage` dispatch. For each rule the
 analyses' objectives reproduce the trained loss: `VerlObjective` (verl's function, what the analyses inside verl
 run) and the tokendyn `Objective` the config maps to (`tokendyn_objective`, what tokendyn's own analyses run)."""
@@ -121,7 +121,7 @@ def test_dppo_delegates_to_verls_function_with_clip_ratio_as_delta_and_clip_rati
     ref_loss, ref_w = _ours(ref_cfg, old, logp, adv, mask)
     loss, w = _ours(ours_cfg, old, logp, adv, mask)
     assert torch.equal(loss, ref_loss) and torch.equal(w, ref_w)
-    # the closed form, from REMEDIES_BOTH_CAMPS.md section 1
+    # the closed form, from docs/remedies.md (the camp that protects low-probability tokens)
     r = torch.exp(torch.clamp(logp - old, -20, 20))
     pi, pi_old = torch.exp(logp), torch.exp(old)
     if mode == "dppo_tv":

@@ -106,7 +106,7 @@ def load_tokenizer(path: str | os.PathLike):
     """The tokenizer of a policy directory or hub id.
 
     A tokendyn-built folder is loaded with ``PreTrainedTokenizerFast`` (``AutoTokenizer`` would
-    swap in Qwen2's pre-tokenizer and change the ids: ``STACK_NOTES.md`` §2); anything else with
+    swap in Qwen2's pre-tokenizer and change the ids); anything else with
     ``AutoTokenizer``.
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast

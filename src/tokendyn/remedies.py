@@ -1,6 +1,6 @@
 """Pure advantage and masking functions of the paper's two remedies, usable from any RL stack.
 
-Notation (DESIGN.md): ``old_logp[b, t] = log pi_old(o_t)``, the log-probability of the sampled token under the
+Notation (docs/definitions.md): ``old_logp[b, t] = log pi_old(o_t)``, the log-probability of the sampled token under the
 policy that generated the batch, at the sampling temperature; ``completion_mask[b, t]`` is 1 on scored completion
 tokens and 0 on padding. Every function is side-effect free and never builds an autograd graph through
 ``old_logp``.

@@ -64,7 +64,7 @@ COMPARE_RULES = (
     "kl_cov",
     "80_20",
     "gspo",
-    # the camp that protects low-probability tokens (REMEDIES_BOTH_CAMPS.md)
+    # the camp that protects low-probability tokens (docs/remedies.md)
     "logp_reweight",
     "dppo_tv",
     "dppo_kl",
@@ -75,7 +75,7 @@ COMPARE_RULES = (
     # the run's loss without the sampler's importance-sampling correction (TRL + vLLM): what the correction does
     "no_correction",
 )
-# the camp of each compared rule relative to GRPO on the same batch (REMEDIES_BOTH_CAMPS.md): "tames" down-weights
+# the camp of each compared rule relative to GRPO on the same batch (docs/remedies.md): "tames" down-weights
 # low-pi tokens (the paper's remedies), "protects" up-weights or restores them, "other" is neither by construction
 CAMPS = ("tames", "protects", "other")
 RULE_CAMPS = {

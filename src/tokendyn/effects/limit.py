@@ -20,7 +20,7 @@ exactly zero derivative is a tie), and mean |d pi / d lr| is the per-unit-lr cou
 mean |delta pi| / lr. `tokendyn.effects.rebalance.analyze_update` records it as the first point of the lr sweep
 (``prob_change`` rows with update "sweep", lr 0, ``limit`` true).
 
-Needs eager attention or the SDPA math kernel (selected here) and an unfused LM head (STACK_NOTES §5); refused on an
+Needs eager attention or the SDPA math kernel (selected here) and an unfused LM head (forward-mode AD has no rule for the fused kernels); refused on an
 FSDP2-sharded model (the JVP substitutes the parameters FSDP2 gathers). Memory: d (one parameter-sized gradient) and
 the JVP's tangents (one forward's activations twice).
 """

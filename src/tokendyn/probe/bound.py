@@ -1,4 +1,4 @@
-"""The (1 - pi) bound: pure functions (PAPER.md §2, DESIGN.md "Definitions").
+"""The (1 - pi) bound: pure functions (docs/paper.md §2, docs/definitions.md).
 
 Notation: z = logits / T, pi = softmax(z), o = the sampled token, w = dL/dlog pi_o (the token's effective weight,
 obtained by autograd), V = vocabulary size, W = LM-head weight (V x H), h = the LM-head input.

@@ -3,7 +3,7 @@
 The reasoning is faithful (every stated role and truth value is the puzzle's solution) but
 varied the way an LLM's is: several phrasings per sentence, the people considered in different
 orders, optional sentences. That variety is what gives the warm-started policy an LLM-like
-minority of uncertain tokens (``WARMSTART_NOTES.md``). Answer lines keep the official order,
+minority of uncertain tokens. Answer lines keep the official order,
 which preserves name copying.
 """
 
@@ -16,7 +16,7 @@ from ..tasks.kk.render import Puzzle, content, oxford_join, role
 
 # the reasoning opens by restating who is there: a contiguous copy of the prompt's name list, the
 # easiest copying pattern for a small transformer to learn (name copying is what a from-scratch
-# policy learns last: WARMSTART_NOTES.md)
+# policy learns last)
 ROLL_CALLS = (
     "We meet {n} inhabitants: {names}.",
     "There are {n} inhabitants: {names}.",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tokendyn.probe.rules import SURROGATES
 from tokendyn.remedies import CLIP_COV_DEFAULTS, KL_COV_DEFAULTS
 
-# The paper's training scripts (PAPER.md §1.2, scripts/train_kklogic_{baseline,AR,Lopti,AR-Lopti}_4x80GB.sh) in this
+# The paper's training scripts (docs/paper.md §1.2; the official train_kklogic_{baseline,AR,Lopti,AR-Lopti}_4x80GB.sh) in this
 # trainer's fields: the official base loss and optimizer; learning rate, batch sizes and lengths stay the user's.
 PAPER_BASE = dict(
     loss_type="bnpo",  # token-mean of each micro-batch (core_algos.py:213-214), divided by the accumulation steps
@@ -44,7 +44,7 @@ PRESETS = {
     ),  # "Beyond the 80/20 rule" (Wang et al. 2025): top-20 % entropy tokens
     "clip_cov": dict(policy_loss="clip_cov", **CLIP_COV_DEFAULTS),
     "kl_cov": dict(policy_loss="kl_cov", **KL_COV_DEFAULTS),
-    # the camp that protects low-probability tokens (REMEDIES_BOTH_CAMPS.md), by their authors' settings; the
+    # the camp that protects low-probability tokens (docs/remedies.md), by their authors' settings; the
     # ratio-based ones (DPPO, ASPO, CE-GPPO) act only with more than one update per rollout (num_iterations > 1)
     **{
         name: dict(policy_loss=name, **{p.name: p.default for p in SURROGATES[name].params})

@@ -81,7 +81,7 @@ def parse(argv: list[str]):
     import torch
     from trl import TrlParser
 
-    # transformers 5 warns on every config about its own renamed fields (STACK_NOTES §8): not the user's doing
+    # transformers 5 warns on every config about its own renamed fields: not the user's doing
     warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
 
     from .config import TokendynGRPOConfig

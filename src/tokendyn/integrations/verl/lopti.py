@@ -1,4 +1,4 @@
-"""Lopti's two-stage actor update in verl, with the official fork's semantics (`../shared/reference/PAPER.md` §4):
+"""Lopti's two-stage actor update in verl, with the official fork's semantics (docs/paper.md §4):
 
     stage 1 (low first, the default):  advantages A * [pi_old < eta]    then a full actor update of the batch
     stage 2:                           advantages A * [pi_old >= eta]   then a second full actor update

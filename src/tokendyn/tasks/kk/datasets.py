@@ -1,7 +1,7 @@
 """K&K data sets: the official records regenerated from seed 1234, and fresh training data.
 
 Official splits (Logic-RL / AR-Lopti): the seed-1234 stream, train = positions 100..999,
-test = positions 1000..1099 (``KK.md`` §1.1). Fresh training data comes from other seeds with
+test = positions 1000..1099 (``docs/kk.md`` §1.1). Fresh training data comes from other seeds with
 every puzzle whose statement structure equals a held-out puzzle's removed (names and templates
 are cosmetic, so structure is what must not leak).
 """
@@ -78,7 +78,7 @@ def _tail(n: int, seed: int, start: int) -> tuple[Puzzle, ...]:
 
 
 def official_record(p: Puzzle, split: str, row: int, template: str = "qwen-instruct") -> dict:
-    """One row in the schema of the official parquet files (``KK.md`` §2.1)."""
+    """One row in the schema of the official parquet files (``docs/kk.md`` §2)."""
     return {
         "quiz": p.quiz,
         "names": list(p.names),

@@ -1,7 +1,7 @@
 """The official K&K problem sampler (Xie et al. 2024, ``lib_kk.py``), draw for draw.
 
 Every random choice is one call on a numpy ``Generator``; the order of the calls is the
-official one (``shared/reference/KK.md`` §1.3-1.4), so seed 1234 regenerates the released
+official one (``docs/kk.md`` §1.3-1.4), so seed 1234 regenerates the released
 data byte for byte. Problem i of a stream is the i-th accepted candidate (counting from 0).
 """
 

@@ -1,4 +1,4 @@
-"""Natural-language rendering of K&K problems: the official formatter (``KK.md`` §1.5-1.8).
+"""Natural-language rendering of K&K problems: the official formatter (``docs/kk.md`` §1.5-1.7).
 
 Problem i of a stream of seed S is rendered with its own stream ``default_rng(S + i)``:
 N names drawn without replacement from the 51 common names, then one saying template per
@@ -132,7 +132,7 @@ def _satisfiable(claim_holds, assignment: dict[int, bool], n: int) -> bool:
 
 
 def chain_of_thought(problem: Problem, names: list[str]) -> tuple[list[str], bool]:
-    """The official backtracking trace (``KK.md`` §1.8): steps, and whether it succeeded."""
+    """The official backtracking trace (``docs/kk.md`` §1.7): steps, and whether it succeeded."""
     n = len(problem)
     order = list(range(n))
     to_try: dict[int, list[bool]] = {p: [True, False] for p in range(n)}

@@ -2,7 +2,7 @@
 
 Totals: 3 (format valid, every role right), -0.5 (valid, parses, some role wrong), -1 (valid,
 answer empty or unparseable), -3 (format invalid). Accuracy means reward == 3. The scorer reads
-the decoded ``prompt + response`` string (the prompt pre-fills ``<think>``), ``KK.md`` §3.
+the decoded ``prompt + response`` string (the prompt pre-fills ``<think>``), ``docs/kk.md`` §3.
 """
 
 from __future__ import annotations
