@@ -15,7 +15,7 @@ Who uses what:
 3. `LOGPS`: ``GRPOTrainer._get_per_token_logps_and_entropies``, private: overridden and called by
    `tokendyn.trainers.grpo` (pi_old, the rules' forward, the KL stage mask) and called by the noise floor
    (``tokendyn.hooks.sampler.split_logps``); `LOGPS_ARGS` are the parameters passed.
-4. `GRADIENT_CHECKPOINTING`: ``trl.models.utils.disable_gradient_checkpointing`` (the extra forwards of grpo.py).
+4. `GRADIENT_CHECKPOINTING`: ``trl.models.utils.disable_gradient_checkpointing`` (the extra forwards of the trainer, `tokendyn.trainers.grpo_batch`).
 5. `OVERRIDDEN`: the `GRPOTrainer` methods `TokendynGRPOTrainer` overrides; one TRL no longer has would never run.
 6. `ATTRIBUTES`: the trainer attributes TRL sets in ``__init__`` and tokendyn reads (``vllm_generation.llm`` is the
    colocated engine).

@@ -49,20 +49,16 @@ from dataclasses import replace
 
 import torch
 from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
 
 from ..integrations import trl_internals
-from ..probe.forward import completion_proxy_logp
 from ..probe.tokenloss import Objective, ProbeBatch, loss_terms
 from ..remedies import (
-    grpo_advantages,
     logp_reweight_advantages,
-    lopti_masks,
     random_halves_masks,
-    reinforce_pp_advantages,
     reweight_advantages,
     w_reinforce_advantages,
 )
+from .grpo_batch import RolloutBatchMixin
 from .sampler import sampler_info, sampling_engine
 
 STAGE_MASK_KEYS = {1: "lopti_stage1_mask", 2: "lopti_stage2_mask"}
@@ -71,7 +67,7 @@ STAGE_MASK_KEYS = {1: "lopti_stage1_mask", 2: "lopti_stage2_mask"}
 HALVES_MASK_KEYS = {1: "halves_stage1_mask", 2: "halves_stage2_mask"}
 
 
-class TokendynGRPOTrainer(GRPOTrainer):
+class TokendynGRPOTrainer(RolloutBatchMixin, GRPOTrainer):
     """`trl.GRPOTrainer` plus the paper's remedies; takes a `TokendynGRPOConfig` (a plain `GRPOConfig` runs TRL's
     GRPO unchanged). Same constructor as `GRPOTrainer`.
 
@@ -208,102 +204,6 @@ class TokendynGRPOTrainer(GRPOTrainer):
         if self.probe is not None:
             self.probe.rollout(output)
         return output
-
-    def _sampling_logps(self, output: dict) -> torch.Tensor:
-        """pi_old of the sampled tokens (log, at the sampling temperature) under the policy that generated them,
-        for when TRL skipped it (it does when the generation and optimizer steps are aligned)."""
-        if "pixel_values" in output:
-            raise ValueError("Reweight/Lopti: multimodal inputs (pixel_values) are not supported")
-        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        with (
-            torch.no_grad(),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-        ):
-            logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model,
-                input_ids,
-                attention_mask,
-                output["completion_ids"].size(1),
-                batch_size=self.args.per_device_train_batch_size,
-            )
-        return logps
-
-    def _proxy_logps(self, output: dict) -> torch.Tensor:
-        """Lp-Reg's log pi_proxy(o_t) (B, C) at the sampling policy (`tokendyn.probe.forward.completion_proxy_logp`,
-        min-p with ``lp_reg_kappa``, at the sampling temperature): one forward without grad per rollout batch."""
-        if "pixel_values" in output:
-            raise ValueError("Lp-Reg: multimodal inputs (pixel_values) are not supported")
-        batch = ProbeBatch(
-            input_ids=torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1),
-            attention_mask=torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
-            completion_mask=output["completion_mask"],
-            advantages=torch.zeros(output["completion_ids"].size(0)),
-            temperature=self.temperature,
-        )
-        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            proxy = completion_proxy_logp(self.model, batch, self._objective.lp_reg_kappa)
-        return proxy.to(output["completion_ids"].device)
-
-    def _rewards_local(self, like: torch.Tensor) -> torch.Tensor:
-        """This process's rows of the gathered rewards (weighted sum over the reward functions; NaN where every
-        function returned None), (B_local,)."""
-        rewards_per_func = self._last_rewards_per_func
-        weights = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
-        rewards = (rewards_per_func * weights).nansum(dim=1)
-        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
-        start = self.accelerator.process_index * like.size(0)
-        return rewards[start : start + like.size(0)].to(like.device)
-
-    def _gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """(B, T_local) on every process -> (B * num_processes, T_max), right-padded with 0."""
-        if self.accelerator.num_processes == 1:
-            return tensor
-        return self.accelerator.gather(self.accelerator.pad_across_processes(tensor, dim=1, pad_index=0))
-
-    def _local_rows(self, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        rows = like.size(0)
-        start = self.accelerator.process_index * rows
-        return tensor[start : start + rows, : like.size(1)]
-
-    def _reinforce_pp_local(self, mask: torch.Tensor) -> torch.Tensor:
-        """REINFORCE++ advantages (B_local, T), whitened over the valid tokens of the whole (all-process) batch."""
-        rewards_per_func = self._last_rewards_per_func
-        weights = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
-        rewards = (rewards_per_func * weights).nansum(dim=1)
-        # unscorable completions (every reward function returned None) get advantage 0, as in TRL
-        scorable = ~torch.isnan(rewards_per_func).all(dim=1)
-        global_mask = self._gather_rows(mask.to(rewards.dtype)) * scorable.unsqueeze(1).to(rewards.dtype)
-        advantages = reinforce_pp_advantages(rewards, global_mask)
-        return self._local_rows(advantages, like=mask)
-
-    def _grpo_local(self, like: torch.Tensor) -> torch.Tensor:
-        """Group-normalised advantages (B_local,) with ``advantage_std_eps`` (unbiased std), from the gathered
-        rewards; an unscorable completion (NaN rewards) gets 0, as in TRL."""
-        rewards_per_func = self._last_rewards_per_func
-        weights = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
-        rewards = (rewards_per_func * weights).nansum(dim=1)
-        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
-        advantages = torch.nan_to_num(grpo_advantages(rewards, self.num_generations, self.advantage_std_eps))
-        start = self.accelerator.process_index * like.size(0)
-        return advantages[start : start + like.size(0)].to(like.dtype)
-
-    def _stage_masks(self, old_logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.lopti_quantile is None:  # fixed eta: a per-token rule, no communication needed
-            return lopti_masks(old_logp, mask, eta=self.lopti_eta, order=self.lopti_order)
-        # quantile: the threshold is taken over the valid tokens of the whole (all-process) rollout batch
-        stage1, stage2 = lopti_masks(
-            self._gather_rows(old_logp),
-            self._gather_rows(mask),
-            quantile=self.lopti_quantile,
-            order=self.lopti_order,
-        )
-        return self._local_rows(stage1, like=mask), self._local_rows(stage2, like=mask)
-
-    def _log_global_mean(self, name: str, numerator: torch.Tensor, denominator: torch.Tensor) -> None:
-        local = torch.stack([numerator.detach().float(), denominator.detach().float()])
-        total, count = self.accelerator.gather(local).view(-1, 2).sum(dim=0).tolist()
-        self._metrics["train"][name].append(total / count if count > 0 else float("nan"))
 
     # ------------------------------------------------------------------------------------------------- loss
     def _issue_warnings_after_load(self, load_result) -> None:
