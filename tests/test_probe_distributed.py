@@ -745,11 +745,11 @@ def trainer_probe_analyses(model, batch, rows: slice, run_dir: Path) -> None:
     args = SimpleNamespace(
         **{**defaults, "probe_every": 1, "probe_sample_sequences": 6, "probe_lr": 0.05},
         probe_config=lambda: config, temperature=T, seed=0, epsilon=0.2, epsilon_high=0.28,
-        steps_per_generation=1, lopti_order="low_first",
+        steps_per_generation=1, gradient_accumulation_steps=1, lopti_order="low_first",
     )  # fmt: skip
     trainer = SimpleNamespace(
         args=args, accelerator=_Accelerator(), model=model, _tokenizer=SimpleNamespace(pad_token_id=0),
-        state=SimpleNamespace(global_step=0), _step=0, temperature=T, num_iterations=1,
+        state=SimpleNamespace(global_step=0), _step=0, temperature=T, num_iterations=1, passes_per_stage=1,
     )  # fmt: skip
     probe = TrainerProbe(trainer, run_dir)
     pb, _ = analysis_sample(_model_and_batch()[0], batch)

@@ -482,10 +482,10 @@ def test_the_studys_sampler_mode_trains_each_method_with_its_sampler(tmp_path):
     """`tokendyn study --policy smollm2-135m --sampler vllm`'s runs at a smoke size on the embedded default: each
     method's run says which engine and dtype sampled it and whether TRL corrected, and keeps the sampler records."""
     from tokendyn.commands import llm_study as L
-    from tokendyn.commands.study_engine import with_size
+    from tokendyn.commands.study_engine import run_study, with_size
 
     size = with_size(L.SAMPLER_QUICK, methods=("grpo_vllm_bf16", "grpo_vllm_bf16_raw", "grpo_vllm_fp32"))
-    L.llm_study(tmp_path / "out", size, model=None, work_dir=tmp_path / "work", say=lambda _: None)
+    run_study(L.SAMPLER, tmp_path / "out", size, model=None, work_dir=tmp_path / "work", say=lambda _: None)
     for method, dtype, corrected in (("grpo_vllm_bf16", "bfloat16", True), ("grpo_vllm_bf16_raw", "bfloat16", False),
                                      ("grpo_vllm_fp32", "float32", True)):  # fmt: skip
         run = tmp_path / "out" / "runs" / f"{method}-s0"
