@@ -85,14 +85,17 @@ def cells() -> list[Cell]:
     return out
 
 
-def build(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny random causal LM of the family (2 layers, hidden 32, vocabulary 61), float32, train mode, dropout
-    off, its LM head scaled to a mean next-token entropy of `ENTROPY` at T."""
+def build(arch: str, seed: int = 0, vocab: int = VOCAB, dropout: float = 0.0, **config) -> torch.nn.Module:
+    """A tiny random causal LM of the family (2 layers, hidden 32, vocabulary ``vocab``), float32, train mode, its LM
+    head scaled to a mean next-token entropy of `ENTROPY` at T. ``dropout``: every dropout the family's config has
+    (attention, residual, embedding), 0 by default; ``config``: further config fields (token ids)."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    p = dropout
+    common = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  attention_dropout=p, **config)  # fmt: skip
     if arch in ("llama", "mistral", "qwen2"):
         cfg_cls, model_cls = {
             "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
@@ -110,20 +113,22 @@ def build(arch: str, seed: int = 0) -> torch.nn.Module:
         cfg._attn_implementation = "eager"
         model = tf.Gemma2ForCausalLM(cfg)
     elif arch == "phi":
-        cfg = tf.PhiConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, max_position_embeddings=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                           attention_dropout=0.0)  # fmt: skip
+        cfg = tf.PhiConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=64, resid_pdrop=p, embd_pdrop=p,
+                           attention_dropout=p, **config)  # fmt: skip
         model = tf.PhiForCausalLM(cfg)
     elif arch == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_layer=2, n_head=2, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)  # fmt: skip
+        gpt2 = dict(bos_token_id=None, eos_token_id=None) | config
+        cfg = tf.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=HIDDEN, n_layer=2, n_head=2, resid_pdrop=p,
+                            embd_pdrop=p, attn_pdrop=p, **gpt2)  # fmt: skip
         model = tf.GPT2LMHeadModel(cfg)
     elif arch.startswith("opt_"):
-        cfg = tf.OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=64, num_hidden_layers=2,
+        opt = dict(pad_token_id=0) | config
+        cfg = tf.OPTConfig(vocab_size=vocab, hidden_size=HIDDEN, ffn_dim=64, num_hidden_layers=2,
                            num_attention_heads=4, max_position_embeddings=64,
                            word_embed_proj_dim=16 if arch.endswith("project_out") else HIDDEN,
-                           do_layer_norm_before=arch.startswith("opt_pre"), dropout=0.0, attention_dropout=0.0,
-                           layerdrop=0.0, pad_token_id=0)  # fmt: skip
+                           do_layer_norm_before=arch.startswith("opt_pre"), dropout=p, attention_dropout=p,
+                           layerdrop=0.0, **opt)  # fmt: skip
         model = tf.OPTForCausalLM(cfg)
     elif arch == REAL:
         from tokendyn.policy import load_policy
@@ -131,8 +136,8 @@ def build(arch: str, seed: int = 0) -> torch.nn.Module:
         return load_policy("smollm2-135m", dtype=torch.float32)[0].train()  # its own weights, unscaled
     else:
         raise ValueError(f"matrix: unknown arch {arch!r}; known: {', '.join(ARCHS)}, {REAL}")
-    model = model.float().train()
-    ids = torch.randint(1, VOCAB, (8, PROMPT + COMPLETION), generator=torch.Generator().manual_seed(seed))
+    model = model.float().eval()  # (the bisection without dropout)
+    ids = torch.randint(1, vocab, (8, PROMPT + COMPLETION), generator=torch.Generator().manual_seed(seed))
     head = model.get_output_embeddings().weight
     original = head.detach().clone()
     lo, hi = -3.0, 5.0  # log of the head's scale, bisected (a tied head scales the embeddings too)
@@ -143,7 +148,7 @@ def build(arch: str, seed: int = 0) -> torch.nn.Module:
             logp = torch.log_softmax(model(input_ids=ids).logits.float() / T, -1)
             entropy = float(-(logp.exp() * logp).sum(-1).mean())
             lo, hi = (mid, hi) if entropy > ENTROPY else (lo, mid)
-    return model
+    return model.train()
 
 
 def with_adapter(model: torch.nn.Module, adapter: str) -> torch.nn.Module:

@@ -247,3 +247,35 @@ def test_trl_trainer_with_reentrant_gradient_checkpointing_records_the_plain_run
     assert ckpt["direct_n"].to_list() == plain["direct_n"].to_list()
     for col in ("n", "C", "D", "ratio_mean", "C_direct", "D_direct"):
         assert ckpt[col].to_list() == pytest.approx(plain[col].to_list(), rel=1e-6), col
+
+
+def test_analyses_under_checkpointing_run_no_dropout_and_draw_nothing_from_the_rng():
+    """OPT applies its decoder layers' dropout in their own ``forward`` and draws its layer drop from torch's RNG
+    whenever its decoder is flagged training; Hugging Face's checkpointing flags both. The analyses under
+    checkpointing keep every module in eval mode (the layers checkpointed by their wrapped ``forward``): their numbers
+    equal the unchecked analyses' bit for bit, torch's RNG is left as it was, and the layers are left as they were."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _matrix import build
+
+    from tokendyn.effects.rebalance import RebalanceOptions, analyze_batch
+    from tokendyn.probe.forward import checkpointed_layers
+    from tokendyn.probe.tokenloss import ProbeBatch
+
+    model = build("opt_pre", dropout=0.1).train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, model.config.vocab_size, (3, 12), generator=g)
+    batch = ProbeBatch(ids, torch.ones_like(ids), torch.ones(3, 6), torch.tensor([1.0, -0.5, 0.3]), temperature=T)
+    options = RebalanceOptions(token_shares=0, view_sequences=0, lr=1e-2)
+    plain = analyze_batch(model, batch, step=0, options=options)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = checkpointed_layers(model)
+    assert [type(m).__name__ for m in layers] == ["OPTDecoderLayer"] * 2  # (the decoder is flagged too: not a layer)
+    state = torch.get_rng_state()
+    checked = analyze_batch(model, batch, step=0, options=options)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(m.training and "forward" not in m.__dict__ for m in layers)
+    for kind, frame in plain.items():
+        assert frame.equals(checked[kind]), kind

@@ -32,37 +32,49 @@ from tokendyn.probe.logp_math import logp_and_entropy, logp_float64, minp_proxy_
 
 def checkpointed_layers(model: nn.Module) -> list[nn.Module]:
     """The layers Hugging Face's gradient checkpointing is switched on for (``gradient_checkpointing_enable``): the
-    modules whose ``gradient_checkpointing`` flag is set, each checkpointing its own forward."""
-    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    modules whose ``gradient_checkpointing`` flag is set and none of whose submodules has it set (Hugging Face flags
+    every module that carries the attribute; a model such as OPT flags its decoder as well as each decoder layer, and
+    only the layers checkpoint)."""
+    flagged = [m for m in model.modules() if _flagged(m)]
+    return [m for m in flagged if not any(_flagged(sub) for sub in m.modules() if sub is not m)]
+
+
+def _flagged(module: nn.Module) -> bool:
+    return getattr(module, "gradient_checkpointing", False) is True
 
 
 @contextmanager
 def eval_mode(model: nn.Module, checkpoint: bool = True) -> Iterator[nn.Module]:
-    """Every submodule in eval mode (no dropout), each one's flag restored on exit.
+    """Every submodule in eval mode (no dropout, no layer drop), each one's flag restored on exit.
 
     Memory: where training checkpoints its layers (``model.gradient_checkpointing_enable()``) and ``checkpoint``,
     those layers keep checkpointing in the analyses' gradient passes, non-reentrant whatever training uses (the
     analyses differentiate with ``torch.autograd.grad``, which reentrant checkpointing refuses): an analysis then holds
     each layer's input and one layer's recomputation, as the checkpointed training step does, instead of every
-    layer's activations. The layer itself is flagged training (Hugging Face checkpoints only in training mode); its
-    submodules stay in eval mode, so dropout stays off and the numbers are those of an unchecked forward."""
+    layer's activations. Each such layer stays in eval mode, its ``forward`` wrapped in the checkpoint for the
+    duration (a layer flagged training would run its own dropout: OPT's decoder layers apply theirs in their
+    ``forward``, and OPT's decoder draws its layer drop from torch's RNG whenever it is flagged training)."""
     flags = [(m, m.training) for m in model.modules()]
-    layers = checkpointed_layers(model) if checkpoint else []
-    funcs = [(m, m.__dict__.get("_gradient_checkpointing_func")) for m in layers]
+    layers = [m for m in checkpointed_layers(model) if not _wrapped(m)] if checkpoint else []  # (nested: once)
+    own = [(m, m.__dict__.get("forward")) for m in layers]  # (an instance attribute of the layer's own, if any)
     model.eval()
     for m in layers:
-        m.training = True
-        m._gradient_checkpointing_func = _checkpoint
+        m.forward = functools.partial(_checkpoint, m.forward)
     try:
         yield model
     finally:
         for m, flag in flags:
             m.training = flag
-        for m, func in funcs:
-            if func is None:
-                m.__dict__.pop("_gradient_checkpointing_func", None)
+        for m, forward in own:
+            if forward is None:
+                m.__dict__.pop("forward", None)
             else:
-                m._gradient_checkpointing_func = func
+                m.forward = forward
+
+
+def _wrapped(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _checkpoint
 
 
 def _checkpoint(function, *args, **kwargs):
