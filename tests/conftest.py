@@ -106,6 +106,34 @@ def tiny_model_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def gpt2_dir(tiny_model_dir, tmp_path_factory):
+    """A random tiny GPT-2 (2 layers, hidden 32) with transformers' default dropouts, conftest's tokenizer, its
+    (untied) head scaled so that the sampled tokens' pi spreads over (0, 1) (both Lopti groups hold tokens)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("tiny_gpt2_dropout")
+    tok = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        tie_word_embeddings=False,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def pytest_terminal_summary(terminalreporter):
     """Say plainly when the browser test did not run (no Chromium or no Playwright here)."""
     skipped = [

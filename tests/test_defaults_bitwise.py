@@ -8,23 +8,17 @@ draw anywhere changes every later mask, and the weights: `test_one_extra_rng_dra
 GRPO and by Lopti (``lopti_eta``). The reference is the probe-off run of the same cell (``probe_every=0``: the
 trainer builds no probe). The same comparison without dropout (the tiny Qwen2) is in tests/test_trainer_probe.py.
 
-The sampler records need a sampler's own log-probs: TRL's ``rollout_func`` (its hook for an external sampler, which
-hands back completions and their log-probs as a vLLM server does) samples here with a plain torch loop on a generator
-of its own, in eval mode, and returns each token's log-prob at the temperature; TRL keeps them as
-``sampling_per_token_logps``, which the probe's `sampler` records read."""
+The same comparison through the configuration matrix (every architecture, dtype, adapter and accumulation mode, with
+dropout): tests/test_defaults_matrix.py. The sampler records need a sampler's own log-probs: TRL's ``rollout_func``
+samples here with a plain torch loop (`_sampler.rollout_sampler`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _sampler import rollout_sampler
 from test_trainer import TEMPERATURE, _config, vowel_reward
-from transformers import (
-    AutoModelForCausalLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    PreTrainedTokenizerFast,
-    TrainerCallback,
-)
+from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast, TrainerCallback
 
 from tokendyn.hooks.sampler import side_pass
 from tokendyn.trainers.grpo import TokendynGRPOTrainer
@@ -60,63 +54,6 @@ def test_the_gpt2_of_the_matrix_has_transformers_default_dropout(gpt2_dir):
     assert (defaults.resid_pdrop, defaults.embd_pdrop, defaults.attn_pdrop) == (0.1, 0.1, 0.1)
 
 
-@pytest.fixture(scope="module")
-def gpt2_dir(tiny_model_dir, tmp_path_factory):
-    """A random tiny GPT-2 (2 layers, hidden 32) with transformers' default dropouts, conftest's tokenizer, its
-    (untied) head scaled so that the sampled tokens' pi spreads over (0, 1) (both Lopti groups hold tokens)."""
-    out = tmp_path_factory.mktemp("tiny_gpt2_dropout")
-    tok = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=len(tok),
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        tie_word_embeddings=False,
-        bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    model = GPT2LMHeadModel(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(25.0)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-def plain_sampler(prompts: list[str], trainer) -> dict:
-    """TRL's ``rollout_func``: one completion per prompt row (TRL has repeated each prompt ``num_generations``
-    times), sampled token by token at the temperature from the trainer's current model in eval mode, on a generator
-    seeded by the step (torch's global RNG untouched); up to ``MAX_COMPLETION`` tokens, ending at eos. Returns the
-    prompt ids, the completion ids and each sampled token's log-prob at the temperature."""
-    tok, model = trainer.processing_class, trainer.model
-    generator = torch.Generator().manual_seed(1000 + trainer.state.global_step)
-    was_training = model.training
-    model.eval()
-    prompt_ids, completion_ids, logprobs = [], [], []
-    try:
-        with torch.no_grad():
-            for prompt in prompts:
-                ids = tok(prompt)["input_ids"]
-                sampled, logps = [], []
-                for _ in range(MAX_COMPLETION):
-                    logits = model(input_ids=torch.tensor([ids + sampled])).logits[0, -1].float()
-                    logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
-                    token = int(torch.multinomial(logp.exp(), 1, generator=generator))
-                    sampled.append(token)
-                    logps.append(float(logp[token]))
-                    if token == tok.eos_token_id:
-                        break
-                prompt_ids.append(ids)
-                completion_ids.append(sampled)
-                logprobs.append(logps)
-    finally:
-        model.train(was_training)
-    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
-
-
 def _train(model_dir, out, callbacks=None, **overrides) -> list[torch.Tensor]:
     """The cell's run, its final parameters: 3 optimizer steps of 2 micro-batches of 4 completions (GRPO: a rollout
     of 8 completions each; Lopti: the two stages of one rollout, then the next rollout's first stage)."""
@@ -137,7 +74,7 @@ def _train(model_dir, out, callbacks=None, **overrides) -> list[torch.Tensor]:
         args=args,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=PreTrainedTokenizerFast.from_pretrained(model_dir),
-        rollout_func=plain_sampler,
+        rollout_func=rollout_sampler(TEMPERATURE, MAX_COMPLETION),
         callbacks=callbacks,
     )
     trainer.train()

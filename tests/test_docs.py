@@ -368,6 +368,18 @@ def test_each_marker_block_is_in_one_place():
     assert _block(DOCS["docs/results.md"], "memory-model")  # bench/probe_memory.py prints what goes there
 
 
+def test_the_readme_slow_tier_lists_every_file_the_makefile_leaves_to_it():
+    """The README's slow-tier list names exactly the test files that carry a marker `make test` deselects."""
+    tier = re.search(r'^SLOW_TIER := (.+)$', (ROOT / "Makefile").read_text(), re.M).group(1).split(" or ")
+    marked = {
+        f"tests/{p.name}"
+        for p in (ROOT / "tests").glob("test_*.py")
+        if any(f"mark.{m}" in p.read_text() for m in tier)
+    }
+    listed = set(re.findall(r"^- `(tests/test_\w+\.py)`", _block(DOCS["README.md"], "slow-tier"), re.M))
+    assert tier and marked and listed == marked, (sorted(listed - marked), sorted(marked - listed))
+
+
 # ---- the repository stands alone; the docs speak of the tool ---------------------------------------------------
 
 # the folders scanned, with README.md, CHANGELOG.md and the files below

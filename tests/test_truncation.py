@@ -14,7 +14,7 @@ import math
 import polars as pl
 import pytest
 import torch
-from test_defaults_bitwise import gpt2_dir  # noqa: F401  (the fixture: a tiny GPT-2 with dropout 0.1)
+from _sampler import rollout_sampler
 from test_trainer import TEMPERATURE, _config, vowel_reward
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -126,45 +126,6 @@ def test_processing_reads_the_trainers_args_and_generation_kwargs(tmp_path):
     assert unknown == "logit_bias"
 
 
-def nucleus_sampler(top_p: float):
-    """TRL's ``rollout_func``: per prompt row, tokens sampled at the temperature from the trainer's model in eval
-    mode, restricted to the nucleus the vLLM way (the most probable tokens while the mass above is < top_p), on a
-    generator of its own; returns vLLM's processed log-probs (log q - log S)."""
-
-    def sample(prompts: list[str], trainer) -> dict:
-        tok, model = trainer.processing_class, trainer.model
-        generator = torch.Generator().manual_seed(1000 + trainer.state.global_step)
-        was_training = model.training
-        model.eval()
-        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        try:
-            with torch.no_grad():
-                for prompt in prompts:
-                    ids = tok(prompt)["input_ids"]
-                    sampled, logps = [], []
-                    for _ in range(MAX_COMPLETION):
-                        logits = model(input_ids=torch.tensor([ids + sampled])).logits[0, -1].double()
-                        q = torch.softmax(logits / TEMPERATURE, -1)
-                        order = q.argsort(descending=True)
-                        above = torch.cumsum(q[order], 0) - q[order]
-                        kept = order[above < top_p]
-                        s = q[kept].sum()
-                        pick = int(torch.multinomial((q[kept] / s).float(), 1, generator=generator))
-                        token = int(kept[pick])
-                        sampled.append(token)
-                        logps.append(float(torch.log(q[token]) - torch.log(s)))
-                        if token == tok.eos_token_id:
-                            break
-                    out["prompt_ids"].append(ids)
-                    out["completion_ids"].append(sampled)
-                    out["logprobs"].append(logps)
-        finally:
-            model.train(was_training)
-        return out
-
-    return sample
-
-
 class FirstInputs(TokendynGRPOTrainer):
     """Keeps the first training micro-batch's loss inputs (``first_inputs``), as the loss received them."""
 
@@ -193,7 +154,7 @@ def _train(model_dir, out, top_p: float, steps: int, **overrides) -> FirstInputs
         args=args,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=PreTrainedTokenizerFast.from_pretrained(model_dir),
-        rollout_func=nucleus_sampler(top_p),
+        rollout_func=rollout_sampler(TEMPERATURE, MAX_COMPLETION, top_p),
     )
     trainer.train()
     return trainer
@@ -262,7 +223,7 @@ def test_top_p_one_leaves_both_columns_null(tiny_model_dir, tmp_path):
     assert set(table["kept_count"].to_list()) == {0} and table["mean_log_kept"].null_count() == table.height
 
 
-def test_the_kept_mass_pass_leaves_training_bit_for_bit(gpt2_dir, tmp_path):  # noqa: F811
+def test_the_kept_mass_pass_leaves_training_bit_for_bit(gpt2_dir, tmp_path):
     """The extra forward of a truncated run (`kept_logps`, a side pass) changes nothing: a GPT-2 at transformers'
     default dropout 0.1 (any extra RNG draw would change every later dropout mask) trained at top_p 0.9 with the
     probe on ends with the parameters of the probe-off run, bit for bit."""
