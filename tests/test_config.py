@@ -38,6 +38,7 @@ BAD = {
     "token_shares": (-1, "token_shares: must be an integer >= 0"),
     "lr": (0.0, "lr: must be a number > 0"),
     "lr_sweep": ((1e-3, -1.0), "lr_sweep: must be a list of numbers > 0"),
+    "spike_k": (1.0, "spike_k: must be None (off) or a number > 1, got 1.0"),
     "share_method": ("fast", "share_method: must be one of stream, loop, batched, got 'fast'"),
     "step_precision": (
         "float16",

@@ -185,6 +185,11 @@ class ProbeConfig:
         choices=list(PROBE_STEP_PRECISIONS),
     )
     precision_check_every: int = _opt(8, "Analysed steps per measured check; >= 1.")
+    spike_k: float | None = _opt(
+        3.0,
+        "Spike trigger: a probed rollout whose gradient norm, loss, max |log rho| or max weight exceeds k x the "
+        "running median of the earlier ones records its top tokens (kind `spikes`) and probes the next; None = off.",
+    )
     share_method: str = _opt(
         "stream",
         "How the per-bin gradients are taken: 'stream' (g, then one g_b at a time: two parameter-sized buffers), "
@@ -245,6 +250,9 @@ class ProbeConfig:
                 "step_precision",
                 f"must be one of {', '.join(PROBE_STEP_PRECISIONS)}, got {self.step_precision!r}",
             )
+        if self.spike_k is not None:
+            _number("spike_k", self.spike_k, "None (off) or a number > 1", lo=1.0)
+            set_(self, "spike_k", float(self.spike_k))
         if self.share_method not in SHARE_METHODS:
             raise ProbeConfigError(
                 "share_method", f"must be one of {', '.join(SHARE_METHODS)}, got {self.share_method!r}"

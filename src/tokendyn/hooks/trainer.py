@@ -34,7 +34,7 @@ import polars as pl
 import torch
 from transformers import TrainerCallback
 
-from tokendyn.analysis.schedule import probed_rollout, steps_per_rollout
+from tokendyn.analysis.schedule import probed_rollout, rollout_of, steps_per_rollout
 from tokendyn.effects.change import completion_probs, fix_pi_old, real_change
 from tokendyn.effects.precision import MeasuredPrecision
 from tokendyn.effects.rebalance import analyze_update, real_change_frame, stage_shares_frame
@@ -44,6 +44,7 @@ from tokendyn.hooks.options import rebalance_options
 from tokendyn.hooks.paired_step import paired_comparison
 from tokendyn.hooks.rollouts import dump_rollouts
 from tokendyn.hooks.sampler import SamplerSide
+from tokendyn.hooks.spikes import LiveSpikes
 from tokendyn.probe.batch import signal_first, signal_rows
 from tokendyn.probe.parallel import is_fully_sharded
 from tokendyn.probe.probe import GradientProbe
@@ -120,6 +121,9 @@ class TrainerProbe(TrainerCallback):
         self._pending_real = None
         self._pending_stage2 = None  # (batch, stage-2 mask) of a Lopti rollout, for the stage-2 shares
         self._sample_rows: dict | None = None  # the analysed rows of the global batch (rank 0; FSDP2: all)
+        # the spike trigger (on the analyses' values; one process: every rank must agree on the extra rollout)
+        one = trainer.accelerator.num_processes == 1
+        self.spikes = LiveSpikes(cfg.spike_k) if self.analyses and cfg.spike_k and one else None
         if self.analyses:
             self.options = rebalance_options(cfg, seed=args.seed)
             self.precision = MeasuredPrecision(every=cfg.precision_check_every)  # (step_precision "measured")
@@ -256,6 +260,12 @@ class TrainerProbe(TrainerCallback):
                 if "lopti" in self.config.compare_rules
                 else None,
             )
+            if self.spikes is not None:
+                found = self.spikes.observe(model, batch, step=step, rollout=self._rollout(), frames=frames,
+                                            objective=self.objective, edges=self.edges,
+                                            tokenizer=getattr(t, "processing_class", None))  # fmt: skip
+                if found is not None:
+                    frames["spikes"] = found
             if self.config.compare_rules:
                 frames["paired"], results = paired_comparison(self, model, batch, sample, step, full)
                 if "token_view" in frames:
@@ -328,14 +338,22 @@ class TrainerProbe(TrainerCallback):
             self.probe.enabled = True
 
     def due(self) -> bool:
-        """Whether the current optimizer step is probed: it updates on a probed rollout (every ``probe_every``-th),
-        so every step of that rollout is, both Lopti stages included."""
+        """Whether the current optimizer step is probed: it updates on a probed rollout (every ``probe_every``-th,
+        and the one after a spike), so every step of that rollout is, both Lopti stages included."""
+        t = self.trainer
+        if probed_rollout(t.state.global_step, self.every, self._per_rollout()):
+            return True
+        return self.spikes is not None and self.spikes.extra(self._rollout())  # (the rollout after a spike)
+
+    def _per_rollout(self) -> int:
         t = self.trainer
         stages = t.num_iterations // t.passes_per_stage  # 2 with Lopti (or random halves), else 1
-        per = steps_per_rollout(
+        return steps_per_rollout(
             t.args.steps_per_generation, t.passes_per_stage, t.args.gradient_accumulation_steps, stages
         )
-        return probed_rollout(t.state.global_step, self.every, per)
+
+    def _rollout(self) -> int:
+        return rollout_of(self.trainer.state.global_step, self._per_rollout())
 
     def begin(self, inputs: dict, stage: int) -> None:
         if not self.due() or not self.trainer.model.training:
