@@ -24,6 +24,7 @@ COMPARISON_KINDS = ("paired",)  # the paired comparison of update rules, an opti
 VIEW_KINDS = (
     "token_view",
     "token_view_rules",
+    "spikes",  # the tokens behind a spike, which the view opens at (--probe_spike_k)
 )  # every token of the view's sequences (--probe_view_sequences)
 CHECK_KINDS = ("precision_check",)  # the measured step precision (--probe_step_precision measured)
 SAMPLER_KINDS = ("sampler", "floor")  # the sampling engine's log-probs beside the trainer's (--use_vllm)

@@ -24,6 +24,7 @@ import polars as pl
 from tokendyn.figures.data import MissingRecords, Records
 from tokendyn.figures.style import OKABE_ITO, bin_colors
 from tokendyn.figures.view_assets import CONTROLS, CSS, SCRIPT
+from tokendyn.figures.view_spikes import check_spike, open_at, run_spikes, spikes_html
 
 VIEW = "view.html"
 KINDS = ("token_view", "token_view_rules")
@@ -117,10 +118,13 @@ def latest_steps(tokens: pl.DataFrame, budget: int) -> pl.DataFrame:
     return tokens.filter(pl.col("step").is_in(keep))
 
 
-def view_data(records: Records, max_tokens: int | None = None) -> dict:
+def view_data(records: Records, max_tokens: int | None = None, spike: int | None = None) -> dict:
     """Everything the page shows, as JSON values: per run, its quantities and scales, and per probed step its
-    sequences with one array per column (and per compared rule). ``max_tokens``: at most that many tokens over all
-    runs, each run keeping its latest probed steps within its equal part (``trimmed``: run -> (steps kept, steps))."""
+    sequences with one array per column (and per compared rule), and its spikes (`view_spikes.run_spikes`).
+    ``max_tokens``: at most that many tokens over all runs, each run keeping its latest probed steps within its equal
+    part (``trimmed``: run -> (steps kept, steps)). ``open``: the spike token the page opens at (``spike``: that
+    spiking step, checked by `view_spikes.check_spike`; default the first), or None without spikes."""
+    check_spike(records.get("spikes"), spike)
     tokens = records.get("token_view")
     if tokens is None:
         raise MissingRecords("token view", ["token_view"], "train with --probe_view_sequences N (default 4)")
@@ -166,10 +170,12 @@ def view_data(records: Records, max_tokens: int | None = None) -> dict:
                 cols = {c: _clean(q[c].to_list()) for c in (*COLUMNS, *rule_cols)}
                 seqs.append({"seq": int(seq), "pos": q["pos"].to_list(), **cols})
             steps.append({"step": int(step), "seqs": seqs})
-        runs.append({"label": label, "quantities": qs, "steps": steps, "bins": bins})
+        spikes = run_spikes(records.get("spikes"), label, steps, label in trimmed)
+        runs.append({"label": label, "quantities": qs, "steps": steps, "bins": bins, "spikes": spikes})
     return {
         "runs": runs,
         "trimmed": trimmed,
+        "open": open_at(runs, spike),
         "colors": {"neg": OKABE_ITO[3], "pos": OKABE_ITO[0], "correct": OKABE_ITO[2], "wrong": OKABE_ITO[0],
                    "tie": "#bdbdbd", "low": OKABE_ITO[0], "high": OKABE_ITO[3]},
     }  # fmt: skip
@@ -204,10 +210,13 @@ def _json(data: dict) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def view_fragment(records: Records, max_tokens: int | None = None) -> str:
-    """The view as an HTML section (its data, styles and script inline); ``max_tokens``: as in `view_data`, with a
-    note of the steps left out."""
-    data = view_data(records, max_tokens)
+def view_fragment(
+    records: Records, max_tokens: int | None = None, spike: int | None = None, scroll: bool = False
+) -> str:
+    """The view as an HTML section (its data, styles and script inline), the list of the runs' spikes above it;
+    ``max_tokens``, ``spike``: as in `view_data`, with a note of the steps left out; ``scroll``: the page scrolls
+    to the spike token it opens at and focuses it (the standalone page; a report stays at its top)."""
+    data = {**view_data(records, max_tokens, spike), "scroll": scroll}
     note = ""
     if data["trimmed"]:
         kept = "; ".join(
@@ -218,18 +227,20 @@ def view_fragment(records: Records, max_tokens: int | None = None) -> str:
             "<code>tokendyn view RUN_DIR</code>.</p>"
         )
     return (
-        f"<style>{CSS}</style><section id='token-view' class='tv' aria-label='token view'>{note}{CONTROLS}</section>"
+        f"<style>{CSS}</style><section id='token-view' class='tv' aria-label='token view'>{note}"
+        f"{spikes_html(data['runs'], data['open'])}{CONTROLS}</section>"
         f"<script type='application/json' id='tv-data'>{_json(data)}</script><script>{SCRIPT}</script>"
     )
 
 
-def view_page(records: Records) -> str:
-    """The standalone page of `tokendyn view`."""
+def view_page(records: Records, spike: int | None = None) -> str:
+    """The standalone page of `tokendyn view` (``spike``: the spiking step it opens at, default the first)."""
     title = html.escape("tokendyn token view: " + " vs ".join(records.labels))
     return (
         f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{title}</title>"
         "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; style-src 'unsafe-inline'; "
         "script-src 'unsafe-inline'; img-src data:\">"
         f"<style>body{{font-family:system-ui,sans-serif;max-width:1250px;margin:1.5em auto;padding:0 1em;color:#222}}"
-        f"</style></head><body><h1>Which tokens drive the update?</h1>{view_fragment(records)}</body></html>"
+        f"</style></head><body><h1>Which tokens drive the update?</h1>"
+        f"{view_fragment(records, spike=spike, scroll=True)}</body></html>"
     )

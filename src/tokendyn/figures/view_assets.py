@@ -42,6 +42,12 @@ padding:.4em .6em;font-size:.82em;pointer-events:none;max-width:28em}
 .tv-tip table,.tv-details table{border-collapse:collapse;margin:0;display:table}
 .tv-tip td,.tv-details td{border:none;padding:0 .6em 0 0;text-align:left;white-space:nowrap}
 .tv-meta{color:#666;font-size:.9em}
+.tv-spikes{border:1px solid #e3e3e3;border-left:4px solid #d55e00;padding:.3em .8em;margin:.6em 0;font-size:.88em}
+.tv-spikes h3{font-size:.95em;margin:.4em 0 .2em 0}
+.tv-spikes ol{margin:.2em 0 .4em 0;padding-left:1.6em}
+.tv-spike-missing span{font-family:ui-monospace,monospace}
+.tv-spike-link{font-family:ui-monospace,monospace}
+.tv-tok.tv-spiked{outline:3px solid #d55e00;outline-offset:1px}
 """
 
 
@@ -62,7 +68,14 @@ SCRIPT = r"""
     ["dpi_real", "Δπ real"], ["head_ratio", "own gradient / (1 − π)"], ["log_rho", "log ρ (sampler)"],
     ["is_weight", "IS weight"],
   ];
-  const state = { run: 0, step: 0, quantity: null, sign: "all", bins: new Set(data.runs[0].bins.map((_, i) => i)) };
+  const state = { run: 0, step: 0, quantity: null, sign: "all", bins: new Set(data.runs[0].bins.map((_, i) => i)),
+    mark: null };  // mark: [run, step index, seq, token index] of the spike token highlighted
+  const open = data.open;
+  if (open && open.step !== null) {
+    state.run = open.run; state.step = open.step;
+    state.bins = new Set(data.runs[open.run].bins.map((_, i) => i));
+    if (open.at) state.mark = [open.run, ...open.at];
+  }
 
   function fmt(x) {
     if (x === null || x === undefined) return "–";
@@ -188,7 +201,9 @@ SCRIPT = r"""
       seq.text.forEach((text, k) => {
         const s = el("span", "tv-tok" + (seq.special[k] ? " tv-special" : ""), shown(text, seq.special[k]) || "\u00b7");
         s.tabIndex = k === 0 ? 0 : -1;
-        s.dataset.seq = seq.seq; s.dataset.k = k;
+        s.dataset.seq = seq.seq; s.dataset.k = k; s.id = "tv-t-" + seq.seq + "-" + k;
+        const m = state.mark;
+        if (m && m[0] === state.run && m[1] === state.step && m[2] === seq.seq && m[3] === k) s.classList.add("tv-spiked");
         s.addEventListener("mouseenter", () => show(s, seq, k, true));
         s.addEventListener("mouseleave", () => { $("tv-tip").hidden = true; });
         s.addEventListener("focus", () => show(s, seq, k, true));
@@ -227,6 +242,24 @@ SCRIPT = r"""
   $("tv-step").addEventListener("change", (e) => { state.step = +e.target.value; draw(); });
   $("tv-quantity").addEventListener("change", (e) => { state.quantity = e.target.value; paint(); });
   $("tv-sign").addEventListener("change", (e) => { state.sign = e.target.value; paint(); });
+  function goTo(mark, focus) {  // a spike token: its run and step shown, the token highlighted, scrolled to
+    const [r, step, seq, k] = mark;
+    if (r !== state.run) { state.run = r; state.bins = new Set(run().bins.map((_, i) => i)); }
+    state.step = step; state.mark = mark;
+    controls(); bins(); draw();
+    const s = $("tv-t-" + seq + "-" + k);
+    if (!s) return;
+    s.scrollIntoView({ block: "center" });
+    if (focus) {
+      document.querySelectorAll("#tv-seqs .tv-tok").forEach((t) => { t.tabIndex = -1; });
+      s.tabIndex = 0; s.focus({ preventScroll: true });
+    }
+  }
+  document.querySelectorAll(".tv-spike-link").forEach((a) => a.addEventListener("click", (e) => {
+    e.preventDefault();
+    goTo([+a.dataset.run, +a.dataset.step, +a.dataset.seq, +a.dataset.k], true);
+  }));
   controls(); bins(); draw();
+  if (state.mark && data.scroll) goTo(state.mark, true);
 })();
 """

@@ -1,5 +1,6 @@
-"""`tokendyn view RUN_DIR [RUN_DIR ...] [--out FILE]`: the token view as one standalone page (default
-RUN_DIR/view.html for one run; for several, view.html in the folder that holds them all)."""
+"""`tokendyn view RUN_DIR [RUN_DIR ...] [--out FILE] [--spike STEP]`: the token view as one standalone page (default
+RUN_DIR/view.html for one run; for several, view.html in the folder that holds them all). With `spikes` records it
+opens at a spike's top token (``--spike STEP``: that spiking step's; default the first spike)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories with token_view records")
     p.add_argument("--out", default=None, help=f"the page to write (default: RUN_DIR/{VIEW}, see above)")
+    p.add_argument("--spike", default=None, metavar="STEP", help="open at the spike of this step (a step of the "
+                   "runs' `spikes` records, as `tokendyn doctor` lists them; default: the first spike)")  # fmt: skip
     p.set_defaults(func=run)
     return p
 
@@ -37,7 +40,18 @@ def run(args: argparse.Namespace) -> int:
     from tokendyn.figures.cli import check_inputs
     from tokendyn.figures.data import MissingRecords, load_runs
     from tokendyn.figures.view import view_page
+    from tokendyn.figures.view_spikes import SpikeChoiceError
 
+    spike = args.spike
+    if spike is not None:
+        try:
+            spike = int(spike)
+        except ValueError:
+            print(
+                f"tokendyn view: error: --spike must be a spiking step (an integer), got {spike!r}",
+                file=sys.stderr,
+            )
+            return 2
     out = Path(args.out) if args.out is not None else default_out(args.run_dirs)
     if out.suffix.lower() not in (".html", ".htm"):
         print(f"tokendyn view: error: --out must name an .html file, got {str(out)!r}", file=sys.stderr)
@@ -47,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
     import polars as pl
 
     try:
-        page = view_page(load_runs(args.run_dirs))
-    except MissingRecords as exc:
+        page = view_page(load_runs(args.run_dirs), spike)
+    except (MissingRecords, SpikeChoiceError) as exc:
         print(f"tokendyn view: error: {exc}", file=sys.stderr)
         return 2
     except (pl.exceptions.PolarsError, OSError) as exc:  # a record file that is not a readable parquet

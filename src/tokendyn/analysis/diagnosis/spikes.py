@@ -3,11 +3,14 @@ earlier probed steps' values, and the tokens behind each (the `spikes` records, 
 
     value = #spiking probed steps;  verdict watch from one on (never act on its own: a spike is a step to look at)
 
-The text lists, for the latest spiking steps, the trigger (quantity, ratio to its running median) and the top tokens
-by update share with their text, pi_old, advantage, log rho (where a sampler), bin, sequence and position.
+The text lists, for the latest spiking steps, the trigger (quantity, ratio to its running median), the top tokens
+by update share with their text, pi_old, advantage, log rho (where a sampler), bin, sequence and position, and the
+command that opens the token view at the spike (`view_command`; the run needs `token_view` records for that).
 """
 
 from __future__ import annotations
+
+import shlex
 
 import polars as pl
 
@@ -36,6 +39,11 @@ def token_text(row: dict) -> str:
         f"{row['text']!r} pi {_num(row['pi_old'])} A {_num(row['advantage'])}{rho} share {_num(row['share'])} "
         f"(bin {row['bin']}, seq {row['seq']}, pos {row['pos']})"
     )
+
+
+def view_command(run_dir, step: int) -> str:
+    """``tokendyn view RUN_DIR --spike STEP``: the token view opened at that spike's top token."""
+    return f"tokendyn view {shlex.quote(str(run_dir))} --spike {int(step)}"
 
 
 def spike_steps(df: pl.DataFrame) -> list[dict]:
@@ -68,11 +76,17 @@ def spike_findings(ctx: RunContext) -> list[Finding]:
             )
         ]
     steps = spike_steps(ctx.frame("spikes"))
+    viewed = ctx.has("token_view")
     parts = []
+    for s in steps:
+        s["view"] = view_command(ctx.run.path, s["step"]) if viewed else None
     for s in steps[:SHOWN_STEPS]:
         how = f"{s['trigger']} {_num(s['ratio'])}x its median" if s["trigger"] else "no trigger recorded"
         toks = "; ".join(token_text(t) for t in s["tokens"][:SHOWN_TOKENS])
-        parts.append(f"step {s['step']} ({how}): {toks}")
+        parts.append(f"step {s['step']} ({how}): {toks}; open it: {s['view']}" if viewed else
+                     f"step {s['step']} ({how}): {toks}")  # fmt: skip
+    if not viewed and steps:
+        parts.append("no token view recorded (--probe_view_sequences N) to open them in")
     more = f" (and {len(steps) - SHOWN_STEPS} earlier)" if len(steps) > SHOWN_STEPS else ""
     low = sum(s["tokens"][0]["bin"] == 0 for s in steps if s["tokens"])
     flag = try_flag("remedy_reweight", ctx.stack) if 2 * low > len(steps) else None
