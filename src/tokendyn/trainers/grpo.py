@@ -115,6 +115,11 @@ class TokendynGRPOTrainer(RolloutBatchMixin, GRPOTrainer):
 
             self.probe = TrainerProbe(self, cfg.output_dir)
             self.add_callback(self.probe)
+            from tokendyn.trainers.doctor_log import DoctorLogCallback
+
+            self.add_callback(
+                DoctorLogCallback(cfg.output_dir)
+            )  # after the probe: its last records are written
 
     @property
     def _modifies_batch(self) -> bool:

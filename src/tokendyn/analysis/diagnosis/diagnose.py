@@ -10,7 +10,7 @@ from tokendyn.analysis.diagnosis.bound import bound_findings
 from tokendyn.analysis.diagnosis.concentration import concentration_findings
 from tokendyn.analysis.diagnosis.context import RunContext
 from tokendyn.analysis.diagnosis.dominance import dominance_findings
-from tokendyn.analysis.diagnosis.finding import ACT, FAMILIES, NOT_MEASURED, VERDICTS, Finding, finite
+from tokendyn.analysis.diagnosis.finding import ACT, FAMILIES, NOT_MEASURED, VERDICTS, WATCH, Finding, finite
 from tokendyn.analysis.diagnosis.health import health_findings
 from tokendyn.analysis.diagnosis.remedies import remedy_findings
 from tokendyn.analysis.diagnosis.sampler import sampler_findings
@@ -132,8 +132,12 @@ def render_text(doc: dict) -> str:
 
 
 def summary_line(run: dict) -> str:
-    """One line for a log: the counts and the findings that say act."""
+    """One line for a log: the counts and the findings that say act, then those that say watch."""
     c = run["counts"]
-    acts = [f["name"] for f in run["findings"] if f["verdict"] == ACT]
-    tail = f" (act: {', '.join(acts)})" if acts else ""
+    named = [
+        f"{v}: {', '.join(names)}"
+        for v in (ACT, WATCH)
+        if (names := [f["name"] for f in run["findings"] if f["verdict"] == v])
+    ]
+    tail = f" ({'; '.join(named)})" if named else ""
     return f"tokendyn doctor: {c['act']} act, {c['watch']} watch, {c['fine']} fine, {c['not measured']} not measured{tail}"
