@@ -11,6 +11,7 @@ from rich.table import Table
 
 from tokendyn.analysis.load import check_run_dir, check_selection, select_steps
 from tokendyn.analysis.run import load_run
+from tokendyn.analysis.sampler_tables import print_sampler_tables, sampler_tables
 from tokendyn.analysis.tables import (
     DIAGNOSTICS_NOTE,
     bin_table,
@@ -43,7 +44,8 @@ def analyze_run(
     "guidance" (`tokendyn.analysis.sweep.GUIDANCE_RULE`), "mismatch": the sampler's log rho per bin of pi_old and of
     mu when it has `sampler` records, each token once (`tokendyn.analysis.mismatch`), "masked": the update share the sampler
     correction's mask removes per bin, with the paired rule no_correction (`tokendyn.analysis.masked`), "mismatched":
-    each rule's update share at the view's tokens with |log rho| > log 1.1 (`tokendyn.analysis.mismatch_share`)}, from
+    each rule's update share at the view's tokens with |log rho| > log 1.1 (`tokendyn.analysis.mismatch_share`), and
+    `tokendyn.analysis.sampler_tables.NAMES`}, from
     the records of every rank. A selection (steps, stage) that matches nothing is a `SelectionError`
     naming what the run holds. With write=True each non-empty table is also written (atomically) to OUT_DIR/{name}.parquet, OUT_DIR defaulting
     to RUN_DIR/analysis (an empty table is not written: an earlier file of that name is left as it was)."""
@@ -78,6 +80,7 @@ def analyze_run(
         from tokendyn.analysis.mismatch_seeds import first_stage  # Lopti's two stages: each token once
 
         tables["mismatch"] = mismatch_table(first_stage(select_steps(run["sampler"], steps, stage).collect()))
+    tables.update(sampler_tables(run, steps, stage))  # the sampler's shape, the sign split
     if "floor" in run.kinds:  # the trainer against itself: the noise floor of any sampler's mismatch
         from tokendyn.analysis.mismatch import mismatch_table
 
@@ -230,6 +233,7 @@ def print_report(
         frame = tables.get(name)
         if frame is not None and frame.height:
             fn(console, frame)
+    print_sampler_tables(console, tables)
 
 
 def print_mismatch(console: Console, mismatch: pl.DataFrame) -> None:

@@ -16,6 +16,7 @@ from tokendyn.figures import (
     paired,
     readings,
     sampler,
+    sampler_hist,
     sweep,
     tokens,
     training,
@@ -101,6 +102,11 @@ FIGURES: tuple[FigureSpec, ...] = (
                "linear layer (embedding, projections, LM head) with torch's F.linear from the synced weights, not vLLM's "
                "packed CPU kernels: its bf16 or float32 mismatch is that engine's.",
                lambda r: sampler.mismatch_by_bin(_g(r, "sampler"), _g(r, "floor")), sampler.reading),
+    FigureSpec("m_sampler_hist", "The sampler's log ρ per interval", "new", ("sampler", "floor"),
+               "Histograms of log ρ = log π_old − log μ per interval of π_old, over fixed symmetric cells (±1e-4 … ±3, "
+               "the outer cells open), token counts on a log scale; dashed the floor (the trainer against itself), "
+               "dotted the fixed band |log ρ| = log 1.1.",
+               lambda r: sampler_hist.log_rho_histograms(_g(r, "sampler"), _g(r, "floor")), sampler_hist.reading),
     FigureSpec("i_training", "Training curves", "Fig. 3", ("metrics",),
                "Training reward and held-out accuracy per puzzle size, per run.",
                lambda r: training.training_curves(_g(r, "metrics")), readings.training),

@@ -13,6 +13,11 @@ the record writer (``binstats``, ``checks``), and the rebalancing analyses' file
 - ``probe/sampler/{mean_log_rho|abs_p99|envelope|mean_weight|frac_seq_masked}/{bin{b}|all}``: the sampler's
   mismatch per π_old bin (`tokendyn.analysis.mismatch`) from each ``sampler`` records file as it lands (vLLM runs);
   ``probe/floor/{abs_mean|abs_p99}/{bin{b}|all}``: the same for the trainer against itself (``floor`` records);
+- ``probe/sampler/tail_{above|below}/{tau}/{bin{b}|all}``: the share of tokens with rho > tau, rho < 1/tau (tau 1.1
+  and the correction's recorded thresholds); ``probe/sampler/{abs_mean|mean_log_rho}/{pos|neg|zero}/{bin{b}|all}``:
+  the mismatch by the sign of the advantage (the sampler rows the ``tokens`` sample holds); and
+  ``probe/update_share/{pos|neg|zero}/{bin{b}|all}``: the update share by sign where the ``token_shares`` sample
+  holds the whole bin (`tokendyn.hooks.live_mismatch`);
 - ``probe/bound_violations``: logits-bound + head-bound violations (must be 0); ``probe/identity_max_rel_err``: the
   LM-head identity's largest relative error.
 
@@ -30,10 +35,12 @@ import polars as pl
 from transformers import TrainerCallback
 
 from tokendyn.analysis.mismatch import mismatch_table
+from tokendyn.hooks.live_mismatch import config_of, sign_metrics, tail_metrics, update_sign_metrics
 from tokendyn.records import shard_files
 from tokendyn.vocab import FULL_UPDATES
 
 ANALYSIS_KINDS = ("shares", "prob_change", "sampler", "floor")
+JOINED = {"tokens": ("step", "stage", "rank", "micro", "row", "pos", "advantage")}  # read for the sign split
 SAMPLER_METRICS = ("mean_log_rho", "abs_p99", "envelope", "mean_weight", "frac_seq_masked")
 FLOOR_METRICS = ("abs_mean", "abs_p99")  # the trainer against itself: what a sampler's mismatch must exceed
 # the columns `step_metrics` reads, per kind of the probe's step records
@@ -152,8 +159,13 @@ class LiveProbeMetrics(TrainerCallback):
     """Adds the probe's live metrics to the next log row of the trainer (first among the callbacks, so that the
     report_to integrations and metrics.parquet see them). Attach with `attach_live_metrics`."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, config: dict | None = None):
         self.run_dir = Path(run_dir)
+        self.config = config  # the correction's thresholds (`live_mismatch.config_of`); None: none recorded
+        self._tokens: pl.DataFrame | None = (
+            None  # the latest `tokens` file: the advantages the sign split joins
+        )
+        self._shares: pl.DataFrame | None = None  # the latest `shares` file: the counts `token_shares` needs
         self.pending: dict[str, float] = {}
         self.seen: set[Path] = set()
         self._step: int | None = None  # the probed step whose micro-batches `_parts` holds
@@ -182,18 +194,30 @@ class LiveProbeMetrics(TrainerCallback):
         self.pending.update(metrics)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.seen = {
-            f for kind in ANALYSIS_KINDS for f in shard_files(self.run_dir, kind)
-        }  # earlier (resumed)
+        kinds = (*ANALYSIS_KINDS, *JOINED, "token_shares")
+        self.seen = {f for kind in kinds for f in shard_files(self.run_dir, kind)}  # earlier (resumed)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or not state.is_world_process_zero:
             return
-        for kind in ANALYSIS_KINDS:
-            for f in shard_files(self.run_dir, kind):
-                if f not in self.seen:
-                    self.seen.add(f)
-                    self.pending.update(analysis_metrics(kind, pl.read_parquet(f)))
+        fresh = {kind: [f for f in shard_files(self.run_dir, kind) if f not in self.seen]
+                 for kind in (*JOINED, *ANALYSIS_KINDS, "token_shares")}  # fmt: skip
+        for kind, files in fresh.items():
+            for f in files:
+                self.seen.add(f)
+                df = pl.read_parquet(f)
+                if kind in JOINED:
+                    df = df.select(c for c in JOINED[kind] if c in df.columns)
+                if kind == "tokens":
+                    self._tokens = df
+                    continue
+                if kind == "shares":
+                    self._shares = df
+                self.pending.update(analysis_metrics(kind, df))
+                if kind == "sampler":
+                    self.pending.update(tail_metrics(df, self.config) | sign_metrics(df, self._tokens))
+                elif kind == "token_shares":
+                    self.pending.update(update_sign_metrics(df, self._shares))
         logs.update(self.pending)
         self.pending = {}
 
@@ -205,7 +229,7 @@ def attach_live_metrics(trainer) -> LiveProbeMetrics | None:
     probe = getattr(owner, "probe", None)
     if probe is None:
         return None
-    live = LiveProbeMetrics(trainer.args.output_dir)
+    live = LiveProbeMetrics(trainer.args.output_dir, config_of(trainer.args))
     sink = probe.sink
 
     def both(records: dict) -> None:

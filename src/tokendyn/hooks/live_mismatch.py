@@ -1,0 +1,83 @@
+"""The live scalars of the sampler's tail and of the sign split (`tokendyn.hooks.live` logs them; b: the pi_old bin,
+``all``: every token; definitions in `tokendyn.analysis.mismatch_tail` and `tokendyn.analysis.sign_split`):
+
+- ``probe/sampler/tail_above/{tau}/{bin{b}|all}``, ``probe/sampler/tail_below/{tau}/{bin{b}|all}``: the share of the
+  tokens with rho > tau and with rho < 1/tau, for tau = 1.1 and the correction's thresholds recorded in the trainer's
+  config (none where it records none), tau written with ``:g`` (``1.1``, ``3``);
+- ``probe/sampler/abs_mean/{pos|neg|zero}/{bin{b}|all}``, ``probe/sampler/mean_log_rho/{pos|neg|zero}/...``: mean
+  |log rho| and mean log rho of the sampler tokens whose advantage is positive, negative or zero, over the tokens
+  the probe's `tokens` sample holds (joined on the exact keys; absent for a sign with no token);
+- ``probe/update_share/{pos|neg|zero}/{bin{b}|all}`` (a Lopti stage's as ``probe/update_share/{low|high}/{sign}/...``):
+  the update share of the tokens of each sign, where the `token_shares` sample holds the whole bin (absent
+  elsewhere: a sampled sum is not the share).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import polars as pl
+
+from tokendyn.analysis.mismatch_tail import correction_thresholds, mismatch_tail
+from tokendyn.analysis.sign_split import mismatch_by_sign, update_share_by_sign
+
+TRL_FIELDS = (
+    "use_vllm",
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_cap",
+)
+
+
+def config_of(args) -> dict:
+    """The correction's fields of a trainer's args (those it has), checked now: a bad threshold is a one-line
+    `UsageError` when the metrics are attached, not at the first log."""
+    config = {k: getattr(args, k) for k in TRL_FIELDS if hasattr(args, k)}
+    correction_thresholds(config)
+    return config
+
+
+def _tag(b: int) -> str:
+    return "all" if b < 0 else f"bin{b}"
+
+
+def _finite(x) -> bool:
+    return x is not None and isinstance(x, int | float) and math.isfinite(x)
+
+
+def tail_metrics(sampler: pl.DataFrame, config: Mapping | None) -> dict[str, float]:
+    """``probe/sampler/tail_{above|below}/{tau}/...`` of one `sampler` records file."""
+    table = mismatch_tail(sampler, config)
+    out: dict[str, float] = {}
+    for r in table.iter_rows(named=True) if table.height else ():
+        for side in ("above", "below"):
+            if _finite(r["tau"]) and _finite(r[side]):
+                out[f"probe/sampler/tail_{side}/{r['tau']:g}/{_tag(r['bin'])}"] = float(r[side])
+    return out
+
+
+def sign_metrics(sampler: pl.DataFrame, tokens: pl.DataFrame | None) -> dict[str, float]:
+    """``probe/sampler/{abs_mean|mean_log_rho}/{sign}/...`` of one `sampler` records file joined to ``tokens``."""
+    if tokens is None or tokens.height == 0:
+        return {}
+    table = mismatch_by_sign(sampler, tokens)
+    out: dict[str, float] = {}
+    for r in table.iter_rows(named=True) if table.height else ():
+        for col in ("abs_mean", "mean_log_rho"):
+            if r["sign"] is not None and _finite(r[col]):
+                out[f"probe/sampler/{col}/{r['sign']}/{_tag(r['bin'])}"] = float(r[col])
+    return out
+
+
+def update_sign_metrics(token_shares: pl.DataFrame, shares: pl.DataFrame | None) -> dict[str, float]:
+    """``probe/update_share/{sign}/...`` of one `token_shares` records file, its completeness from ``shares``."""
+    table = update_share_by_sign(token_shares, shares)
+    out: dict[str, float] = {}
+    for r in table.iter_rows(named=True) if table.height else ():
+        if r["sign"] is not None and _finite(r["share"]):
+            stage = "" if r["stage"] == "train" else f"{r['stage']}/"
+            out[f"probe/update_share/{stage}{r['sign']}/{_tag(r['bin'])}"] = float(r["share"])
+    return out
