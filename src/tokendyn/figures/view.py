@@ -1,16 +1,19 @@
 """The token view: each recorded completion as text, every token coloured by a quantity the reader picks.
 
 `view_page(records)` is a standalone HTML page (`tokendyn view RUN_DIR`); `view_fragment(records)` the same view
-as a section of the report. Both read the `token_view` (and `token_view_rules`) records only, and are
+as a section of the report. Both read the `token_view` (and `token_view_rules`, `spikes`) records only, and are
 self-contained: the data is JSON inside the page, the script and styles are inline, nothing is fetched. The
 records' text is data, never markup: the JSON is escaped for a <script> element and the script writes text with
-``textContent`` only.
+``textContent`` only (the spikes' list is written here, its text HTML-escaped).
 
 Quantities (`quantities`): π_old by its bin (the figures' bin colours), the advantage A, the update share s_t,
 Δπ after the counterfactual and after the real update, the direction of each (correct: Δπ has A's sign; wrong; tie:
 Δπ = 0 in float64), Lopti's group, the own-gradient ratio ||∂log π/∂h|| / (1 − π) at the LM head, and per compared
 rule its Δπ and the paired difference Δπ(rule) − Δπ(base) at equal ||Δθ||. Signed quantities use one diverging
 scale (blue below 0, vermillion above, Okabe-Ito) whose ends are the 99th percentile of |x| over the run's tokens.
+
+With `spikes` records the view lists each spike's tokens above it, each linked to its place (`view_spikes`), and
+opens at a spike's top token (the first spike, or the step given as ``spike``).
 """
 
 from __future__ import annotations
