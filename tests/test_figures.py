@@ -226,6 +226,11 @@ def test_report_has_every_figure_and_table(records, tmp_path):
     assert not re.search(r"""(src|href)=['"]?(https?:)?//""", html)
     assert html.count("<script") == 2 and not re.search(r"<script[^>]*\ssrc=", html)
     assert "id='token-view'" in html
+    # the header links the glossary, which the report carries: every term of the docs' glossary page
+    header = html.split("<table>", 1)[0]
+    assert "href='#glossary'" in header and html.count("id='glossary'") == 1
+    terms = re.findall(r"^\*\*(.+)\*\*$", (Path(__file__).resolve().parents[1] / "docs" / "glossary.md").read_text(), re.M)
+    assert len(terms) > 30 and html.count("<dt id='glossary-") == len(terms)
     assert re.search(r"tokens below π = 0.25 are \d+% of tokens and carry \d+% of the update", html)
 
 

