@@ -188,3 +188,25 @@ def test_live_scalars_from_the_record_files(tmp_path):
     assert logs["probe/update_share/pos/bin2"] == upd["share"][0]
     with pytest.raises(UsageError, match="vllm_importance_sampling_clip_max"):
         config_of(SimpleNamespace(**{**vars(args), "vllm_importance_sampling_clip_max": -2.0}))
+
+
+def test_advantage_is_the_first_non_null_over_the_points():
+    """A key whose first probe point holds a null advantage and a later one the value: the value, not the null."""
+    from tokendyn.analysis.sign_split import advantages
+
+    keys = {
+        "step": [4] * 3,
+        "stage": ["train"] * 3,
+        "rank": [0] * 3,
+        "micro": [0] * 3,
+        "row": [1] * 3,
+        "pos": [2] * 3,
+    }
+    t = full(
+        "tokens", {**keys, "advantage": [None, -0.5, None], "point": ["layers.0.out", "layers.1.out", "x"]}
+    )
+    assert advantages(t)["advantage"].to_list() == [-0.5]
+    s = full("sampler", {**{k: v[:1] for k, v in keys.items()}, "logp_old": [math.log(0.3)], "log_rho": [0.2],
+                         "logp_sampler": [math.log(0.3) - 0.2]})  # fmt: skip
+    neg = mismatch_by_sign(s, t).filter((pl.col("bin") == -1) & (pl.col("sign") == "neg"))
+    assert neg["count"].to_list() == [1] and neg["mean_log_rho"][0] == pytest.approx(0.2)

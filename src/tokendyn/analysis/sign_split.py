@@ -67,12 +67,13 @@ def _df(frame) -> pl.DataFrame:
 
 
 def advantages(tokens: pl.LazyFrame | pl.DataFrame | None) -> pl.DataFrame:
-    """The `tokens` rows once per key (KEYS, advantage); a key with two different advantages is a `UsageError`."""
+    """The `tokens` rows once per key (KEYS, advantage): a key's advantage is the first non-null over its probe
+    points (null only where every point's is); a key with two different advantages is a `UsageError`."""
     df = _df(tokens)
     if df.height == 0:
         return pl.DataFrame(schema={**{k: pl.Int64 for k in KEYS}, "stage": pl.Utf8, "advantage": pl.Float64})
     per_key = df.group_by(KEYS).agg(
-        pl.col("advantage").first(), pl.col("advantage").drop_nulls().n_unique().alias("_n")
+        pl.col("advantage").drop_nulls().first(), pl.col("advantage").drop_nulls().n_unique().alias("_n")
     )
     bad = per_key.filter(pl.col("_n") > 1)
     if bad.height:
