@@ -249,3 +249,16 @@ def test_the_histogram_figure_draws_a_sampler_and_a_floor_alone():
         log_rho_histograms(None, None)
     assert position(1e-4) == 11 and position(-3.0) == 1 and position(0.0) == pytest.approx(10.5)
     assert "outside [1/1.1, 1.1]" in reading({"sampler": s.with_columns(pl.lit("A").alias("run"))})
+
+
+def test_a_tick_on_an_edge_sits_on_that_edge_and_the_reading_says_what_it_counts():
+    """`position` maps edge k (0-based, the hand list) to k + 1 (cell k + 1 starts there), the last edge to
+    len(edges) like the first to 1; the reading counts log rho < -1 or >= 1 and says so."""
+    from tokendyn.figures.sampler_hist import position, reading
+
+    for k, e in enumerate(HAND_EDGES):
+        assert position(float(e)) == pytest.approx(k + 1), e
+    assert position(-10.0) == 0.5 and position(10.0) == 20.5  # inside the open outer cells
+    rho = [-1.0, math.nextafter(-1.0, 0), 1.0, math.nextafter(1.0, 0), 5.0, -5.0]
+    text = reading({"sampler": sampler([0.5] * len(rho), rho).with_columns(pl.lit("A").alias("run"))})
+    assert "3 token(s) with log ρ < −1 or ≥ 1" in text and "|log ρ| ≥ 1" not in text

@@ -45,9 +45,12 @@ def _hists(sampler, floor) -> tuple[list[str], dict[str, pl.DataFrame], dict[str
 
 
 def position(x: float, edges=LOG_RHO_EDGES) -> float:
-    """Where log rho x sits on the figure's axis: cell k spans [k, k + 1), log-interpolated inside a finite cell of
-    one sign (linear in the central cell)."""
+    """Where log rho x sits on the figure's axis: cell k = #{i : e_i <= x} spans [k, k + 1), so edge e_i sits at
+    i + 1 (the last edge at len(edges)); log-interpolated inside a finite cell of one sign (linear in the central
+    cell); k + 0.5 inside an open outer cell (x < e_0 or x > e_last)."""
     k = sum(1 for e in edges if e <= x)
+    if k == len(edges) and x == edges[-1]:
+        return float(k)
     if k == 0 or k == len(edges):
         return k + 0.5
     lo, hi = edges[k - 1], edges[k]
@@ -102,7 +105,8 @@ def mismatch_edges(hists: dict, floors: dict, b: int) -> str:
 
 
 def reading(records) -> str:
-    """Per run: the share of each interval's tokens outside the fixed band, and how many reach |log ρ| >= 1."""
+    """Per run: the share of each interval's tokens outside the fixed band, and how many have log ρ < −1 or
+    log ρ >= 1 (the cells below -1 and from 1 up)."""
     s = _frame(records.get("sampler"))
     if s is None:
         return "No sampler log-probabilities: the panels show the floor alone (the trainer against itself)."
@@ -117,5 +121,7 @@ def reading(records) -> str:
             for r in tail.iter_rows(named=True)
             if r["outside"] is not None
         )
-        parts.append(f"{run}: tokens with ρ outside [1/1.1, 1.1] {shares}; {far} token(s) with |log ρ| ≥ 1")
+        parts.append(
+            f"{run}: tokens with ρ outside [1/1.1, 1.1] {shares}; {far} token(s) with log ρ < −1 or ≥ 1"
+        )
     return "The sampler's log ρ per interval of π_old — " + "; ".join(parts) + "."
