@@ -127,10 +127,11 @@ def test_histogram_random_tokens_against_a_plain_loop(seed):
     _check_hist(pi, rho)
 
 
-def ref_tail(rho: list[float], tau: float) -> tuple[int, float, float]:
+def ref_tail(rho: list[float], hi: float | None, lo: float | None) -> tuple[int, float | None, float | None]:
+    """(n, share with log rho > hi, share with log rho < lo) in log space; a side without its bound None."""
     xs = [x for x in rho if not math.isnan(x)]
-    t = math.log(tau)
-    return len(xs), sum(1 for x in xs if x > t) / len(xs), sum(1 for x in xs if x < -t) / len(xs)
+    above = sum(1 for x in xs if x > hi) / len(xs) if hi is not None else None
+    return len(xs), above, (sum(1 for x in xs if x < lo) / len(xs) if lo is not None else None)
 
 
 def test_tail_against_a_plain_loop_at_every_threshold():
@@ -140,16 +141,20 @@ def test_tail_against_a_plain_loop_at_every_threshold():
     config = {**TRL, "vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_clip_min": 0.5}
     table = mismatch_tail(sampler(pi, rho), config)
     assert table["source"].unique(maintain_order=True).to_list() == ["fixed", "clip_max", "clip_min"]
-    assert table.filter(pl.col("source") == "clip_min")["tau"].unique().to_list() == [2.0]
+    assert table.filter(pl.col("source") == "clip_min")["tau"].unique().to_list() == [0.5]  # never folded
     assert table["mode"].drop_nulls().unique().to_list() == ["token_mask"]
     bins = [ref_bin(math.exp(math.log(p))) for p in pi]
     for r in table.iter_rows(named=True):
         mine = [x for x, k in zip(rho, bins, strict=True) if r["bin"] < 0 or k == r["bin"]]
         if not mine:
             continue
-        n, above, below = ref_tail(mine, r["tau"])
+        t = math.log(1.1)
+        hi, lo = {"fixed": (t, -t), "clip_max": (math.log(3.0), None), "clip_min": (None, math.log(0.5))}[
+            r["source"]
+        ]
+        n, above, below = ref_tail(mine, hi, lo)
         assert (r["count"], r["above"], r["below"]) == (n, pytest.approx(above), pytest.approx(below))
-        assert r["outside"] == pytest.approx(above + below)
+        assert r["outside"] == pytest.approx(sum(v for v in (above, below) if v is not None))
 
 
 def test_a_token_exactly_on_the_band_is_inside():
@@ -262,3 +267,52 @@ def test_a_tick_on_an_edge_sits_on_that_edge_and_the_reading_says_what_it_counts
     rho = [-1.0, math.nextafter(-1.0, 0), 1.0, math.nextafter(1.0, 0), 5.0, -5.0]
     text = reading({"sampler": sampler([0.5] * len(rho), rho).with_columns(pl.lit("A").alias("run"))})
     assert "3 token(s) with log ρ < −1 or ≥ 1" in text and "|log ρ| ≥ 1" not in text
+
+
+def _one_sided(rho: list[float], bound: float, side: str) -> float:
+    """The share of the tokens with rho > bound (side "above") or rho < bound ("below"), by a plain loop."""
+    xs = [math.exp(x) for x in rho if not math.isnan(x)]
+    return sum(1 for r in xs if (r > bound if side == "above" else r < bound)) / len(xs)
+
+
+def test_a_clip_max_below_one_counts_rho_above_it_not_its_inverse():
+    rho = [math.log(r) for r in (0.7, 0.79, 0.81, 0.9, 1.0, 1.2, 1.3)]
+    table = mismatch_tail(sampler([0.9] * len(rho), rho), {**TRL, "vllm_importance_sampling_clip_max": 0.8})
+    row = table.filter((pl.col("source") == "clip_max") & (pl.col("bin") == -1)).row(0, named=True)
+    assert row["tau"] == 0.8 and row["above"] == pytest.approx(
+        _one_sided(rho, 0.8, "above")
+    ) == pytest.approx(5 / 7)
+    assert row["below"] is None and row["outside"] == pytest.approx(5 / 7)  # a clip_max row has no lower side
+
+
+def test_clip_min_zero_is_no_lower_bound_and_each_clip_row_is_one_sided():
+    rng = np.random.default_rng(7)
+    pi, rho = rng.uniform(0.01, 1.0, 400).tolist(), (rng.standard_normal(400) * 0.6).tolist()
+    zero = {**TRL, "vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_clip_min": 0.0}
+    assert [r["source"] for r in correction_thresholds(zero)] == [
+        "fixed",
+        "clip_max",
+    ]  # accepted: no lower bound
+    assert mismatch_tail(sampler(pi, rho), zero)["source"].unique(maintain_order=True).to_list() == [
+        "fixed",
+        "clip_max",
+    ]
+    only_zero = {**TRL, "vllm_importance_sampling_clip_max": None, "vllm_importance_sampling_clip_min": 0}
+    corr = mismatch_tail(sampler(pi, rho), only_zero).filter(pl.col("source") == "correction")
+    assert corr.height == 5 and corr["tau"].null_count() == 5 and "no lower bound" in corr["note"][0]
+    both = {**TRL, "vllm_importance_sampling_clip_max": 2.0, "vllm_importance_sampling_clip_min": 0.6}
+    table = mismatch_tail(sampler(pi, rho), both).filter(pl.col("bin") == -1)
+    hi, lo = (table.filter(pl.col("source") == s).row(0, named=True) for s in ("clip_max", "clip_min"))
+    assert (
+        hi["tau"] == 2.0
+        and hi["below"] is None
+        and hi["above"] == pytest.approx(_one_sided(rho, 2.0, "above"))
+    )
+    assert (
+        lo["tau"] == 0.6
+        and lo["above"] is None
+        and lo["below"] == pytest.approx(_one_sided(rho, 0.6, "below"))
+    )
+    fixed = table.filter(pl.col("source") == "fixed").row(0, named=True)  # the fixed band stays symmetric
+    assert fixed["above"] == pytest.approx(_one_sided(rho, 1.1, "above"))
+    assert fixed["below"] == pytest.approx(_one_sided(rho, 1 / 1.1, "below"))

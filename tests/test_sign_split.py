@@ -178,8 +178,9 @@ def test_live_scalars_from_the_record_files(tmp_path):
     for tau, src in (("1.1", "fixed"), ("3", "clip_max")):
         r = tail.filter((pl.col("source") == src) & (pl.col("bin") == 0)).row(0, named=True)
         assert logs[f"probe/sampler/tail_above/{tau}/bin0"] == r["above"]
-        assert logs[f"probe/sampler/tail_below/{tau}/all"] == tail.filter(
-            (pl.col("source") == src) & (pl.col("bin") == -1))["below"][0]  # fmt: skip
+    every = tail.filter((pl.col("source") == "fixed") & (pl.col("bin") == -1))
+    assert logs["probe/sampler/tail_below/0.909091/all"] == every["below"][0]  # rho < 1/1.1
+    assert not [k for k in logs if k.startswith("probe/sampler/tail_below/3/")]  # a clip_max row has no below
     sign = mismatch_by_sign(s, t)
     r = sign.filter((pl.col("bin") == -1) & (pl.col("sign") == "neg")).row(0, named=True)
     assert logs["probe/sampler/abs_mean/neg/all"] == r["abs_mean"]

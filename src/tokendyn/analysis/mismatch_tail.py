@@ -18,24 +18,25 @@ its own (cell, edge_lo and edge_hi null), present only where such tokens exist. 
 
 an empty bin keeps its cells with count 0 and share null (no tokens: no share).
 
-Ratio tail (table ``mismatch_tail``). For a threshold tau >= 1 on rho = exp(log rho), per bin, over the n_b tokens
-with a defined log rho:
+Ratio tail (table ``mismatch_tail``). Per bin and threshold row, over the n_b tokens with a defined log rho, with
+the row's bounds on rho = exp(log rho), rho_hi and rho_lo (either null: that side not counted):
 
-    above_b(tau)   = #{t in b : log rho_t >  log tau} / n_b     (rho > tau)
-    below_b(tau)   = #{t in b : log rho_t < -log tau} / n_b     (rho < 1 / tau)
-    outside_b(tau) = above_b(tau) + below_b(tau)
+    above_b = #{t in b : log rho_t > log rho_hi} / n_b     (rho > rho_hi; null where rho_hi is null)
+    below_b = #{t in b : log rho_t < log rho_lo} / n_b     (rho < rho_lo; null where rho_lo is null)
+    outside_b = above_b + below_b                          (the sides the row has)
 
-compared in log space (the strict inequalities of TRL's mask, ``ratio > clip_max``, up to the rounding of exp). The
-thresholds (`correction_thresholds`): always the fixed band tau = 1.1 (``source`` "fixed", the band of the
-``mismatched`` table, |log rho| > log 1.1); and the run's own correction as run.json's trainer config records it
-(TRL: ``use_vllm`` and ``vllm_importance_sampling_correction`` true): ``source`` "clip_max" with tau = C_max
-(``vllm_importance_sampling_clip_max``, else the deprecated ``vllm_importance_sampling_cap``) and "clip_min" with
-tau = 1 / C_min (``vllm_importance_sampling_clip_min``), a threshold below 1 folded to its inverse. A run whose
-config records no threshold (no run.json config, a correction switched off, both bounds unset) gets one row per bin
-with ``source`` "correction", tau and the shares null, and ``note`` saying why: never a made-up threshold. ``mode``
-is the recorded ``vllm_importance_sampling_mode``: in the sequence modes TRL applies C to the sequence's summed
-log rho, so the token tail is where the mismatch sits, and the `mismatch` table's ``frac_seq_masked`` what the
-correction dropped.
+compared in log space (the strict inequalities of TRL's mask, ``ratio > clip_max``, ``ratio < clip_min``, up to the
+rounding of exp). The rows (`correction_thresholds`): always the fixed band tau = 1.1, symmetric (``source``
+"fixed", rho_hi = 1.1, rho_lo = 1 / 1.1: the band of the ``mismatched`` table, |log rho| > log 1.1); and the run's
+own correction as run.json's trainer config records it (TRL: ``use_vllm`` and ``vllm_importance_sampling_correction``
+true), each bound on its own side, never folded: ``source`` "clip_max" with tau = rho_hi = C_max
+(``vllm_importance_sampling_clip_max``, else the deprecated ``vllm_importance_sampling_cap``; below null), and
+"clip_min" with tau = rho_lo = C_min (``vllm_importance_sampling_clip_min``; above null), absent where C_min is 0
+(TRL's "no lower bound"). A run whose config records no threshold (no run.json config, a correction switched off, no
+bound set) gets one row per bin with ``source`` "correction", tau and the shares null, and ``note`` saying why: never
+a made-up threshold. ``mode`` is the recorded ``vllm_importance_sampling_mode``: in the sequence modes TRL applies C
+to the sequence's summed log rho, so the token tail is where the mismatch sits, and the `mismatch` table's
+``frac_seq_masked`` what the correction dropped.
 """
 
 from __future__ import annotations
@@ -125,23 +126,36 @@ def mismatch_hist(
     return pl.DataFrame(rows, schema=schema, orient="row")
 
 
-def _positive(config: Mapping, key: str) -> float | None:
+def _bound(config: Mapping, key: str, zero: bool = False) -> float | None:
+    """A recorded threshold: a finite number > 0 (>= 0 where ``zero``: 0 is TRL's "no lower bound"), or None where
+    unset; anything else a one-line `UsageError` naming the field."""
     value = config.get(key)
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value > 0)
-    ):
-        raise UsageError(f"run.json config: {key} must be a finite number > 0 or null, got {value!r}")
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not zero):
+        need = ">= 0 (0: no lower bound)" if zero else "> 0"
+        raise UsageError(f"run.json config: {key} must be a finite number {need} or null, got {value!r}")
     return float(value)
 
 
+def _row(source: str, tau, rho_hi, rho_lo, mode, note: str, log_lo: float | None = None) -> dict:
+    """A threshold row; log_hi, log_lo: the bounds in log space (log_lo given for the fixed band: -log 1.1 exactly,
+    which log(1 / 1.1) misses by an ulp)."""
+    log_hi = math.log(rho_hi) if rho_hi is not None else None
+    log_lo = log_lo if log_lo is not None else (math.log(rho_lo) if rho_lo is not None else None)
+    return {"source": source, "tau": tau, "rho_hi": rho_hi, "rho_lo": rho_lo, "log_hi": log_hi, "log_lo": log_lo,
+            "mode": mode, "note": note}  # fmt: skip
+
+
 def correction_thresholds(config: Mapping | None) -> list[dict]:
-    """The thresholds of the tail (module docstring): [{source, tau, mode, note}], the fixed band first; the
-    correction's as recorded in the trainer config ``config`` (run.json's), else one row with tau null and a note."""
-    rows = [{"source": "fixed", "tau": FIXED_TAU, "mode": None, "note": "the fixed band |log rho| > log 1.1"}]
+    """The rows of the tail (module docstring): [{source, tau, rho_hi, rho_lo, log_hi, log_lo, mode, note}], the
+    fixed band first
+    (rho_hi = 1.1, rho_lo = 1 / 1.1); the correction's as recorded in the trainer config ``config`` (run.json's),
+    clip_max with rho_hi = C_max, clip_min with rho_lo = C_min (none for C_min = 0), else one row with tau null and a
+    note."""
+    band = "the fixed band |log rho| > log 1.1"
+    rows = [_row("fixed", FIXED_TAU, FIXED_TAU, 1.0 / FIXED_TAU, None, band, log_lo=-math.log(FIXED_TAU))]
     config = config or {}
     if not isinstance(config, Mapping):
         raise UsageError(f"run.json config: must be a mapping, got {type(config).__name__}")
@@ -150,39 +164,47 @@ def correction_thresholds(config: Mapping | None) -> list[dict]:
         raise UsageError(f"run.json config: vllm_importance_sampling_mode must be a string, got {mode!r}")
 
     def missing(note: str) -> list[dict]:
-        return [*rows, {"source": "correction", "tau": None, "mode": mode, "note": note}]
+        return [*rows, _row("correction", None, None, None, mode, note)]
 
     if "vllm_importance_sampling_correction" not in config:
         return missing("no correction threshold recorded (run.json holds no TRL importance-sampling config)")
     if not (config.get("use_vllm") and config.get("vllm_importance_sampling_correction")):
         return missing("the correction is off (use_vllm or vllm_importance_sampling_correction false)")
-    c_max = next((v for v in (_positive(config, k) for k in CLIP_MAX) if v is not None), None)
-    c_min = _positive(config, CLIP_MIN)
-    if c_max is None and c_min is None:
-        return missing("no correction threshold recorded (clip_max and clip_min unset)")
-    for source, c in (("clip_max", c_max), ("clip_min", c_min)):
-        if c is not None:
-            rows.append({"source": source, "tau": max(c, 1.0 / c), "mode": mode,
-                         "note": f"the correction's {source} {c:g}"})  # fmt: skip
+    c_max = next((v for v in (_bound(config, k) for k in CLIP_MAX) if v is not None), None)
+    c_min = _bound(config, CLIP_MIN, zero=True)
+    if c_max is None and not c_min:
+        why = "clip_max and clip_min unset" if c_min is None else "clip_max unset, clip_min 0: no lower bound"
+        return missing(f"no correction threshold recorded ({why})")
+    if c_max is not None:
+        rows.append(
+            _row("clip_max", c_max, c_max, None, mode, f"the correction's clip_max {c_max:g}: rho > C_max")
+        )
+    if c_min:
+        rows.append(
+            _row("clip_min", c_min, None, c_min, mode, f"the correction's clip_min {c_min:g}: rho < C_min")
+        )
     return rows
 
 
-def tail_shares(log_rho: pl.Series, tau: float) -> tuple[int, float | None, float | None]:
-    """(n, above, below) over the tokens with a defined log rho: above = #{log rho > log tau} / n, below =
-    #{log rho < -log tau} / n (None for n = 0)."""
+def tail_shares(
+    log_rho: pl.Series, log_hi: float | None, log_lo: float | None
+) -> tuple[int, float | None, float | None]:
+    """(n, above, below) over the n tokens with a defined log rho: above = #{log rho > log_hi} / n (rho > rho_hi),
+    below = #{log rho < log_lo} / n (rho < rho_lo); a side whose bound is None is None, both None for n = 0."""
     x = log_rho.drop_nulls().drop_nans()
     n = x.len()
     if n == 0:
         return 0, None, None
-    t = math.log(tau)
-    return n, float((x > t).sum()) / n, float((x < -t).sum()) / n
+    above = float((x > log_hi).sum()) / n if log_hi is not None else None
+    below = float((x < log_lo).sum()) / n if log_lo is not None else None
+    return n, above, below
 
 
 def mismatch_tail(
     sampler: pl.LazyFrame | pl.DataFrame, config: Mapping | None = None, edges: Sequence[float] = EDGES
 ) -> pl.DataFrame:
-    """One row per (pi_old bin, threshold): bin, bin_lo, bin_hi, source, mode, tau, count, above, below, outside,
-    note (module docstring); empty when there are no records."""
+    """One row per (pi_old bin, threshold): bin, bin_lo, bin_hi, source, mode, tau, rho_hi, rho_lo, count, above,
+    below, outside, note (module docstring); empty when there are no records."""
     df = _binned(sampler, edges)
     if df.height == 0:
         return pl.DataFrame()
@@ -190,12 +212,14 @@ def mismatch_tail(
     rows = []
     for b, lo, hi, group in _bins(df, edges):
         for th in thresholds:
-            n, above, below = tail_shares(group["log_rho"], th["tau"]) if th["tau"] else (None, None, None)
-            outside = above + below if above is not None else None
+            bounds = th["log_hi"], th["log_lo"]
+            n, above, below = tail_shares(group["log_rho"], *bounds) if th["tau"] else (None, None, None)
+            sides = [v for v in (above, below) if v is not None]
             rows.append({"bin": b, "bin_lo": lo, "bin_hi": hi, "source": th["source"], "mode": th["mode"],
-                         "tau": th["tau"], "count": n, "above": above, "below": below, "outside": outside,
+                         "tau": th["tau"], "rho_hi": th["rho_hi"], "rho_lo": th["rho_lo"], "count": n,
+                         "above": above, "below": below, "outside": sum(sides) if sides else None,
                          "note": th["note"]})  # fmt: skip
     schema = {"bin": pl.Int32, "bin_lo": pl.Float64, "bin_hi": pl.Float64, "source": pl.Utf8, "mode": pl.Utf8,
-              "tau": pl.Float64, "count": pl.Int64, "above": pl.Float64, "below": pl.Float64,
-              "outside": pl.Float64, "note": pl.Utf8}  # fmt: skip
+              "tau": pl.Float64, "rho_hi": pl.Float64, "rho_lo": pl.Float64, "count": pl.Int64,
+              "above": pl.Float64, "below": pl.Float64, "outside": pl.Float64, "note": pl.Utf8}  # fmt: skip
     return pl.DataFrame(rows, schema=schema)

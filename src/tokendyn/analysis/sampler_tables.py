@@ -68,9 +68,10 @@ def print_sampler_tables(console: Console, tables: dict[str, pl.DataFrame]) -> N
                {c: c for c in wide.columns if c != "cell"})  # fmt: skip
     tail = tables.get("mismatch_tail")
     if tail is not None and tail.height:
-        _print(console, tail.with_columns(_bin_label()), "The ratio's tail: share of tokens with rho > tau and "
-               "rho < 1/tau, per pi_old bin", {"bin": "bin", "source": "threshold", "mode": "mode", "tau": "tau",
-               "count": "tokens", "above": "rho > tau", "below": "rho < 1/tau", "outside": "outside"})  # fmt: skip
+        _print(console, tail.with_columns(_bin_label()), "The ratio's tail: share of tokens with rho > hi and "
+               "rho < lo, per pi_old bin", {"bin": "bin", "source": "threshold", "mode": "mode", "rho_hi": "hi",
+               "rho_lo": "lo", "count": "tokens", "above": "rho > hi", "below": "rho < lo",
+               "outside": "outside"})  # fmt: skip
         for note in tail.filter(pl.col("tau").is_null())["note"].unique().to_list():
             console.print(f"[yellow]mismatch_tail: {note}; the fixed band only[/yellow]")
     sign = tables.get("mismatch_sign")

@@ -13,8 +13,8 @@ the record writer (``binstats``, ``checks``), and the rebalancing analyses' file
 - ``probe/sampler/{mean_log_rho|abs_p99|envelope|mean_weight|frac_seq_masked}/{bin{b}|all}``: the sampler's
   mismatch per π_old bin (`tokendyn.analysis.mismatch`) from each ``sampler`` records file as it lands (vLLM runs);
   ``probe/floor/{abs_mean|abs_p99}/{bin{b}|all}``: the same for the trainer against itself (``floor`` records);
-- ``probe/sampler/tail_{above|below}/{tau}/{bin{b}|all}``: the share of tokens with rho > tau, rho < 1/tau (tau 1.1
-  and the correction's recorded thresholds); ``probe/sampler/{abs_mean|mean_log_rho}/{pos|neg|zero}/{bin{b}|all}``:
+- ``probe/sampler/tail_above/{t}/{bin{b}|all}``, ``.../tail_below/{t}/...``: the share of tokens with rho > t, rho < t
+  (the fixed band 1.1 and 1 / 1.1, the correction's recorded clip_max and clip_min); ``probe/sampler/{abs_mean|mean_log_rho}/{pos|neg|zero}/{bin{b}|all}``:
   the mismatch by the sign of the advantage (the sampler rows the ``tokens`` sample holds); and
   ``probe/update_share/{pos|neg|zero}/{bin{b}|all}``: the update share by sign where the ``token_shares`` sample
   holds the whole bin (`tokendyn.hooks.live_mismatch`);

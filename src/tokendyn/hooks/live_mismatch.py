@@ -1,9 +1,11 @@
 """The live scalars of the sampler's tail and of the sign split (`tokendyn.hooks.live` logs them; b: the pi_old bin,
 ``all``: every token; definitions in `tokendyn.analysis.mismatch_tail` and `tokendyn.analysis.sign_split`):
 
-- ``probe/sampler/tail_above/{tau}/{bin{b}|all}``, ``probe/sampler/tail_below/{tau}/{bin{b}|all}``: the share of the
-  tokens with rho > tau and with rho < 1/tau, for tau = 1.1 and the correction's thresholds recorded in the trainer's
-  config (none where it records none), tau written with ``:g`` (``1.1``, ``3``);
+- ``probe/sampler/tail_above/{t}/{bin{b}|all}``: the share of the tokens with rho > t, and
+  ``probe/sampler/tail_below/{t}/{bin{b}|all}``: with rho < t, t a row's bound rho_hi, rho_lo written with ``:g``:
+  the fixed band's ``tail_above/1.1`` and ``tail_below/0.909091`` (1 / 1.1), the correction's recorded clip_max as
+  ``tail_above/{C_max}`` and clip_min as ``tail_below/{C_min}`` (none where the trainer's config records none, or
+  C_min = 0: no lower bound);
 - ``probe/sampler/abs_mean/{pos|neg|zero}/{bin{b}|all}``, ``probe/sampler/mean_log_rho/{pos|neg|zero}/...``: mean
   |log rho| and mean log rho of the sampler tokens whose advantage is positive, negative or zero, over the tokens
   the probe's `tokens` sample holds (joined on the exact keys; absent for a sign with no token);
@@ -49,13 +51,14 @@ def _finite(x) -> bool:
 
 
 def tail_metrics(sampler: pl.DataFrame, config: Mapping | None) -> dict[str, float]:
-    """``probe/sampler/tail_{above|below}/{tau}/...`` of one `sampler` records file."""
+    """``probe/sampler/tail_above/{rho_hi}/...`` (share with rho > rho_hi) and ``tail_below/{rho_lo}/...`` (share
+    with rho < rho_lo) of one `sampler` records file, each threshold row's sides that it has."""
     table = mismatch_tail(sampler, config)
     out: dict[str, float] = {}
     for r in table.iter_rows(named=True) if table.height else ():
-        for side in ("above", "below"):
-            if _finite(r["tau"]) and _finite(r[side]):
-                out[f"probe/sampler/tail_{side}/{r['tau']:g}/{_tag(r['bin'])}"] = float(r[side])
+        for side, bound in (("above", "rho_hi"), ("below", "rho_lo")):
+            if _finite(r[bound]) and _finite(r[side]):
+                out[f"probe/sampler/tail_{side}/{r[bound]:g}/{_tag(r['bin'])}"] = float(r[side])
     return out
 
 
