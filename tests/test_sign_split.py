@@ -185,7 +185,9 @@ def test_live_scalars_from_the_record_files(tmp_path):
     r = sign.filter((pl.col("bin") == -1) & (pl.col("sign") == "neg")).row(0, named=True)
     assert logs["probe/sampler/abs_mean/neg/all"] == r["abs_mean"]
     assert logs["probe/sampler/mean_log_rho/neg/all"] == r["mean_log_rho"]
-    upd = update_share_by_sign(ts, sh).filter((pl.col("bin") == 2) & (pl.col("sign") == "pos"))
+    latest = pl.col("step") == 2  # the file holds steps 0 and 2: the live scalar is the latest step's
+    upd = update_share_by_sign(ts.filter(latest), sh.filter(latest))
+    upd = upd.filter((pl.col("bin") == 2) & (pl.col("sign") == "pos"))
     assert logs["probe/update_share/pos/bin2"] == upd["share"][0]
     with pytest.raises(UsageError, match="vllm_importance_sampling_clip_max"):
         config_of(SimpleNamespace(**{**vars(args), "vllm_importance_sampling_clip_max": -2.0}))
@@ -211,3 +213,70 @@ def test_advantage_is_the_first_non_null_over_the_points():
                          "logp_sampler": [math.log(0.3) - 0.2]})  # fmt: skip
     neg = mismatch_by_sign(s, t).filter((pl.col("bin") == -1) & (pl.col("sign") == "neg"))
     assert neg["count"].to_list() == [1] and neg["mean_log_rho"][0] == pytest.approx(0.2)
+
+
+def _log(live) -> dict:
+    logs: dict = {}
+    live.on_log(None, SimpleNamespace(is_world_process_zero=True), None, logs=logs)
+    return logs
+
+
+def test_live_joins_rows_that_land_in_different_flushes(tmp_path):
+    """Step 4's sampler rows land (and are logged) a flush before its tokens rows; a Lopti step's stage-high shares
+    land in a file after the stage-low ones: the sign split and the update share by sign of both stages still appear,
+    each against a plain loop over the truth."""
+    from tokendyn.hooks.live import LiveProbeMetrics
+
+    live = LiveProbeMetrics(tmp_path, None)
+    live.on_train_begin(None, None, None)
+    s, t, truth, _ = synthetic(2)
+    stages = {}
+    for stage, seed in (("low", 0), ("high", 1)):
+        ts, sh, want = shares_records({}, seed=seed)
+        relabel = (pl.col("step") == 2, pl.lit(stage).alias("stage"))
+        stages[stage] = (
+            ts.filter(relabel[0]).with_columns(relabel[1]),
+            sh.filter(relabel[0]).with_columns(relabel[1]),
+            want,
+        )
+    write_frames(tmp_path, {"sampler": s, "shares": stages["low"][1]}, rank=0)
+    _log(live)
+    write_frames(tmp_path, {"tokens": t}, rank=0)  # the probe's rows of the same step, a later flush
+    write_frames(tmp_path, {"shares": stages["high"][1]}, rank=0)  # stage 2's shares: a second file
+    write_frames(tmp_path, {"token_shares": pl.concat([stages["low"][0], stages["high"][0]])}, rank=0)
+    logs = _log(live)
+    for b in range(-1, 4):
+        tag = "all" if b < 0 else f"bin{b}"
+        for sign in ("pos", "neg", "zero"):
+            mine = [lr for p, lr, a in truth.values() if (b < 0 or ref_bin(p) == b) and sign_of(a) == sign]
+            if not mine:
+                assert f"probe/sampler/abs_mean/{sign}/{tag}" not in logs
+                continue
+            assert logs[f"probe/sampler/mean_log_rho/{sign}/{tag}"] == pytest.approx(sum(mine) / len(mine))
+            assert logs[f"probe/sampler/abs_mean/{sign}/{tag}"] == pytest.approx(
+                sum(abs(x) for x in mine) / len(mine)
+            )
+            for stage, (_, _, want) in stages.items():
+                share = sum(want[(2, k, sign)] for k in range(4)) if b < 0 else want[(2, b, sign)]
+                assert logs[f"probe/update_share/{stage}/{sign}/{tag}"] == pytest.approx(share, abs=1e-12)
+
+
+def test_a_failing_live_family_is_one_warning_not_a_crash(tmp_path, caplog):
+    """Tokens records whose probe points disagree on an advantage make the sign split raise: `on_log` returns, the
+    other families are logged, and one warning line names the family and the error."""
+    import logging
+
+    from tokendyn.hooks.live import LiveProbeMetrics
+
+    live = LiveProbeMetrics(tmp_path, None)
+    live.on_train_begin(None, None, None)
+    s, t, _, _ = synthetic(0)
+    bad = pl.concat([t, t.head(1).with_columns(pl.lit(7.0).alias("advantage"), pl.lit("x").alias("point"))])
+    write_frames(tmp_path, {"sampler": s, "tokens": bad}, rank=0)
+    with caplog.at_level(logging.WARNING):
+        logs = _log(live)
+    assert "probe/sampler/tail_above/1.1/all" in logs and "probe/sampler/mean_log_rho/all" in logs
+    assert not [k for k in logs if "/pos/" in k or "/neg/" in k]
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(lines) == 1 and "sign_metrics" in lines[0] and "advantage differs" in lines[0]
+    assert "\n" not in lines[0]

@@ -17,7 +17,9 @@ the record writer (``binstats``, ``checks``), and the rebalancing analyses' file
   (the fixed band 1.1 and 1 / 1.1, the correction's recorded clip_max and clip_min); ``probe/sampler/{abs_mean|mean_log_rho}/{pos|neg|zero}/{bin{b}|all}``:
   the mismatch by the sign of the advantage (the sampler rows the ``tokens`` sample holds); and
   ``probe/update_share/{pos|neg|zero}/{bin{b}|all}``: the update share by sign where the ``token_shares`` sample
-  holds the whole bin (`tokendyn.hooks.live_mismatch`);
+  holds the whole bin (`tokendyn.hooks.live_mismatch`), each step's rows joined whatever files they land in (the
+  latest step's metrics win); a family that fails logs one warning and is skipped for that log, never failing
+  training;
 - ``probe/bound_violations``: logits-bound + head-bound violations (must be 0); ``probe/identity_max_rel_err``: the
   LM-head identity's largest relative error.
 
@@ -28,6 +30,7 @@ error), the latest probed step's. Rank 0's records only (the other ranks' shards
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -35,12 +38,20 @@ import polars as pl
 from transformers import TrainerCallback
 
 from tokendyn.analysis.mismatch import mismatch_table
-from tokendyn.hooks.live_mismatch import config_of, sign_metrics, tail_metrics, update_sign_metrics
+from tokendyn.hooks.live_mismatch import (
+    JOINED,
+    StepRows,
+    config_of,
+    sign_metrics,
+    tail_metrics,
+    update_sign_metrics,
+)
 from tokendyn.records import shard_files
 from tokendyn.vocab import FULL_UPDATES
 
+log = logging.getLogger(__name__)
 ANALYSIS_KINDS = ("shares", "prob_change", "sampler", "floor")
-JOINED = {"tokens": ("step", "stage", "rank", "micro", "row", "pos", "advantage")}  # read for the sign split
+JOIN_ONLY = ("tokens", "token_shares")  # kinds read for the sign split only: their `JOINED` columns alone
 SAMPLER_METRICS = ("mean_log_rho", "abs_p99", "envelope", "mean_weight", "frac_seq_masked")
 FLOOR_METRICS = ("abs_mean", "abs_p99")  # the trainer against itself: what a sampler's mismatch must exceed
 # the columns `step_metrics` reads, per kind of the probe's step records
@@ -162,10 +173,7 @@ class LiveProbeMetrics(TrainerCallback):
     def __init__(self, run_dir: str | Path, config: dict | None = None):
         self.run_dir = Path(run_dir)
         self.config = config  # the correction's thresholds (`live_mismatch.config_of`); None: none recorded
-        self._tokens: pl.DataFrame | None = (
-            None  # the latest `tokens` file: the advantages the sign split joins
-        )
-        self._shares: pl.DataFrame | None = None  # the latest `shares` file: the counts `token_shares` needs
+        self._rows = {kind: StepRows(kind) for kind in JOINED}  # the rows the sign splits join, by step
         self.pending: dict[str, float] = {}
         self.seen: set[Path] = set()
         self._step: int | None = None  # the probed step whose micro-batches `_parts` holds
@@ -194,30 +202,51 @@ class LiveProbeMetrics(TrainerCallback):
         self.pending.update(metrics)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        kinds = (*ANALYSIS_KINDS, *JOINED, "token_shares")
+        kinds = (*ANALYSIS_KINDS, *JOIN_ONLY)
         self.seen = {f for kind in kinds for f in shard_files(self.run_dir, kind)}  # earlier (resumed)
+
+    def _family(self, name: str, failed: set[str], fn, *args) -> None:
+        """Add ``fn(*args)``'s metrics to those pending; an error logs one warning line naming the family and skips
+        it for the rest of this log (``failed``): the live metrics never fail training."""
+        if name in failed:
+            return
+        try:
+            self.pending.update(fn(*args))
+        except Exception as err:  # noqa: BLE001 - a metric family must not stop training
+            failed.add(name)
+            msg = " ".join(f"{type(err).__name__}: {err}".split())
+            log.warning("tokendyn live metrics: %s skipped at this log (%s)", name, msg)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or not state.is_world_process_zero:
             return
-        fresh = {kind: [f for f in shard_files(self.run_dir, kind) if f not in self.seen]
-                 for kind in (*JOINED, *ANALYSIS_KINDS, "token_shares")}  # fmt: skip
-        for kind, files in fresh.items():
-            for f in files:
+        failed: set[str] = set()
+        touched: dict[str, set[int]] = {"sign": set(), "update": set()}  # steps with fresh rows, per split
+        for kind in ("tokens", *ANALYSIS_KINDS, "token_shares"):
+            for f in [f for f in shard_files(self.run_dir, kind) if f not in self.seen]:
                 self.seen.add(f)
-                df = pl.read_parquet(f)
+                if kind in JOIN_ONLY:
+                    names = pl.read_parquet_schema(f)
+                    df = pl.read_parquet(f, columns=[c for c in JOINED[kind] if c in names])
+                else:
+                    df = pl.read_parquet(f)
                 if kind in JOINED:
-                    df = df.select(c for c in JOINED[kind] if c in df.columns)
-                if kind == "tokens":
-                    self._tokens = df
-                    continue
-                if kind == "shares":
-                    self._shares = df
-                self.pending.update(analysis_metrics(kind, df))
+                    split = "sign" if kind in ("sampler", "tokens") else "update"
+                    touched[split] |= self._rows[kind].add(df)
+                if kind in ANALYSIS_KINDS:
+                    self.pending.update(analysis_metrics(kind, df))
                 if kind == "sampler":
-                    self.pending.update(tail_metrics(df, self.config) | sign_metrics(df, self._tokens))
-                elif kind == "token_shares":
-                    self.pending.update(update_sign_metrics(df, self._shares))
+                    self._family("tail_metrics", failed, tail_metrics, df, self.config)
+        rows = {kind: buffer.step for kind, buffer in self._rows.items()}
+        for step in sorted(touched["sign"]):  # the latest step's metrics win
+            sampler, tokens = rows["sampler"](step), rows["tokens"](step)
+            if sampler is not None and tokens is not None:
+                self._family("sign_metrics", failed, sign_metrics, sampler, tokens)
+        for step in sorted(touched["update"]):
+            if (token_shares := rows["token_shares"](step)) is not None:
+                self._family(
+                    "update_sign_metrics", failed, update_sign_metrics, token_shares, rows["shares"](step)
+                )
         logs.update(self.pending)
         self.pending = {}
 

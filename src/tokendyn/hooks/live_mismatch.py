@@ -12,6 +12,10 @@
 - ``probe/update_share/{pos|neg|zero}/{bin{b}|all}`` (a Lopti stage's as ``probe/update_share/{low|high}/{sign}/...``):
   the update share of the tokens of each sign, where the `token_shares` sample holds the whole bin (absent
   elsewhere: a sampled sum is not the share).
+
+The joins read rows of one step that land in different files (the sampler rows before the forward, the probe's
+`tokens` rows at the end of the step, a Lopti step's two `shares` stages): `StepRows` buffers each kind's rows by
+step, the newest `KEEP_STEPS` steps only.
 """
 
 from __future__ import annotations
@@ -22,7 +26,16 @@ from collections.abc import Mapping
 import polars as pl
 
 from tokendyn.analysis.mismatch_tail import correction_thresholds, mismatch_tail
-from tokendyn.analysis.sign_split import mismatch_by_sign, update_share_by_sign
+from tokendyn.analysis.sign_split import KEYS, mismatch_by_sign, update_share_by_sign
+
+KEEP_STEPS = 3  # the newest steps whose rows a `StepRows` keeps: the joins' memory stays bounded
+# the columns the joins read, per kind of records buffered by step
+JOINED = {
+    "sampler": (*KEYS, "logp_old", "log_rho"),
+    "tokens": (*KEYS, "advantage"),
+    "shares": ("step", "stage", "bin", "bin_lo", "bin_hi", "group", "count"),
+    "token_shares": ("step", "stage", "bin", "bin_lo", "bin_hi", "advantage", "share"),
+}
 
 TRL_FIELDS = (
     "use_vllm",
@@ -84,3 +97,27 @@ def update_sign_metrics(token_shares: pl.DataFrame, shares: pl.DataFrame | None)
             stage = "" if r["stage"] == "train" else f"{r['stage']}/"
             out[f"probe/update_share/{stage}{r['sign']}/{_tag(r['bin'])}"] = float(r["share"])
     return out
+
+
+class StepRows:
+    """One kind's record rows by step, files concatenated as they land (the `JOINED` columns they have); only the
+    rows of the newest ``keep`` steps are kept."""
+
+    def __init__(self, kind: str, keep: int = KEEP_STEPS):
+        self.columns, self.keep = JOINED[kind], keep
+        self.frame: pl.DataFrame | None = None
+
+    def add(self, df: pl.DataFrame) -> set[int]:
+        """Buffer ``df``'s rows; returns the steps they belong to."""
+        df = df.select(c for c in self.columns if c in df.columns)
+        if df.height == 0:
+            return set()
+        self.frame = df if self.frame is None else pl.concat([self.frame, df], how="diagonal_relaxed")
+        newest = sorted(self.frame["step"].unique().to_list())[-self.keep :]
+        self.frame = self.frame.filter(pl.col("step").is_in(newest))
+        return set(df["step"].unique().to_list())
+
+    def step(self, step: int) -> pl.DataFrame | None:
+        """The buffered rows of ``step`` (None where there are none)."""
+        rows = None if self.frame is None else self.frame.filter(pl.col("step") == step)
+        return rows if rows is not None and rows.height else None
