@@ -267,15 +267,79 @@ def test_analyses_under_checkpointing_run_no_dropout_and_draw_nothing_from_the_r
     model = build("opt_pre", dropout=0.1).train()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, model.config.vocab_size, (3, 12), generator=g)
-    batch = ProbeBatch(ids, torch.ones_like(ids), torch.ones(3, 6), torch.tensor([1.0, -0.5, 0.3]), temperature=T)
+    batch = ProbeBatch(
+        ids, torch.ones_like(ids), torch.ones(3, 6), torch.tensor([1.0, -0.5, 0.3]), temperature=T
+    )
     options = RebalanceOptions(token_shares=0, view_sequences=0, lr=1e-2)
     plain = analyze_batch(model, batch, step=0, options=options)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = checkpointed_layers(model)
-    assert [type(m).__name__ for m in layers] == ["OPTDecoderLayer"] * 2  # (the decoder is flagged too: not a layer)
+    assert [type(m).__name__ for m in layers] == [
+        "OPTDecoderLayer"
+    ] * 2  # (the decoder is flagged too: not a layer)
     state = torch.get_rng_state()
     checked = analyze_batch(model, batch, step=0, options=options)
     assert torch.equal(torch.get_rng_state(), state)
     assert all(m.training and "forward" not in m.__dict__ for m in layers)
     for kind, frame in plain.items():
         assert frame.equals(checked[kind]), kind
+
+
+def test_the_analyses_keep_checkpointing_each_layer_and_a_nested_jvp_pass_is_left_unwrapped(monkeypatch):
+    """Under `eval_mode` every checkpointed layer's forward goes through torch's checkpoint (counted: 2 layers, one
+    call each per forward); a nested ``eval_mode(checkpoint=False)`` (the JVP passes) takes the wrappers off for its
+    duration and puts them back; both exits restore the model."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _matrix import build
+
+    from tokendyn.probe.forward import eval_mode
+
+    model = build("opt_pre", dropout=0.1).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls = []
+    real = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(
+        torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    ids = torch.randint(1, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    with eval_mode(model):
+        model(input_ids=ids)
+        assert len(calls) == 2
+        with eval_mode(model, checkpoint=False):
+            model(input_ids=ids)
+            assert len(calls) == 2  # nothing checkpointed inside
+        model(input_ids=ids)
+        assert len(calls) == 4  # the wrappers back
+    layers = model.model.decoder.layers
+    assert all(m.training and "forward" not in m.__dict__ for m in layers)
+
+
+def test_a_model_that_checkpoints_inside_its_own_loop_has_its_blocks_checkpointed():
+    """Older models and remote code flag only the parent and checkpoint inside its loop over the blocks: the analyses
+    checkpoint those blocks one by one (wrapping the parent whole would hold every block's activations at once)."""
+    from tokendyn.probe.forward import checkpointed_layers
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x))
+
+    class Parent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gradient_checkpointing = True
+            self.layers = torch.nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, x):
+            for b in self.layers:
+                x = b(x)
+            return x
+
+    model = torch.nn.Sequential(Parent())
+    assert checkpointed_layers(model) == list(model[0].layers)

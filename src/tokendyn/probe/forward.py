@@ -18,8 +18,6 @@ import functools
 import inspect
 import sys
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -27,62 +25,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from tokendyn.probe.batch import ProbeBatch
+from tokendyn.probe.eval_mode import _checkpoint, checkpointed_layers, eval_mode  # noqa: F401 (re-exported)
 from tokendyn.probe.logp_math import logp_and_entropy, logp_float64, minp_proxy_logp
-
-
-def checkpointed_layers(model: nn.Module) -> list[nn.Module]:
-    """The layers Hugging Face's gradient checkpointing is switched on for (``gradient_checkpointing_enable``): the
-    modules whose ``gradient_checkpointing`` flag is set and none of whose submodules has it set (Hugging Face flags
-    every module that carries the attribute; a model such as OPT flags its decoder as well as each decoder layer, and
-    only the layers checkpoint)."""
-    flagged = [m for m in model.modules() if _flagged(m)]
-    return [m for m in flagged if not any(_flagged(sub) for sub in m.modules() if sub is not m)]
-
-
-def _flagged(module: nn.Module) -> bool:
-    return getattr(module, "gradient_checkpointing", False) is True
-
-
-@contextmanager
-def eval_mode(model: nn.Module, checkpoint: bool = True) -> Iterator[nn.Module]:
-    """Every submodule in eval mode (no dropout, no layer drop), each one's flag restored on exit.
-
-    Memory: where training checkpoints its layers (``model.gradient_checkpointing_enable()``) and ``checkpoint``,
-    those layers keep checkpointing in the analyses' gradient passes, non-reentrant whatever training uses (the
-    analyses differentiate with ``torch.autograd.grad``, which reentrant checkpointing refuses): an analysis then holds
-    each layer's input and one layer's recomputation, as the checkpointed training step does, instead of every
-    layer's activations. Each such layer stays in eval mode, its ``forward`` wrapped in the checkpoint for the
-    duration (a layer flagged training would run its own dropout: OPT's decoder layers apply theirs in their
-    ``forward``, and OPT's decoder draws its layer drop from torch's RNG whenever it is flagged training)."""
-    flags = [(m, m.training) for m in model.modules()]
-    layers = [m for m in checkpointed_layers(model) if not _wrapped(m)] if checkpoint else []  # (nested: once)
-    own = [(m, m.__dict__.get("forward")) for m in layers]  # (an instance attribute of the layer's own, if any)
-    model.eval()
-    for m in layers:
-        m.forward = functools.partial(_checkpoint, m.forward)
-    try:
-        yield model
-    finally:
-        for m, flag in flags:
-            m.training = flag
-        for m, forward in own:
-            if forward is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = forward
-
-
-def _wrapped(module: nn.Module) -> bool:
-    forward = module.__dict__.get("forward")
-    return isinstance(forward, functools.partial) and forward.func is _checkpoint
-
-
-def _checkpoint(function, *args, **kwargs):
-    """Non-reentrant ``torch.utils.checkpoint``; a forward under `tokendyn.probe.float64.exact_float64` is
-    recomputed under it too (the backward's recomputation does not see the mode of the forward)."""
-    from tokendyn.probe.float64 import same_mode
-
-    return torch.utils.checkpoint.checkpoint(same_mode(function), *args, use_reentrant=False, **kwargs)
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
