@@ -134,10 +134,10 @@ def test_the_monitor_fires_on_the_planted_step_after_calm_ones(default_policy, p
     first = df.row(0, named=True)
     assert (first["seq"], first["pos"], first["step"]) == (planted.row, planted.pos, 4)
     # the record names the quantity that left its running range furthest
-    assert first["trigger"] in ("grad_norm", "loss") and first["trigger_ratio"] > 3.0
+    assert first["trigger"] == "grad_norm" and first["trigger_ratio"] > 3.0
     assert first["trigger_value"] == pytest.approx(first[first["trigger"]], rel=1e-4)  # the frame's = its own
-    # no sampler: the sampler's quantities are not watched
-    assert set(monitor.watch.history) == {"grad_norm", "loss"}
+    # no sampler: the sampler's quantities are not watched; the signed loss is not judged by default
+    assert set(monitor.watch.history) == {"grad_norm"}
 
 
 def test_bad_input_fails_in_one_line(default_policy, planted):

@@ -56,11 +56,46 @@ def test_recorded_spikes_are_listed_with_their_tokens_and_a_watch(tmp_path):
     assert "step 4 (grad_norm 8x its median): ' Benjamin' pi 1.0e-04" in text and "' is' pi 0.9" in text
 
 
-def test_no_spike_with_the_trigger_on_is_fine_and_with_it_off_not_measured(tmp_path):
-    on = finding(diagnose([new_run(tmp_path, "calm", probe_spike_k=3.0)]))
-    assert (on["value"], on["verdict"]) == (0.0, "fine")
+def analysed(run: Path, steps: int, ranks: int = 1) -> Path:
+    """`shares` rows of ``steps`` analysed rollouts and `binstats` rows of ``ranks`` processes (the columns the
+    finding reads; every other column null)."""
+    from tokendyn.schemas import SCHEMAS
+
+    for kind, cols in {
+        "shares": {"step": list(range(steps)), "stage": ["train"] * steps, "bin": [-1] * steps},
+        "binstats": {"step": [0] * ranks, "rank": list(range(ranks))},
+    }.items():
+        df = pl.DataFrame(cols)
+        df = df.with_columns(
+            [pl.lit(None).cast(t).alias(c) for c, t in SCHEMAS[kind].items() if c not in df.columns]
+        )
+        write_frames(run, {kind: df.select(list(SCHEMAS[kind]))}, rank=0)
+    return run
+
+
+def test_no_spike_with_the_trigger_armed_is_fine_and_with_it_off_or_unarmed_not_measured(tmp_path):
+    on = finding(diagnose([analysed(new_run(tmp_path, "calm", probe_spike_k=3.0), steps=6)]))
+    assert (on["status"], on["value"], on["verdict"]) == ("measured", 0.0, "fine")
     off = finding(diagnose([new_run(tmp_path, "off")]))
     assert off["status"] == "not measured" and off["verdict"] is None and "trigger was off" in off["reason"]
+    # on, but it could not have fired: a 0 there would be a check not made read as a check passed
+    unarmed = {
+        "no analyses": (new_run(tmp_path, "bare", probe_spike_k=3.0), "no `shares` records"),
+        "3 analysed rollouts": (
+            analysed(new_run(tmp_path, "short", probe_spike_k=3.0), steps=3),
+            "analysed 3",
+        ),
+        "two ranks": (
+            analysed(new_run(tmp_path, "ddp", probe_spike_k=3.0), steps=6, ranks=2),
+            "from 2 ranks",
+        ),
+    }
+    for case, (run, why) in unarmed.items():
+        f = finding(diagnose([run]))
+        assert f["status"] == "not measured" and f["verdict"] is None and why in f["reason"], (
+            case,
+            f["reason"],
+        )
 
 
 def test_spikes_whose_tokens_are_not_low_probability_suggest_no_remedy(tmp_path):
@@ -68,3 +103,10 @@ def test_spikes_whose_tokens_are_not_low_probability_suggest_no_remedy(tmp_path)
     write_frames(run, {"spikes": spike_rows(2, [(" the", 0.95, 0.5, 3)])}, rank=0)
     f = finding(diagnose([run]))
     assert f["verdict"] == "watch" and f["try"] is None
+
+
+def test_the_doctor_knows_the_live_triggers_warm_up():
+    from tokendyn.analysis.diagnosis import spikes
+    from tokendyn.effects import spike_trigger
+
+    assert spikes.DEFAULT_MIN_HISTORY == spike_trigger.DEFAULT_MIN_HISTORY

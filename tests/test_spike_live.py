@@ -3,7 +3,8 @@
 for bit, on a GPT-2 with transformers' default dropout 0.1 (any extra RNG draw would show).
 
 To make the trigger fire on a short run, its warm-up is one probed rollout and k is just above 1: then any rollout
-whose gradient norm, loss, largest |log rho| or largest importance weight grows over the first one's is a spike."""
+whose gradient norm or loss (judged here on purpose; a run's trigger leaves the signed loss out) grows over the
+first one's is a spike."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def _records(out, kind: str) -> pl.DataFrame:
 
 def test_a_spike_is_recorded_the_next_rollout_probed_and_training_untouched(gpt2_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(spike_trigger, "DEFAULT_MIN_HISTORY", 1)
+    # the loss judged too: on a short run the gradient norm may only fall, and any change of |L| fires at k ~ 1
+    monkeypatch.setattr(spike_trigger, "DEFAULT_QUANTITIES", ("grad_norm", "loss"))
     off, _ = _train(gpt2_dir, tmp_path / "off", probe_spike_k=None)
     on, trainer = _train(gpt2_dir, tmp_path / "on", probe_spike_k=1.0001)
     spikes = _records(tmp_path / "on", "spikes")
@@ -54,7 +57,10 @@ def test_a_spike_is_recorded_the_next_rollout_probed_and_training_untouched(gpt2
     spiked = sorted(set(spikes["step"].to_list()))
     assert 0 not in spiked  # (warming up on the first probed rollout)
     probed = sorted(set(_records(tmp_path / "on", "binstats")["step"].to_list()))
-    assert spiked[0] < 4 and all(s + 1 in probed for s in spiked if s + 1 < 5), (spiked, probed)  # the next rollout
+    assert spiked[0] < 4 and all(s + 1 in probed for s in spiked if s + 1 < 5), (
+        spiked,
+        probed,
+    )  # the next rollout
     assert set(probed) - {0, 2, 4} <= {s + 1 for s in spiked}
     assert _records(tmp_path / "off", "spikes").is_empty()
     # each spike's tokens: ranked by share, with the trigger that fired and its ratio above k

@@ -89,3 +89,22 @@ def test_bad_options_fail_in_one_line(kwargs, message):
 def test_an_unknown_quantity_is_refused():
     with pytest.raises(ValueError, match=r"^spike: unknown quantities \['norm'\]; allowed: "):
         SpikeWatch().check({"norm": 1.0})
+
+
+def test_the_signed_loss_fires_on_noise_and_so_is_not_judged_by_default():
+    """A zero-mean Gaussian loss with calm gradient norms: |L| > 3 median|L| fires on several percent of the steps
+    (the reason `DEFAULT_QUANTITIES` leaves the loss out); the same series judged by the defaults never fires."""
+    import random
+
+    from tokendyn.effects.spike_trigger import DEFAULT_QUANTITIES
+
+    rng = random.Random(0)
+    steps = [{"grad_norm": 1.0 + 0.05 * rng.random(), "loss": rng.gauss(0.0, 1.0)} for _ in range(2000)]
+    on_loss, default = SpikeWatch(), SpikeWatch()
+    loss_fired = sum(strongest(on_loss.check(v)) is not None for v in steps)
+    default_fired = sum(
+        strongest(default.check({q: x for q, x in v.items() if q in DEFAULT_QUANTITIES})) is not None
+        for v in steps
+    )
+    assert "loss" not in DEFAULT_QUANTITIES and default_fired == 0
+    assert 0.03 < loss_fired / len(steps) < 0.12, loss_fired

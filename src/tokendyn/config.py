@@ -187,7 +187,7 @@ class ProbeConfig:
     precision_check_every: int = _opt(8, "Analysed steps per measured check; >= 1.")
     spike_k: float | None = _opt(
         3.0,
-        "Spike trigger: a probed rollout whose gradient norm, loss, max |log rho| or max weight exceeds k x the "
+        "Spike trigger: a probed rollout whose gradient norm, max |log rho| or max weight exceeds k x the "
         "running median of the earlier ones records its top tokens (kind `spikes`) and probes the next; None = off.",
     )
     share_method: str = _opt(

@@ -30,7 +30,9 @@ from tokendyn.effects.shares_sums import as_edges, dot64
 from tokendyn.effects.spike_trigger import (
     DEFAULT_K,
     DEFAULT_MIN_HISTORY,
+    DEFAULT_QUANTITIES,
     DEFAULT_WINDOW,
+    SPIKE_QUANTITIES,
     SpikeCheck,
     SpikeWatch,
     strongest,
@@ -251,16 +253,23 @@ def shares_signals(shares: pl.DataFrame | None) -> dict[str, float | None]:
 class SpikeMonitor:
     """The trigger over a run's probed steps and, when it fires, the step's `spikes` record: what a probe calls
     once per probed step with the batch it analysed and the frames its analyses made. On a step that does not
-    spike it reads ||g|| and L from the step's `shares` frame (no pass of its own: without that frame only the
-    sampler's quantities are watched) and max |log rho|, max w from the batch; on a spike it localises (one
-    backward, one JVP)."""
+    spike it reads ||g|| (and L, when ``quantities`` holds it) from the step's `shares` frame (no pass of its own:
+    without that frame only the sampler's quantities are watched) and max |log rho|, max w from the batch; on a
+    spike it localises (one backward, one JVP). ``quantities``: those judged (`DEFAULT_QUANTITIES`: not the loss)."""
 
     def __init__(self, k: float = DEFAULT_K, min_history: int = DEFAULT_MIN_HISTORY,
-                 window: int = DEFAULT_WINDOW, top: int = DEFAULT_TOP) -> None:  # fmt: skip
+                 window: int = DEFAULT_WINDOW, top: int = DEFAULT_TOP,
+                 quantities: Sequence[str] = DEFAULT_QUANTITIES) -> None:  # fmt: skip
         if not isinstance(top, int) or top < 1:
             raise ValueError(f"spike: top must be an integer >= 1, got {top!r}")
+        unknown = sorted(set(quantities) - set(SPIKE_QUANTITIES))
+        if unknown or not quantities:
+            raise ValueError(
+                f"spike: quantities must be some of {list(SPIKE_QUANTITIES)}, got {list(quantities)}"
+            )
         self.watch = SpikeWatch(k, min_history, window)
         self.top = top
+        self.quantities = tuple(quantities)
 
     def observe(self, model: nn.Module, batch: ProbeBatch, *, step: int, frames: dict[str, pl.DataFrame],
                 stage: str = TRAIN, objective: Objective | None = None,
@@ -270,7 +279,7 @@ class SpikeMonitor:
             None if batch.old_logp is None else torch.exp(batch.old_logp.detach().to("cpu", torch.float64))
         )
         signals = step_signals(batch, pi_old, **shares_signals(frames.get("shares")))
-        trigger = strongest(self.watch.check(signals))
+        trigger = strongest(self.watch.check({q: v for q, v in signals.items() if q in self.quantities}))
         if trigger is None:
             return None
         found = spike_tokens(model, batch, objective=objective, edges=edges)

@@ -1,7 +1,7 @@
 """The spike trigger in a live run (`tokendyn.effects.spike.SpikeMonitor` on the probed rollouts of a trainer): what
 `TrainerProbe` calls once per analysed rollout, and the one extra rollout it probes after a spike.
 
-A probed rollout's values (||g|| and L from its `shares` frame; max |log rho| and max w from its analysis sample) are
+A probed rollout's values (||g|| from its `shares` frame; max |log rho| and max w from its analysis sample) are
 checked against their running medians over the earlier probed rollouts (`tokendyn.effects.spike_trigger`); when one
 fires, the rollout's top tokens by exact update share become its `spikes` record, and the rollout after it is probed
 as well, whether or not ``probe_every`` makes it due (`extra`), so the records show whether the spike persisted."""
@@ -21,7 +21,9 @@ class LiveSpikes:
     """The trigger over a run's probed rollouts (k = ``probe_spike_k``) and the rollout to probe after a spike."""
 
     def __init__(self, k: float) -> None:
-        self.monitor = SpikeMonitor(k, min_history=spike_trigger.DEFAULT_MIN_HISTORY)
+        self.monitor = SpikeMonitor(
+            k, min_history=spike_trigger.DEFAULT_MIN_HISTORY, quantities=spike_trigger.DEFAULT_QUANTITIES
+        )
         self.next_rollout: int | None = None  # probed as well: the one after a spike
 
     def observe(self, model: nn.Module, batch: ProbeBatch, *, step: int, rollout: int,

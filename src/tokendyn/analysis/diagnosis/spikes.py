@@ -1,4 +1,4 @@
-"""Spikes: the probed steps whose gradient norm, loss or importance weight exceeded k x the running median of the
+"""Spikes: the probed steps whose gradient norm, max |log rho| or importance weight exceeded k x the running median of the
 earlier probed steps' values, and the tokens behind each (the `spikes` records, `tokendyn.effects.spike`).
 
     value = #spiking probed steps;  verdict watch from one on (never act on its own: a spike is a step to look at)
@@ -26,6 +26,9 @@ NAME, TITLE = (
 SHOWN_STEPS = 3  # spiking steps listed in the text (the latest)
 SHOWN_TOKENS = 3  # tokens per spiking step listed in the text
 TRIGGER_KEY = "probe_spike_k"  # the run's config key that turns the trigger on
+# the earlier analysed rollouts a live trigger needs before it judges one (`effects.spike_trigger.DEFAULT_MIN_HISTORY`,
+# which the records do not carry; tests/test_spike_doctor.py keeps the two equal)
+DEFAULT_MIN_HISTORY = 3
 
 
 def _num(x) -> str:
@@ -66,15 +69,32 @@ def spike_steps(df: pl.DataFrame) -> list[dict]:
     return sorted(out, key=lambda s: (s["step"], s["stage"] or ""), reverse=True)
 
 
+def unarmed(ctx: RunContext) -> str | None:
+    """Why a run with the trigger on could not have fired it (None: it was armed): the trigger judges the analysed
+    rollouts of a single process, each against at least `DEFAULT_MIN_HISTORY` earlier ones."""
+    if not ctx.has("shares"):
+        return "the trigger judges the analysed rollouts, and this run has no `shares` records"
+    ranks = ctx.frame("binstats")["rank"].unique().to_list() if ctx.has("binstats") else []
+    if len(ranks) > 1:
+        return f"the trigger runs in a single process; this run's records come from {len(ranks)} ranks"
+    analysed = ctx.frame("shares")["step"].n_unique()
+    if analysed <= DEFAULT_MIN_HISTORY:
+        return (
+            f"the trigger judges a rollout against at least {DEFAULT_MIN_HISTORY} earlier analysed ones; this run "
+            f"analysed {analysed}"
+        )
+    return None
+
+
 def spike_findings(ctx: RunContext) -> list[Finding]:
     if not ctx.has("spikes"):
-        if ctx.config.get(TRIGGER_KEY):
-            return [measured(FAMILY, NAME, TITLE, "spikes", 0.0, details={"steps": []})]
-        return [
-            not_measured(
-                FAMILY, NAME, TITLE, "no `spikes` records: the spike trigger was off", threshold="spikes"
-            )
-        ]
+        if not ctx.config.get(TRIGGER_KEY):
+            reason = "no `spikes` records: the spike trigger was off"
+        else:
+            reason = unarmed(ctx)
+        if reason is not None:  # a trigger that could not fire is not a measured 0
+            return [not_measured(FAMILY, NAME, TITLE, reason, threshold="spikes")]
+        return [measured(FAMILY, NAME, TITLE, "spikes", 0.0, details={"steps": []})]
     steps = spike_steps(ctx.frame("spikes"))
     viewed = ctx.has("token_view")
     parts = []

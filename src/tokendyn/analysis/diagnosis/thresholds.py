@@ -186,7 +186,7 @@ THRESHOLDS: dict[str, Threshold] = {
         ),
         Threshold(
             "spikes",
-            "probed steps whose gradient norm, loss or importance weight exceeded k x its running median",
+            "probed steps whose gradient norm, max |log rho| or importance weight exceeded k x its running median",
             1.0,
             None,
             True,
