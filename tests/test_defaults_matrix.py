@@ -73,7 +73,9 @@ def _train(model_dir, out, dtype: str, adapter: str, micro: str, objective: str,
     extra = {}
     if adapter == "lora":
         peft = pytest.importorskip("peft")
-        extra["peft_config"] = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=DROPOUT)
+        extra["peft_config"] = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=DROPOUT
+        )
     args = _config(
         out,
         max_steps=3,
@@ -113,7 +115,11 @@ def test_every_default_on_feature_trains_bit_for_bit_as_the_probe_off(
     assert off.keys() == on.keys() and off
     # the run trained: a LoRA's B matrices start at 0, full fine-tuning's weights at the saved ones
     start = {} if adapter == "lora" else _initial(arch_dirs(arch), dtype)
-    moved = [n for n, w in off.items() if ("lora_B" in n and w.any()) or (n in start and not torch.equal(w, start[n]))]
+    moved = [
+        n
+        for n, w in off.items()
+        if ("lora_B" in n and w.any()) or (n in start and not torch.equal(w, start[n]))
+    ]
     assert moved, "the probe-off run did not train"
     assert all(torch.equal(off[n], on[n]) for n in off), (
         f"max |dweight| {_max_diff(list(off.values()), list(on.values())):.3g} with every default-on feature"

@@ -370,7 +370,7 @@ def test_each_marker_block_is_in_one_place():
 
 def test_the_readme_slow_tier_lists_every_file_the_makefile_leaves_to_it():
     """The README's slow-tier list names exactly the test files that carry a marker `make test` deselects."""
-    tier = re.search(r'^SLOW_TIER := (.+)$', (ROOT / "Makefile").read_text(), re.M).group(1).split(" or ")
+    tier = re.search(r"^SLOW_TIER := (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split(" or ")
     marked = {
         f"tests/{p.name}"
         for p in (ROOT / "tests").glob("test_*.py")

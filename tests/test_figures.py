@@ -229,7 +229,9 @@ def test_report_has_every_figure_and_table(records, tmp_path):
     # the header links the glossary, which the report carries: every term of the docs' glossary page
     header = html.split("<table>", 1)[0]
     assert "href='#glossary'" in header and html.count("id='glossary'") == 1
-    terms = re.findall(r"^\*\*(.+)\*\*$", (Path(__file__).resolve().parents[1] / "docs" / "glossary.md").read_text(), re.M)
+    terms = re.findall(
+        r"^\*\*(.+)\*\*$", (Path(__file__).resolve().parents[1] / "docs" / "glossary.md").read_text(), re.M
+    )
     assert len(terms) > 30 and html.count("<dt id='glossary-") == len(terms)
     assert re.search(r"tokens below π = 0.25 are \d+% of tokens and carry \d+% of the update", html)
 

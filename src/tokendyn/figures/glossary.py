@@ -55,7 +55,9 @@ def parse_glossary(text: str) -> list[tuple[str, list[tuple[str, str]]]]:
             t, d = sections[-1][1][-1]
             sections[-1][1][-1] = (t, f"{d} {line.strip()}")
         elif line.strip():
-            raise ValueError(f"glossary: unexpected line {line!r} (a term is **term**, its definition ': text')")
+            raise ValueError(
+                f"glossary: unexpected line {line!r} (a term is **term**, its definition ': text')"
+            )
     if pending is not None:
         raise ValueError(f"glossary: term {pending!r} has no definition")
     return sections
