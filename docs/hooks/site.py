@@ -91,9 +91,15 @@ def changelog() -> str:
     return re.sub(r"\]\(docs/", "](", text)
 
 
+def _located(path: Path) -> Path:
+    """Where a link points, ``..`` taken out but a linked file not followed: a page of docs/ that is a link to a
+    package file (docs/glossary.md) is a page of the site, not a repository file outside it."""
+    return Path(os.path.normpath(path.absolute()))
+
+
 def on_config(config):
     global ROOT
-    ROOT = Path(config.config_file_path).resolve().parent
+    ROOT = _located(Path(config.config_file_path)).parent
     return config
 
 
@@ -101,7 +107,7 @@ def on_files(files: Files, config) -> Files:
     files.append(File.generated(config, "reference/cli.md", content=cli_reference()))
     files.append(File.generated(config, "reference/api.md", content=api_reference()))
     files.append(File.generated(config, "changelog.md", content=changelog()))
-    docs = Path(config["docs_dir"]).resolve()
+    docs = _located(Path(config["docs_dir"]))
     wanted: set[str] = set()
     for f in list(files):
         if not f.src_uri.endswith(".md") or f.abs_src_path is None:
@@ -111,7 +117,7 @@ def on_files(files: Files, config) -> Files:
             target = m.group(2)
             if "://" in target or target.startswith("mailto:"):
                 continue
-            path = (here / target).resolve()
+            path = _located(here / target)
             if not path.is_relative_to(docs) and path.is_relative_to(ROOT) and path.is_file():
                 if path.suffix == ".md":
                     continue  # a page of the repository outside docs/ (the README): no page of the site
@@ -131,7 +137,7 @@ def on_files(files: Files, config) -> Files:
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     """Links to repository files outside docs/ point to their copies under `_repo/`."""
-    docs = Path(config["docs_dir"]).resolve()
+    docs = _located(Path(config["docs_dir"]))
     if page.file.abs_src_path is not None:
         here = Path(page.file.abs_src_path).parent
     else:
@@ -142,7 +148,7 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         target = m.group(2)
         if "://" in target or target.startswith("mailto:"):
             return m.group(0)
-        path = (here / target).resolve()
+        path = _located(here / target)
         if here == ROOT and (docs / target).exists():
             return m.group(0)
         if path.is_relative_to(docs) or not path.is_relative_to(ROOT) or not path.is_file():
