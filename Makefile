@@ -46,16 +46,17 @@ quick: $(DEMO_STAMP)
 # two workers: the tests run one thread each, so a 2-core machine runs two at a time. --dist loadfile: each test file on
 # one worker, so a module's fixture (verl's main_ppo run, test_vllm's engines) is made once. (loadgroup's xdist_group
 # marks do nothing under pytest 9 with pytest-xdist 3.8: its hook sets the old `_nodeid`; every group was split.)
-# The slow tier (markers real_llm_extra, matrix_extra) is left to `make test-slow`.
-SLOW_TIER := real_llm_extra or matrix_extra
+# The slow tier (markers real_llm_extra, matrix_extra, slow_tier; each file named in the README's Development section)
+# is left to `make test-slow`, so that `make test` stays within 10 minutes on 2 cores.
+SLOW_TIER := real_llm_extra or matrix_extra or slow_tier
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not ($(SLOW_TIER))"
 
-# the slow tier: the real LLM's longer checks (its extra matrix cells, the demo and study offline) and the
-# configuration matrix's further cells of the defaults-bitwise test; `.ci/run` runs it after `make test`. --dist load
-# spreads its tests over both workers (each makes a module's fixture, as before)
+# the slow tier: the real LLM's longer checks, the configuration matrix's further cells, verl's main_ppo end to end,
+# the distributed (torchrun) checks and the other end-to-end runs; `.ci/run` runs it after `make test`. --dist
+# loadfile: a module's fixture (a main_ppo run, the real LLM) is made once, never two main_ppo runs side by side
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist load -m "$(SLOW_TIER)"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "$(SLOW_TIER)"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow_tier  # the slow tier: `make test-slow` (README, Development)
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 

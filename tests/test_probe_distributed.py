@@ -28,6 +28,8 @@ import polars as pl
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow_tier  # the slow tier: `make test-slow` (README, Development)
+
 HERE = Path(__file__).resolve().parent
 BINS = {"intervals": None, "quantiles": "quantiles:3"}
 T = 0.7

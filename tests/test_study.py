@@ -104,6 +104,7 @@ def test_cli_rejects_bad_input_in_one_line(argv, message, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.slow_tier  # the slow tier: `make test-slow`
 def test_quick_study_end_to_end_and_resume(tmp_path, capsys):
     """`tokendyn study --quick` on the embedded default (2 seeds x 3 methods x 1 rollout, ~50 s on one thread), then
     the same command again: every finished run is read back, none recomputed."""

@@ -23,6 +23,8 @@ import pytest
 import torch
 from _wandb_history import exit_code, history, log_records, offline_env, run_file
 
+pytestmark = pytest.mark.slow_tier  # the slow tier: `make test-slow` (README, Development)
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "verl_main_ppo.sh"
 ROLLOUT_PROBS_DIFF_MAX = 2e-5  # measured 2.3e-6 .. 3.8e-6 per step (float32 on both sides)

@@ -17,7 +17,7 @@ import torch
 from test_verl_main_ppo import run_main_ppo, step_metrics
 
 # one main_ppo run (~100 s of both cores, ~4 GB): on the xdist worker of the other main_ppo run, never beside it
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.slow_tier]
 
 MODE, THRESHOLD = "token", 1.02
 CORRECTION = (

@@ -310,6 +310,7 @@ def test_tokendyn_train_use_vllm_runs_from_the_cli(tmp_path):
     assert pl.read_parquet(sorted((out / "records").glob("binstats-*.parquet"))).height > 0
 
 
+@pytest.mark.slow_tier  # the slow tier: `make test-slow`
 def test_tokendyn_train_use_vllm_on_the_real_llm(tmp_path):
     """SmolLM2-135M-Instruct on sums, sampled by vLLM in bf16 (TRL's defaults), trained in float32, probed."""
     out = tmp_path / "smollm2"

@@ -30,14 +30,14 @@ def doctor_line(run_dir: str | Path) -> tuple[str, bool]:
 
 
 def console() -> logging.Logger:
-    """The logger, with a handler to stderr when nothing would show its INFO lines (no handler configured on it or
-    above it), as transformers gives its own logger one."""
-    if not logger.hasHandlers():
+    """The logger, with a handler to stderr when no handler is configured on it or above it (as transformers gives its
+    own logger one); levels and handlers the user configured are kept."""
+    if not logger.hasHandlers():  # nothing configured: a console line of its own, at INFO
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logging.getLogger("tokendyn").addHandler(handler)
-    if logger.getEffectiveLevel() > logging.INFO:
-        logger.setLevel(logging.INFO)
+        if logger.level == logging.NOTSET and logging.getLogger("tokendyn").level == logging.NOTSET:
+            logger.setLevel(logging.INFO)  # (a level the user set on tokendyn's loggers is left as it is)
     return logger
 
 

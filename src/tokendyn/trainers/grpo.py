@@ -117,9 +117,8 @@ class TokendynGRPOTrainer(RolloutBatchMixin, GRPOTrainer):
             self.add_callback(self.probe)
             from tokendyn.trainers.doctor_log import DoctorLogCallback
 
-            self.add_callback(
-                DoctorLogCallback(cfg.output_dir)
-            )  # after the probe: its last records are written
+            # after the probe's callback, which writes its last records at the same event
+            self.add_callback(DoctorLogCallback(cfg.output_dir))
 
     @property
     def _modifies_batch(self) -> bool:
