@@ -99,6 +99,7 @@ def test_eval_runs_the_packaged_model_offline(smollm2_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow_tier  # the slow tier: `make test-slow`
 def test_train_runs_the_packaged_model_offline(smollm2_dir, tmp_path):
     """`tokendyn train --model_name_or_path smollm2-135m --task arith` offline, one rollout at the smallest batch
     (2 sums x 2 samples, 4 new tokens, no evaluation, the probe on): the run's model is the packaged one, its records

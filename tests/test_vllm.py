@@ -333,6 +333,7 @@ def test_tokendyn_train_use_vllm_on_the_real_llm(tmp_path):
     assert bound.height > 0 and bound["logits_violations"].sum() == 0
 
 
+@pytest.mark.slow_tier  # the slow tier: `make test-slow`
 def test_demo_use_vllm_says_in_each_run_which_engine_sampled(tmp_path):
     from tokendyn.commands.demo import QUICK, demo, with_size
     from tokendyn.commands.demo_cli import sampler_overrides
@@ -647,6 +648,7 @@ def test_the_paired_comparison_shows_what_the_correction_does_per_bin(tmp_path):
                 vllm_importance_sampling_correction=False)  # fmt: skip
 
 
+@pytest.mark.slow_tier  # the slow tier: `make test-slow`
 def test_tokendyn_no_vllm_keeps_trl_from_importing_vllm(tmp_path):
     """TOKENDYN_NO_VLLM=1 (the suite's subprocesses): TRL's trainer imports without vLLM; unset, with it."""
     import os
