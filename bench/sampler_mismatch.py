@@ -85,12 +85,13 @@ def model_path() -> str:
     return str(packaged.resolve(name)) if name in packaged.PACKAGED else name
 
 
-def trainer_logps(seqs: list[dict], micro: int) -> list[np.ndarray]:
-    """log pi_old of each sampled token: a float32 forward over left-padded micro-batches of ``micro`` sequences."""
+def trainer_logps(seqs: list[dict], micro: int, dtype=None) -> list[np.ndarray]:
+    """log pi_old of each sampled token: a forward in ``dtype`` (float32 unless given) over left-padded micro-batches
+    of ``micro`` sequences, the log-softmax of its logits in float32."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path(), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path(), dtype=dtype or torch.float32).eval()
     pad = model.config.pad_token_id or 0
     out = []
     for i in range(0, len(seqs), micro):

@@ -44,33 +44,6 @@ LABELS = {
 }
 
 
-def trainer_logps(seqs: list[dict], micro: int, dtype) -> list[np.ndarray]:
-    """log pi_old of each sampled token: a forward in ``dtype`` over left-padded micro-batches of ``micro``
-    sequences, log-softmax in float32 (`base.trainer_logps` with the model's dtype free)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base.model_path(), dtype=dtype).eval()
-    pad = model.config.pad_token_id or 0
-    out = []
-    for i in range(0, len(seqs), micro):
-        chunk = seqs[i : i + micro]
-        plen = max(len(s["prompt_ids"]) for s in chunk)
-        clen = max(len(s["ids"]) for s in chunk)
-        ids = torch.full((len(chunk), plen + clen), pad)
-        att = torch.zeros_like(ids)
-        for r, s in enumerate(chunk):
-            p, c = s["prompt_ids"], s["ids"]
-            ids[r, plen - len(p) : plen] = torch.tensor(p)
-            ids[r, plen : plen + len(c)] = torch.tensor(c)
-            att[r, plen - len(p) : plen + len(c)] = 1
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=att).logits[:, plen - 1 : -1].float()
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, plen:].unsqueeze(-1)).squeeze(-1)
-        out += [logp[r, : len(s["ids"])].double().numpy() for r, s in enumerate(chunk)]
-    return out
-
-
 def one_fp16_trainer() -> None:
     """Print one JSON line {fp16_trainer: columns, fp16_floor: columns}: vLLM float16 against a float16 trainer, and
     that trainer against itself under another micro-batch split."""
@@ -84,9 +57,9 @@ def one_fp16_trainer() -> None:
     problems = train_problems(2, seed=7, count=ARGS.batches * ARGS.prompts)
     prompts = [render_prompt(p.a, p.b, tok) for p in problems]
     seqs = base.sample("float16", prompts, ARGS.n, ARGS.tokens, seed=0)
-    old = trainer_logps(seqs, ARGS.micro, torch.float16)
+    old = base.trainer_logps(seqs, ARGS.micro, torch.float16)
     mu = [np.asarray(s["logp_mu"], dtype=np.float64) for s in seqs]
-    floor = trainer_logps(seqs, ARGS.floor_micro, torch.float16)
+    floor = base.trainer_logps(seqs, ARGS.floor_micro, torch.float16)
     batch = [s["prompt"] // ARGS.prompts for s in seqs]
     frames = {
         "fp16_trainer": base.tokens_frame(old, mu, batch),
