@@ -256,6 +256,21 @@ def test_the_histogram_figure_draws_a_sampler_and_a_floor_alone():
     assert "outside [1/1.1, 1.1]" in reading({"sampler": s.with_columns(pl.lit("A").alias("run"))})
 
 
+def test_the_per_bin_figure_draws_from_the_same_records_and_refuses_none():
+    from tokendyn.figures.data import MissingRecords
+    from tokendyn.figures.sampler import mismatch_by_bin
+
+    rng = np.random.default_rng(6)
+    s = sampler(rng.uniform(0.01, 1, 300).tolist(), (rng.standard_normal(300) * 0.05).tolist())
+    floor = s.with_columns(pl.col("log_rho") * 1e-6)
+    for pair in ((s, floor), (None, floor), (s, None)):
+        matplotlib.pyplot.close(mismatch_by_bin(*pair))
+    with pytest.raises(MissingRecords):
+        mismatch_by_bin(None, None)
+    with pytest.raises(MissingRecords):
+        mismatch_by_bin(s.head(0), None)  # an empty frame is no records
+
+
 def test_a_tick_on_an_edge_sits_on_that_edge_and_the_reading_says_what_it_counts():
     """`position` maps edge k (0-based, the hand list) to k + 1 (cell k + 1 starts there), the last edge to
     len(edges) like the first to 1; the reading counts log rho < -1 or >= 1 and says so."""

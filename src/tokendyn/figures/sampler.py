@@ -22,7 +22,8 @@ HINT = (
 KINDS = ["sampler", "floor"]
 
 
-def _frame(df) -> pl.DataFrame | None:
+def nonempty(df) -> pl.DataFrame | None:
+    """The records with a run column, or None when there are none."""
     if df is None:
         return None
     df = ensure_run(df)
@@ -31,7 +32,7 @@ def _frame(df) -> pl.DataFrame | None:
 
 def _tables(sampler, floor) -> tuple[list[str], dict[str, pl.DataFrame], dict[str, pl.DataFrame]]:
     """(runs, run -> sampler table, run -> floor table), each table present where the run has those records."""
-    s, f = _frame(sampler), _frame(floor)
+    s, f = nonempty(sampler), nonempty(floor)
     if s is None and f is None:
         raise MissingRecords("the sampler's mismatch per bin", KINDS, HINT)
     both = pl.concat([d.select("run") for d in (s, f) if d is not None])
@@ -101,7 +102,7 @@ def mismatch_by_bin(sampler, floor=None) -> Figure:
             ax.set_xlim(0, 1)
             ax.set_xlabel("π_old interval")
         axes[0, 0].legend(fontsize=8)
-        drawn = [d.select("run", "stage") for d in (_frame(sampler), _frame(floor)) if d is not None]
+        drawn = [d.select("run", "stage") for d in (nonempty(sampler), nonempty(floor)) if d is not None]
         fig.suptitle(titled("The sampling engine against the trainer", pl.concat(drawn)), fontweight="bold")
     return fig
 

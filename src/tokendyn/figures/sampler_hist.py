@@ -13,24 +13,17 @@ from matplotlib.figure import Figure
 
 from tokendyn.analysis.mismatch_seeds import first_stage
 from tokendyn.analysis.mismatch_tail import FIXED_TAU, LOG_RHO_EDGES, N_CELLS, mismatch_hist, mismatch_tail
-from tokendyn.figures.data import MissingRecords, ensure_run, run_order
-from tokendyn.figures.sampler import HINT, KINDS
+from tokendyn.figures.data import MissingRecords, run_order
+from tokendyn.figures.sampler import HINT, KINDS, nonempty
 from tokendyn.figures.stages import titled
 from tokendyn.figures.style import new_figure, run_colors, themed
 
 TICKS = (-3.0, -1.0, -0.1, -0.01, -1e-3, -1e-4, 1e-4, 1e-3, 0.01, 0.1, 1.0, 3.0)  # labelled edges
 
 
-def _frame(df) -> pl.DataFrame | None:
-    if df is None:
-        return None
-    df = ensure_run(df)
-    return df if df.height else None
-
-
 def _hists(sampler, floor) -> tuple[list[str], dict[str, pl.DataFrame], dict[str, pl.DataFrame]]:
     """(runs, run -> sampler histogram, run -> floor histogram), each where the run has those records."""
-    s, f = _frame(sampler), _frame(floor)
+    s, f = nonempty(sampler), nonempty(floor)
     if s is None and f is None:
         raise MissingRecords("the histogram of the sampler's log rho per bin", KINDS, HINT)
     runs = run_order(pl.concat([d.select("run") for d in (s, f) if d is not None]))
@@ -89,7 +82,7 @@ def log_rho_histograms(sampler, floor=None) -> Figure:
             ax.set_xlabel("log ρ = log π_old − log μ")
         axes[0, 0].set_ylabel("tokens (log scale; dashed: floor)")
         axes[0, 0].legend(fontsize=7)
-        drawn = [d.select("run", "stage") for d in (_frame(sampler), _frame(floor)) if d is not None]
+        drawn = [d.select("run", "stage") for d in (nonempty(sampler), nonempty(floor)) if d is not None]
         fig.suptitle(titled("The sampler's log ρ per interval", pl.concat(drawn)), fontweight="bold")
     return fig
 
@@ -107,7 +100,7 @@ def mismatch_edges(hists: dict, floors: dict, b: int) -> str:
 def reading(records) -> str:
     """Per run: the share of each interval's tokens outside the fixed band, and how many have log ρ < −1 or
     log ρ >= 1 (the cells below -1 and from 1 up)."""
-    s = _frame(records.get("sampler"))
+    s = nonempty(records.get("sampler"))
     if s is None:
         return "No sampler log-probabilities: the panels show the floor alone (the trainer against itself)."
     parts = []
