@@ -4,6 +4,7 @@ records written by the record writer with known values."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import polars as pl
@@ -90,6 +91,10 @@ def test_no_spike_with_the_trigger_armed_is_fine_and_with_it_off_or_unarmed_not_
             "from 2 ranks",
         ),
     }
+    verl = analysed(new_run(tmp_path, "verl", probe_spike_k=3.0), steps=6)
+    meta = json.loads((verl / "run.json").read_text())
+    write_json(verl / "run.json", {**meta, "source": "verl"})
+    unarmed["verl's engine"] = (verl, "TRL trainer only")
     for case, (run, why) in unarmed.items():
         f = finding(diagnose([run]))
         assert f["status"] == "not measured" and f["verdict"] is None and why in f["reason"], (

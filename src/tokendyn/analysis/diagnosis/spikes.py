@@ -29,6 +29,12 @@ TRIGGER_KEY = "probe_spike_k"  # the run's config key that turns the trigger on
 # the earlier analysed rollouts a live trigger needs before it judges one (`effects.spike_trigger.DEFAULT_MIN_HISTORY`,
 # which the records do not carry; tests/test_spike_doctor.py keeps the two equal)
 DEFAULT_MIN_HISTORY = 3
+# verl's probe records no spikes whatever its ProbeConfig's spike_k: its engine shards the parameters (FSDP2, also in
+# one process), and the JVP that gives each token's exact update share does not run on sharded parameters
+VERL_REASON = (
+    "the spike trigger runs in the TRL trainer only: verl's engine shards its parameters (FSDP2), where the per-token "
+    "update shares that name a spike's tokens are not taken"
+)
 
 
 def _num(x) -> str:
@@ -88,7 +94,9 @@ def unarmed(ctx: RunContext) -> str | None:
 
 def spike_findings(ctx: RunContext) -> list[Finding]:
     if not ctx.has("spikes"):
-        if not ctx.config.get(TRIGGER_KEY):
+        if ctx.stack == "verl":
+            reason = VERL_REASON
+        elif not ctx.config.get(TRIGGER_KEY):
             reason = "no `spikes` records: the spike trigger was off"
         else:
             reason = unarmed(ctx)
