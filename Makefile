@@ -46,7 +46,7 @@ quick: $(DEMO_STAMP)
 # two workers: the tests run one thread each, so a 2-core machine runs two at a time. --dist loadfile: each test file on
 # one worker, so a module's fixture (verl's main_ppo run, test_vllm's engines) is made once. (loadgroup's xdist_group
 # marks do nothing under pytest 9 with pytest-xdist 3.8: its hook sets the old `_nodeid`; every group was split.)
-# The slow tier (markers real_llm_extra, matrix_extra, slow_tier; each file named in the README's Development section)
+# The slow tier (markers real_llm_extra, matrix_extra, slow_tier; each file named in docs/development.md)
 # is left to `make test-slow`, so that `make test` stays within 10 minutes on 2 cores.
 SLOW_TIER := real_llm_extra or matrix_extra or slow_tier
 test: $(STAMP)

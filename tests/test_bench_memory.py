@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow_tier  # the slow tier: `make test-slow` (README, Development)
+pytestmark = pytest.mark.slow_tier  # the slow tier: `make test-slow` (docs/development.md)
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

@@ -355,8 +355,8 @@ def _block(text: str, name: str) -> str:
 
 
 def test_each_marker_block_is_in_one_place():
-    """Each generated block (the memory model of `bench/probe_memory.py` in docs/results.md, the README's slow-tier
-    list) is in one place, once, opened before it is closed."""
+    """Each generated block (the memory model of `bench/probe_memory.py` in docs/results.md, the slow-tier
+    list of docs/development.md) is in one place, once, opened before it is closed."""
     where = {}
     for doc, text in DOCS.items():
         for name in re.findall(r"<!-- ([\w-]+) -->", text):
@@ -368,15 +368,16 @@ def test_each_marker_block_is_in_one_place():
     assert _block(DOCS["docs/results.md"], "memory-model")  # bench/probe_memory.py prints what goes there
 
 
-def test_the_readme_slow_tier_lists_every_file_the_makefile_leaves_to_it():
-    """The README's slow-tier list names exactly the test files that carry a marker `make test` deselects."""
+def test_the_slow_tier_list_names_every_file_the_makefile_leaves_to_it():
+    """The slow-tier list (docs/development.md) names exactly the test files that carry a marker `make test`
+    deselects."""
     tier = re.search(r"^SLOW_TIER := (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split(" or ")
     marked = {
         f"tests/{p.name}"
         for p in (ROOT / "tests").glob("test_*.py")
         if any(f"mark.{m}" in p.read_text() for m in tier)
     }
-    listed = set(re.findall(r"`(tests/test_\w+\.py)`", _block(DOCS["README.md"], "slow-tier")))
+    listed = set(re.findall(r"`(tests/test_\w+\.py)`", _block(DOCS["docs/development.md"], "slow-tier")))
     assert tier and marked and listed == marked, (sorted(listed - marked), sorted(marked - listed))
 
 

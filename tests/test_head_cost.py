@@ -171,6 +171,7 @@ def sharded_worker(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow_tier  # the slow tier: `make test-slow` (several processes)
 def test_sigma_max_of_a_sharded_head_is_the_whole_heads_on_every_rank(tmp_path):
     import json
     import os

@@ -28,7 +28,7 @@ import polars as pl
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow_tier  # the slow tier: `make test-slow` (README, Development)
+pytestmark = pytest.mark.slow_tier  # the slow tier: `make test-slow` (docs/development.md)
 
 HERE = Path(__file__).resolve().parent
 BINS = {"intervals": None, "quantiles": "quantiles:3"}

@@ -440,6 +440,7 @@ def sharded_worker(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow_tier  # the slow tier: `make test-slow` (several processes)
 def test_a_sharded_lm_head_gives_the_one_process_records(tmp_path):
     import os
     import subprocess

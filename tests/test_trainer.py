@@ -439,6 +439,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow_tier  # the slow tier: `make test-slow` (several processes)
 def test_two_processes_share_the_batch_statistics(tiny_model_dir, tmp_path):
     """REINFORCE++ whitening and the Lopti quantile are taken over the whole batch of all processes (gloo, CPU)."""
     script = tmp_path / "dist_run.py"

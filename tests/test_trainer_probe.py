@@ -269,6 +269,7 @@ def test_the_gpu_recipe_bf16_autocast_has_no_violations(tiny_model_dir, tmp_path
     assert per_step.height >= 1 and float((per_step["share"] - 1).abs().max()) < 1e-3
 
 
+@pytest.mark.slow_tier  # the slow tier: `make test-slow` (several processes)
 def test_the_gpu_recipe_with_lora_under_a_one_process_ddp_launch():
     """The same run as torchrun launches it with one process (RANK / WORLD_SIZE / MASTER_* set: Accelerate wraps the
     model in DDP with find_unused_parameters): the fused head's entropy then gets a None gradient in the backward,

@@ -22,7 +22,7 @@ from verl.utils import config as verl_config
 from tokendyn.integrations import verl as glue
 from tokendyn.integrations.verl.correction import BYPASS_FIELD, check_config
 
-pytestmark = pytest.mark.slow_tier  # the slow tier: `make test-slow` (README, Development)
+pytestmark = pytest.mark.slow_tier  # the slow tier: `make test-slow` (docs/development.md)
 
 glue.register()
 

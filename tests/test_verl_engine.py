@@ -349,6 +349,7 @@ def dp_worker(model_dir: str, out_dir: str) -> None:
         (Path(out_dir) / "metrics.json").write_text(json.dumps(keep))
 
 
+@pytest.mark.slow_tier  # the slow tier: `make test-slow` (several processes)
 def test_two_ranks_under_torchrun_equal_one_process_on_the_global_batch(model_dir, tmp_path):
     """verl's FSDP2 engine on 2 gloo ranks, 3 sequences each packed into one row: the merged records equal the reference on all 6,
     and verl's metrics (all-reduced) equal one process's token shares."""

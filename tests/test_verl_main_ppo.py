@@ -23,7 +23,7 @@ import pytest
 import torch
 from _wandb_history import exit_code, history, log_records, offline_env, run_file
 
-pytestmark = pytest.mark.slow_tier  # the slow tier: `make test-slow` (README, Development)
+pytestmark = pytest.mark.slow_tier  # the slow tier: `make test-slow` (docs/development.md)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "verl_main_ppo.sh"
