@@ -95,6 +95,10 @@ def test_no_spike_with_the_trigger_armed_is_fine_and_with_it_off_or_unarmed_not_
     meta = json.loads((verl / "run.json").read_text())
     write_json(verl / "run.json", {**meta, "source": "verl"})
     unarmed["verl's engine"] = (verl, "TRL trainer only")
+    offline = analysed(new_run(tmp_path, "offline"), steps=6)
+    meta = json.loads((offline / "run.json").read_text())
+    write_json(offline / "run.json", {**meta, "method": "offline probe"})
+    unarmed["offline probe"] = (offline, "sees one rollout batch")
     for case, (run, why) in unarmed.items():
         f = finding(diagnose([run]))
         assert f["status"] == "not measured" and f["verdict"] is None and why in f["reason"], (

@@ -35,6 +35,10 @@ VERL_REASON = (
     "the spike trigger runs in the TRL trainer only: verl's engine shards its parameters (FSDP2), where the per-token "
     "update shares that name a spike's tokens are not taken"
 )
+PROBE_REASON = (
+    "the spike trigger runs in the TRL trainer only: `tokendyn probe` offline sees one rollout batch, and a loop "
+    "under `instrument` has no trigger"
+)
 
 
 def _num(x) -> str:
@@ -96,6 +100,8 @@ def spike_findings(ctx: RunContext) -> list[Finding]:
     if not ctx.has("spikes"):
         if ctx.stack == "verl":
             reason = VERL_REASON
+        elif ctx.stack == "probe":
+            reason = PROBE_REASON
         elif not ctx.config.get(TRIGGER_KEY):
             reason = "no `spikes` records: the spike trigger was off"
         else:
