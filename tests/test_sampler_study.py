@@ -19,7 +19,7 @@ from tokendyn.commands.study_engine import DONE, finished_runs, identity
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "docs" / "study" / "llm-vllm"
 REFERENCE = "docs/study/llm"  # as the report's command names it (study.md quotes it)
-DTYPE = {"grpo_vllm_fp32": "float32"}
+DTYPE = {"grpo_vllm_fp32": "float32", "grpo_vllm_fp16": "float16"}
 
 
 def test_committed_sampler_study_is_what_its_result_files_give(tmp_path, monkeypatch):
