@@ -270,6 +270,24 @@ def test_vllm_samples_from_the_trainers_current_weights(tmp_path):
     assert str(err.value) == "vllm_dtype: bfloat16 was asked for, the engine was built in float32"
 
 
+def test_a_float16_engine_takes_the_updates_too(tmp_path):
+    """The float16 sampler's mismatch grows as SmolLM2 trains (docs/results.md); not because its engine is stale:
+    after each update its log-probs follow the trainer's current model, not the initial one."""
+    args = _config(tmp_path, learning_rate=2e-2, vllm_dtype="float16", max_steps=4, probe_every=1,
+                   probe_analyses="none")  # fmt: skip
+    trainer = _build(_Rollouts, args)
+    assert trainer.sampler_info["dtype"] == "float16"
+    initial = AutoModelForCausalLM.from_pretrained(str(default_policy_dir()), dtype=torch.float32).eval()
+    trainer.train()
+    assert len(trainer.rollouts) == 4
+    for batch in trainer.rollouts[1:]:
+        mask = batch["completion_mask"].bool()
+        engine = batch["sampling_per_token_logps"][mask]
+        synced = (batch["old_per_token_logps"][mask] - engine).abs().mean().item()
+        stale = (_completion_logps(initial, batch)[mask] - engine).abs().mean().item()
+        assert stale > 100 * synced and stale > 0.05, (stale, synced)
+
+
 def test_an_engine_on_vllms_packed_kernels_is_refused():
     """vLLM's own CPU dispatch (built outside `keep_plain_weights`) repacks every linear layer for its GEMM kernels:
     TRL's sync would not reach them, and the check refuses the engine in one line; the glue's engine passes it."""
