@@ -230,17 +230,24 @@ def test_records_equal_the_offline_probe_of_the_same_completions(runs, tmp_path)
         assert (torch.tensor(frame["log_rho"].to_list()) - (plain - mu)).abs().max() < 1e-5
 
 
+def _trained_at_a_large_lr(tmp_path, dtype: str):
+    """4 rollouts sampled by an engine in ``dtype`` at lr 2e-2 (the policy moves far from the start), and the initial
+    model beside the trained trainer."""
+    args = _config(tmp_path, learning_rate=2e-2, vllm_dtype=dtype, max_steps=4, probe_every=1,
+                   probe_analyses="none")  # fmt: skip
+    trainer = _build(_Rollouts, args)
+    assert trainer.sampler_info["dtype"] == dtype
+    initial = AutoModelForCausalLM.from_pretrained(str(default_policy_dir()), dtype=torch.float32).eval()
+    trainer.train()
+    assert len(trainer.rollouts) == 4
+    return trainer, initial
+
+
 def test_vllm_samples_from_the_trainers_current_weights(tmp_path):
     """After each update TRL syncs the weights into vLLM: at every rollout, vLLM's float32 log-probs of the tokens
     it sampled equal the trainer's pi_old (its current model) to float32 rounding, while the initial model's differ
     by far more (what a stale engine would give)."""
-    args = _config(tmp_path, learning_rate=2e-2, vllm_dtype="float32", max_steps=4, probe_every=1,
-                   probe_analyses="none")  # fmt: skip
-    trainer = _build(_Rollouts, args)
-    assert trainer.sampler_info["dtype"] == "float32"
-    initial = AutoModelForCausalLM.from_pretrained(str(default_policy_dir()), dtype=torch.float32).eval()
-    trainer.train()
-    assert len(trainer.rollouts) == 4
+    trainer, initial = _trained_at_a_large_lr(tmp_path, "float32")
     for r, batch in enumerate(trainer.rollouts):
         mask = batch["completion_mask"].bool()
         engine = batch["sampling_per_token_logps"][mask]
@@ -273,13 +280,7 @@ def test_vllm_samples_from_the_trainers_current_weights(tmp_path):
 def test_a_float16_engine_takes_the_updates_too(tmp_path):
     """The float16 sampler's mismatch grows as SmolLM2 trains (docs/results.md); not because its engine is stale:
     after each update its log-probs follow the trainer's current model, not the initial one."""
-    args = _config(tmp_path, learning_rate=2e-2, vllm_dtype="float16", max_steps=4, probe_every=1,
-                   probe_analyses="none")  # fmt: skip
-    trainer = _build(_Rollouts, args)
-    assert trainer.sampler_info["dtype"] == "float16"
-    initial = AutoModelForCausalLM.from_pretrained(str(default_policy_dir()), dtype=torch.float32).eval()
-    trainer.train()
-    assert len(trainer.rollouts) == 4
+    trainer, initial = _trained_at_a_large_lr(tmp_path, "float16")
     for batch in trainer.rollouts[1:]:
         mask = batch["completion_mask"].bool()
         engine = batch["sampling_per_token_logps"][mask]
