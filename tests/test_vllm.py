@@ -277,6 +277,7 @@ def test_vllm_samples_from_the_trainers_current_weights(tmp_path):
     assert str(err.value) == "vllm_dtype: bfloat16 was asked for, the engine was built in float32"
 
 
+@pytest.mark.slow_tier  # the slow tier: `make test-slow`
 def test_a_float16_engine_takes_the_updates_too(tmp_path):
     """The float16 sampler's mismatch grows as SmolLM2 trains (docs/results.md); not because its engine is stale:
     after each update its log-probs follow the trainer's current model, not the initial one."""
